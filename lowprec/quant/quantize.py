@@ -1,0 +1,121 @@
+"""``quantize``: the pure-torch reference that maps a tensor onto a format with a granularity.
+
+Fast kernels (``lowprec.kernels``) must equal this bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as nnf
+
+from lowprec import formats as F
+from lowprec._checks import check_choice, check_same_device, check_tensor, describe, fail
+from lowprec.quant import scales as S
+from lowprec.quant.granularity import Granularity, ScaleRule
+from lowprec.quant.tensor import QuantizedTensor, store
+
+
+def as_2d(x: torch.Tensor) -> torch.Tensor:
+    """The (M, K) view of [Note: the 2-D view]; a 0-d or 1-d tensor is one row."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+
+
+def pad_to_blocks(x2: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    m, k = x2.shape
+    pm, pk = (-m) % br, (-k) % bc
+    return nnf.pad(x2, (0, pk, 0, pm)) if pm or pk else x2
+
+
+def block_amax(xp: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """Largest magnitude per block of a padded 2-D tensor; NaN where a block holds NaN."""
+    mp, kp = xp.shape
+    return xp.abs().view(mp // br, br, kp // bc, bc).amax(dim=(1, 3))  # (Mb, Kb)
+
+
+def _check_args(x, fmt, granularity, rounding, scale, rand) -> tuple[F.Format, Granularity]:
+    check_tensor("x", x)
+    f = F.get(fmt)
+    if not isinstance(granularity, Granularity):
+        fail("granularity", "a lowprec.quant.Granularity (tensorwise(), mx(32), ...)", describe(granularity), TypeError)
+    check_choice("rounding", rounding, ("nearest", "stochastic"))
+    if f.kind is F.Kind.EXPONENT:
+        fail("fmt", "an element format (e8m0 is a scale format)", f.name)
+    if granularity.rule is not ScaleRule.AMAX and f.kind is not F.Kind.FLOAT:
+        fail("fmt", f"a floating-point element format for {granularity} scales", f.name)
+    if scale is not None:
+        check_tensor("scale", scale)
+        if granularity.rule is not ScaleRule.AMAX:
+            fail("scale", f"None for {granularity} (its scales are always computed from the data)", describe(scale))
+    if rand is not None and rand.shape != x.shape:
+        fail("rand", f"a float32 tensor of x's shape {tuple(x.shape)}", describe(rand))
+    check_same_device(x=x, scale=scale, rand=rand)
+    return f, granularity
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | F.Format,
+    granularity: Granularity,
+    *,
+    rounding: str = "nearest",
+    saturate: bool = True,
+    scale: torch.Tensor | None = None,
+    rand: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> QuantizedTensor:
+    """Quantize ``x`` onto ``fmt`` with one scale per block of ``granularity``.
+
+    ``scale``: a given FP32 dequantizing scale (delayed scaling), broadcastable to the block grid
+    ``(M_blocks, K_blocks)``, used instead of one computed from ``x``; only for FP32 (AMAX) scales.
+    ``rounding="stochastic"`` takes ``rand`` (uniform [0, 1) float32, x's shape) or draws it from
+    ``generator``; see :func:`lowprec.formats.round_to`. ``saturate`` as there.
+    """
+    f, g = _check_args(x, fmt, granularity, rounding, scale, rand)
+    x2 = as_2d(x.detach()).float()  # (M, K)
+    br, bc = g.blocks(*x2.shape)
+    xp = pad_to_blocks(x2, br, bc)  # (Mp, Kp)
+    mp, kp = xp.shape
+    global_scale = None
+    if scale is not None:
+        s = torch.broadcast_to(scale.float(), (mp // br, kp // bc))
+    else:
+        amax = block_amax(xp, br, bc)
+        if g.rule is ScaleRule.NVFP4:
+            finite_amax = torch.where(torch.isfinite(amax), amax, 0.0).amax()
+            global_scale = S.nvfp4_global_scale(finite_amax, f)
+        s = S.block_scales(amax, f, g.rule, global_scale)
+    eff = s if global_scale is None else s * global_scale  # (Mb, Kb)
+    eff_full = eff[:, None, :, None]
+    blocks = xp.view(mp // br, br, kp // bc, bc)
+    # Blocks with a NaN or zero effective scale are stored as zeros: NaN lives in the scale.
+    dead = ~torch.isfinite(eff_full) | (eff_full == 0)
+    scaled = torch.where(dead, 0.0, blocks / torch.where(dead, 1.0, eff_full)).view(mp, kp)
+    r = None
+    if rounding == "stochastic":
+        r = rand if rand is not None else torch.rand(x.shape, generator=generator, device=x.device)
+        r = pad_to_blocks(as_2d(r.float()), br, bc)
+    values = F.round_to(scaled, f, rounding=rounding, saturate=saturate, rand=r)
+    return QuantizedTensor(store(values, f), s, f, g, x.shape, x.dtype, global_scale)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``q.dequantize(dtype)``."""
+    return q.dequantize(dtype)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str | F.Format, granularity: Granularity, **kw) -> torch.Tensor:
+    """``dequantize(quantize(x, ...))`` in x's dtype: the values a low-precision GEMM sees."""
+    return quantize(x, fmt, granularity, **kw).dequantize()
+
+
+def error_bound(q: QuantizedTensor) -> torch.Tensor:
+    """Largest rounding error per element (half the grid spacing at each value, times the scale),
+    of the padded 2-D view; valid where no element saturated."""
+    v = q.values().abs()
+    spacing = F._quantum(v, q.fmt)  # grid spacing at the decoded value's binade
+    mb, kb = q.scale.shape
+    br, bc = q.block_shape
+    eff = q.effective_scale()[:, None, :, None]
+    half = (spacing.view(mb, br, kb, bc) * eff / 2).view(q.data.shape)
+    return half * (1 + 2 * math.ldexp(1.0, -23))  # allow for the FP32 division

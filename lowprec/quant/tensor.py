@@ -1,0 +1,86 @@
+"""``QuantizedTensor``: a plain, frozen holder of quantized data and its scales."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowprec import formats as F
+from lowprec.quant.granularity import Granularity
+
+
+def store(values: torch.Tensor, fmt: F.Format) -> torch.Tensor:
+    """float32 values already on ``fmt``'s grid -> the format's storage (codes or native dtype)."""
+    if fmt.bits <= 8:
+        return F.encode(values, fmt).view(fmt.storage_dtype)
+    return values.to(fmt.torch_dtype or torch.float32)
+
+
+def load(data: torch.Tensor, fmt: F.Format) -> torch.Tensor:
+    """The format's storage -> float32 values."""
+    if fmt.torch_dtype is not None:
+        return data.float()  # exact: torch's casts from narrower float dtypes are exact
+    return F.decode(data, fmt)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedTensor:
+    """A tensor quantized onto ``fmt`` with ``granularity``; ``x ~= decode(data) * scale``.
+
+    ``data`` and ``scale`` hold the padded 2-D view (see ``lowprec.quant.granularity``):
+    ``data`` is ``(M_pad, K_pad)`` in ``fmt.storage_dtype`` (float8 dtypes for FP8, one uint8 code per
+    element for FP6/FP4: :func:`lowprec.formats.pack` packs them for storage); ``scale`` is
+    ``(M_pad / block_rows, K_pad / block_cols)`` float32 whose values are exact in the scale format
+    (FP32, E8M0 or E4M3). NVFP4 also has an FP32 ``global_scale`` (a 0-d tensor).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: F.Format
+    granularity: Granularity
+    shape: torch.Size
+    """The original shape."""
+    dtype: torch.dtype
+    """The original dtype, which ``dequantize`` returns by default."""
+    global_scale: torch.Tensor | None = None
+
+    @property
+    def block_shape(self) -> tuple[int, int]:
+        return (self.data.shape[0] // self.scale.shape[0], self.data.shape[1] // self.scale.shape[1])
+
+    def effective_scale(self) -> torch.Tensor:
+        """Per-block float32 scale that multiplies decoded values (block scale x global scale)."""
+        if self.global_scale is None:
+            return self.scale
+        return self.scale * self.global_scale
+
+    def values(self) -> torch.Tensor:
+        """Decoded element values, unscaled, of the padded 2-D view (float32)."""
+        return load(self.data, self.fmt)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``decode(data) * scale`` in float32, cropped to the original shape, cast to ``dtype``."""
+        mp, kp = self.data.shape
+        br, bc = self.block_shape
+        mb, kb = self.scale.shape
+        v = self.values().view(mb, br, kb, bc)  # (Mb, br, Kb, bc)
+        x = (v * self.effective_scale()[:, None, :, None]).view(mp, kp)
+        m = self.shape.numel() // self.shape[-1] if len(self.shape) else 1
+        k = self.shape[-1] if len(self.shape) else 1
+        return x[:m, :k].reshape(self.shape).to(dtype or self.dtype)
+
+    def scale_codes(self) -> torch.Tensor:
+        """The block scales as uint8 codes of their format (E8M0 or E4M3); for FP32 scales, the floats."""
+        fmt = self.granularity.scale_format
+        return self.scale if fmt == "fp32" else F.encode(self.scale, fmt)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this tensor needs in its formats (FP4 two per byte, FP6 four per three bytes)."""
+        scale_bits = {"fp32": 32, "e8m0": 8, "e4m3": 8}[self.granularity.scale_format]
+        gs = 4 if self.global_scale is not None else 0
+        return (self.data.numel() * self.fmt.bits + 7) // 8 + (self.scale.numel() * scale_bits + 7) // 8 + gs
+
+    def __repr__(self) -> str:
+        return (f"QuantizedTensor(shape={tuple(self.shape)}, fmt={self.fmt.name}, "
+                f"granularity={self.granularity}, dtype={self.dtype}, device={self.data.device})")
