@@ -1,0 +1,1 @@
+"""Training: the reference model, data, checkpoints, the training loop and the compare report."""
