@@ -1,0 +1,164 @@
+"""Training data: the embedded corpus, text files and directories, token files; batches from them.
+
+Every source becomes one 1-D array of token ids, split once into a training part (the head) and a
+validation part (the last ``val_fraction``). Text is byte-level (token = byte, vocabulary 256);
+token files (``.npy``, or raw ``.bin`` of uint16/uint32) are memory-mapped, never read whole.
+
+Batches are a pure function of ``(seed, step)``: the run that resumes at step k draws exactly the
+batches the uninterrupted run drew, and every recipe of a comparison sees the same data in the
+same order.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lowprec._checks import check_choice, check_positive_int, describe, fail
+from lowprec.train.corpus import DEFAULT_CAP_BYTES, build_corpus
+
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+DEFAULT_VAL_FRACTION = 0.05
+_FINGERPRINT_SPAN = 1 << 20
+"""Bytes hashed at each end of a token file: hashing gigabytes on every start would be slow."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenData:
+    """A token stream split into training and validation parts."""
+
+    train: np.ndarray
+    """1-D token ids (possibly a read-only memory map)."""
+    val: np.ndarray
+    vocab_size: int
+    """Token ids are below this; the model's vocabulary must be at least as large."""
+    source: str
+    """What the tokens came from, for logs and reports."""
+    fingerprint: str
+    """sha256 identifying the data, checked when a run resumes."""
+
+    def train_batch(self, seed: int, step: int, n_micro: int, batch_size: int,
+                    seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs and next-token targets of training step ``step``, each (n_micro, B, T), int64.
+
+        Window starts are drawn uniformly from a generator seeded with ``(seed, step)`` alone.
+        """
+        _check_fits("train", self.train, seq_len)
+        rng = np.random.default_rng([seed, step])
+        starts = rng.integers(0, len(self.train) - seq_len, size=n_micro * batch_size)  # (M*B,)
+        windows = _windows(self.train, starts, seq_len).view(n_micro, batch_size, seq_len + 1)  # (M, B, T+1)
+        return windows[..., :-1], windows[..., 1:]
+
+    def val_batches(self, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A fixed validation set: ``n_batches`` (inputs, targets) pairs of (B, T), windows evenly spaced."""
+        check_positive_int("val_batches", n_batches)
+        _check_fits("validation", self.val, seq_len)
+        n = n_batches * batch_size
+        starts = np.linspace(0, len(self.val) - seq_len - 1, n).astype(np.int64)  # (N,)
+        windows = _windows(self.val, starts, seq_len).view(n_batches, batch_size, seq_len + 1)  # (N/B, B, T+1)
+        return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+
+def _check_fits(part: str, tokens: np.ndarray, seq_len: int) -> None:
+    if len(tokens) < seq_len + 2:
+        fail("seq_len", f"at most {len(tokens) - 2} (the {part} split has {len(tokens)} tokens)", seq_len)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
+    rows = np.stack([np.asarray(tokens[s: s + seq_len + 1], dtype=np.int64) for s in starts])  # (N, T+1)
+    return torch.from_numpy(rows)
+
+
+def _split(tokens: np.ndarray, val_fraction: float, vocab_size: int, source: str, fingerprint: str) -> TokenData:
+    if not 0.0 < val_fraction < 1.0:
+        fail("val_fraction", "a number strictly between 0 and 1", describe(val_fraction))
+    cut = len(tokens) - max(1, int(len(tokens) * val_fraction))
+    return TokenData(train=tokens[:cut], val=tokens[cut:], vocab_size=vocab_size, source=source,
+                     fingerprint=fingerprint)
+
+
+def corpus_data(cap_bytes: int = DEFAULT_CAP_BYTES, val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
+    """The embedded corpus (:mod:`lowprec.train.corpus`) as byte tokens."""
+    corpus = build_corpus(cap_bytes)
+    tokens = np.frombuffer(corpus.data, dtype=np.uint8)
+    source = f"embedded corpus (Python {corpus.python_version} standard library, {corpus.n_files} files)"
+    return _split(tokens, val_fraction, 256, source, corpus.sha256)
+
+
+def _text_files(path: Path) -> list[Path]:
+    files = sorted(p for p in path.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    return files
+
+
+def text_data(path: Path, val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
+    """A UTF-8 text file, or every UTF-8 file under a directory (sorted, hidden ones skipped), as bytes."""
+    files = _text_files(path) if path.is_dir() else [path]
+    parts = []
+    for f in files:
+        raw = f.read_bytes()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            if not path.is_dir():
+                fail("data", "a UTF-8 text file, a directory of them, or a .npy/.bin token file",
+                     f"{str(path)!r}, which is not UTF-8 text")
+            continue  # binaries in a directory of text are not training data
+        parts.append(raw.replace(b"\r\n", b"\n"))
+    data = b"\n\n".join(parts)
+    if len(data) == 0:
+        fail("data", "text to train on", f"no UTF-8 text in {str(path)!r}")
+    tokens = np.frombuffer(data, dtype=np.uint8)
+    return _split(tokens, val_fraction, 256, f"text: {path} ({len(parts)} files)",
+                  hashlib.sha256(data).hexdigest())
+
+
+def _fingerprint(path: Path) -> str:
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(_FINGERPRINT_SPAN))
+        f.seek(max(0, path.stat().st_size - _FINGERPRINT_SPAN))
+        h.update(f.read(_FINGERPRINT_SPAN))
+    return h.hexdigest()
+
+
+def token_file_data(path: Path, token_dtype: str = "uint16", val_fraction: float = DEFAULT_VAL_FRACTION,
+                    vocab_size: int | None = None) -> TokenData:
+    """Pre-tokenized ids, memory-mapped: a 1-D integer ``.npy``, or a raw ``.bin`` of ``token_dtype``."""
+    if path.suffix == ".npy":
+        tokens = np.load(path, mmap_mode="r")
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            fail("data", "a 1-D integer array in the .npy file", f"dtype {tokens.dtype}, shape {tokens.shape}")
+    else:
+        dtype = TOKEN_DTYPES[check_choice("token_dtype", token_dtype, TOKEN_DTYPES)]
+        if path.stat().st_size % np.dtype(dtype).itemsize:
+            fail("data", f"a .bin file whose size is a multiple of {np.dtype(dtype).itemsize} ({token_dtype})",
+                 f"{path.stat().st_size} bytes")
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+    if len(tokens) == 0:
+        fail("data", "at least one token", f"an empty file {str(path)!r}")
+    top = int(tokens.max()) + 1
+    if vocab_size is None:
+        vocab_size = -(-top // 32) * 32  # rounded up so the LM head tiles into 32-wide blocks
+    elif top > vocab_size:
+        fail("vocab_size", f"more than the largest token id {top - 1}", vocab_size)
+    if int(tokens.min()) < 0:
+        fail("data", "non-negative token ids", int(tokens.min()))
+    return _split(tokens, val_fraction, vocab_size, f"tokens: {path} ({len(tokens)} {tokens.dtype})",
+                  _fingerprint(path))
+
+
+def load_data(path: str | Path | None = None, *, token_dtype: str = "uint16",
+              val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
+    """The embedded corpus (``path=None``), a text file or directory, or a ``.npy``/``.bin`` token file."""
+    if path is None:
+        return corpus_data(val_fraction=val_fraction)
+    p = Path(path)
+    if not p.exists():
+        fail("data", "an existing file or directory", repr(str(path)), FileNotFoundError)
+    if p.is_file() and p.suffix in (".npy", ".bin"):
+        return token_file_data(p, token_dtype, val_fraction)
+    return text_data(p, val_fraction)
