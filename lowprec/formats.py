@@ -11,8 +11,9 @@ described by exponent bits, mantissa bits and a bias, and by how they spend thei
 ``e8m0`` is an exponent alone (no sign, no mantissa, no zero): 2^-127 .. 2^127, 0xFF = NaN. It is
 the scale format of the MX block formats. ``int8``/``int4`` are two's complement integers.
 
-Everything here is computed in float32 with operations that are exact (scaling by powers of two,
-``torch.round``), so the results are bit-exact on every device.
+Everything here is computed in float32 (float64 for float64 inputs, so they are rounded once, not
+twice) with operations that are exact (scaling by powers of two, ``torch.round``), so the results
+are bit-exact on every device.
 """
 from __future__ import annotations
 
@@ -186,7 +187,9 @@ def round_to(
     f = get(fmt)
     x = check_tensor("x", x)
     check_choice("rounding", rounding, ("nearest", "stochastic"))
-    x = x.float()
+    # float64 stays float64: going through float32 first would round twice (wrong ties) and turn
+    # finite values beyond float32's range into inf before saturation could see them.
+    x = x.double() if x.dtype == torch.float64 else x.float()
     finite = torch.isfinite(x)
     if not f.has_nan and not bool(finite.all()):
         fail("x", f"finite values ({f.name} has no inf or NaN; block formats carry them in the scale)",
@@ -201,8 +204,9 @@ def round_to(
     else:
         if rand is None:
             rand = torch.rand(x.shape, generator=generator, device=x.device)
-        elif rand.shape != x.shape or rand.dtype != torch.float32:
-            fail("rand", f"a float32 tensor of shape {tuple(x.shape)}", describe(rand))
+        elif not isinstance(rand, torch.Tensor) or rand.shape != x.shape or rand.dtype != torch.float32:
+            fail("rand", f"a float32 tensor of shape {tuple(x.shape)}", describe(rand),
+                 ValueError if isinstance(rand, torch.Tensor) else TypeError)
         low = torch.floor(t)
         r = low + (rand.to(x.device) < (t - low)).float()
     y = r * q
@@ -217,9 +221,9 @@ def round_to(
             fail("x", f"values within [{f.lowest}, {f.max}] ({f.name} has no inf or NaN to overflow to)",
                  "values beyond it with saturate=False")
         y = torch.where(over, torch.copysign(torch.full_like(y, math.inf if f.has_inf else math.nan), x), y)
-    if not bool(finite.all()):
-        y = torch.where(finite, y, x if f.has_inf else torch.full_like(x, math.nan))
-    return y
+    if not bool(finite.all()):  # NaN keeps x's sign, so encode gives -inf and -NaN the negative NaN code
+        y = torch.where(finite, y, x if f.has_inf else torch.copysign(torch.full_like(x, math.nan), x))
+    return y.float()
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,15 +273,20 @@ def decode_table(fmt: str | Format, device: torch.device | str = "cpu") -> torch
 def _as_codes(codes: torch.Tensor, f: Format) -> torch.Tensor:
     if not isinstance(codes, torch.Tensor):
         fail("codes", "a torch.Tensor of codes", describe(codes), TypeError)
-    if codes.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
-        codes = codes.view(torch.uint8)
     if f.bits <= 8:
+        if codes.dtype == f.storage_dtype:  # only the format's own dtype: another's bits mean other values
+            codes = codes.view(torch.uint8)
         if codes.dtype != torch.uint8:
             fail("codes", f"a uint8 tensor (or {f.storage_dtype}) of {f.name} codes", describe(codes), TypeError)
         if f.bits < 8 and codes.numel() and int(codes.max()) >= 2**f.bits:
             fail("codes", f"values below {2**f.bits} ({f.name} has {f.bits} bits)", f"max {int(codes.max())}")
-    elif codes.dtype not in (torch.int32, torch.int64):
+        return codes
+    if codes.dtype not in (torch.int32, torch.int64):
         fail("codes", f"an int32 or int64 tensor of {f.name} codes", describe(codes), TypeError)
+    bits_view = codes.dtype == torch.int32 and f.bits == 32  # float32 bits viewed as int32 may be negative
+    if codes.numel() and not bits_view and (int(codes.min()) < 0 or int(codes.max()) >= 2**f.bits):
+        fail("codes", f"values in [0, 2^{f.bits}) ({f.name} has {f.bits} bits)",
+             f"values in [{int(codes.min())}, {int(codes.max())}]")
     return codes
 
 
@@ -294,7 +303,12 @@ def encode(x: torch.Tensor, fmt: str | Format, saturate: bool = True) -> torch.T
     """Bit codes of ``round_to(x, fmt, saturate=saturate)``: uint8 for formats of 8 bits or fewer
     (one code per byte, see :func:`pack`), int64 beyond. NaN gets the all-ones code with x's sign."""
     f = get(fmt)
-    y = round_to(x, f, saturate=saturate)
+    return codes_of(round_to(x, f, saturate=saturate), f)
+
+
+def codes_of(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """Bit codes of float32 values already on ``fmt``'s grid (the output of :func:`round_to`)."""
+    f = get(fmt)
     if f.kind is Kind.INT:
         codes = y.long() & (2**f.bits - 1)
     else:
@@ -323,7 +337,9 @@ def pack(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     """Pack uint8 codes of a 4- or 6-bit format densely along the last dimension."""
     f = get(fmt)
     codes = _as_codes(codes, f)
-    n = codes.shape[-1] if codes.dim() else 0
+    if codes.dim() == 0:
+        fail("codes", "a tensor with a last dimension to pack along", describe(codes))
+    n = codes.shape[-1]
     if f.bits == 4:
         if n % 2:
             fail("codes", "an even last dimension to pack FP4 codes two per byte", describe(codes))
@@ -345,6 +361,8 @@ def unpack(packed: torch.Tensor, fmt: str | Format) -> torch.Tensor:
     f = get(fmt)
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         fail("packed", "a uint8 tensor", describe(packed), TypeError)
+    if packed.dim() == 0:
+        fail("packed", "a tensor with a last dimension to unpack along", describe(packed))
     if f.bits == 4:
         return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
     if f.bits == 6:

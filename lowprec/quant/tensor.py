@@ -11,9 +11,11 @@ from lowprec.quant.granularity import Granularity
 
 def store(values: torch.Tensor, fmt: F.Format) -> torch.Tensor:
     """float32 values already on ``fmt``'s grid -> the format's storage (codes or native dtype)."""
+    if fmt.torch_dtype is not None:
+        return values.to(fmt.torch_dtype)  # exact: the values are on the grid
     if fmt.bits <= 8:
-        return F.encode(values, fmt).view(fmt.storage_dtype)
-    return values.to(fmt.torch_dtype or torch.float32)
+        return F.codes_of(values, fmt).view(fmt.storage_dtype)
+    return values  # tf32: float32 storage
 
 
 def load(data: torch.Tensor, fmt: F.Format) -> torch.Tensor:

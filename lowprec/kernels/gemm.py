@@ -1,0 +1,103 @@
+"""Scaled GEMMs of two quantized operands: ``a (M, K) @ b (N, K).T -> (M, N)``.
+
+Backends:
+* ``cublas``: ``torch._scaled_mm`` on FP8 tensor cores (per-tensor and row-wise scales; 1x128 x
+  128x128 block scales on sm90);
+* ``emulated``: the exact quantized values in a high-precision GEMM with FP32 accumulation. Where an
+  operand's scales are constant along K (tensor, row) the GEMM runs on the unscaled values and the
+  scales multiply the output, as the hardware does; otherwise the operands are dequantized block by
+  block first. On CUDA the dequantized values go through a BF16 GEMM when they are exact in BF16
+  (FP8/FP6/FP4 elements times power-of-two or E4M3 block scales: at most 8 significant bits),
+  else FP32; on the CPU always FP32. Only the accumulation order differs from a native GEMM.
+"""
+from __future__ import annotations
+
+import torch
+
+from lowprec._checks import fail
+from lowprec.kernels.capability import Capability, capability
+from lowprec.quant import QuantizedTensor
+
+_FP8 = ("e4m3", "e5m2")
+
+
+def _kind(q: QuantizedTensor) -> str:
+    g = q.granularity
+    return {(None, None): "tensor", (1, None): "row"}.get((g.block_rows, g.block_cols), str(g))
+
+
+def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str:
+    """``cublas`` where the device has a native GEMM for this pair of operands, else ``emulated``."""
+    if not cap.fp8_gemm or a.fmt.name not in _FP8 or b.fmt.name not in _FP8:
+        return "emulated"
+    if a.fmt.name == "e5m2" and b.fmt.name == "e5m2":
+        return "emulated"  # FP8 tensor cores take at most one E5M2 operand
+    pair = (_kind(a), _kind(b))
+    if pair in (("tensor", "tensor"), ("row", "row")):
+        return "cublas"
+    if cap.blockwise_fp8_gemm and pair == ("block1x128", "block128x128"):
+        return "cublas"
+    return "emulated"
+
+
+def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    if _kind(a) == "block1x128":
+        sa = a.scale.t().contiguous().t()  # (M, K/128), outer-dim-major as cuBLAS asks
+        sb = b.scale.t()  # (K/128, N/128)
+    else:
+        sa, sb = a.scale, b.scale.t()  # (M or 1, 1), (1, N or 1)
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def _exact_in_bf16(q: QuantizedTensor) -> bool:
+    # element mantissa bits + scale mantissa bits (0 for E8M0, 3 for E4M3) must fit BF16's 7
+    scale_bits = {"e8m0": 0, "e4m3": 3, "fp32": 99}[q.granularity.scale_format]
+    return q.fmt.bits <= 8 and q.fmt.man_bits + scale_bits <= 7
+
+
+def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values to multiply, per-row output scale or None). Scales constant along K stay outside."""
+    v = q.values()  # (Mp, Kp) float32
+    if q.granularity.block_cols is None:
+        return v.to(dtype), q.scale.repeat_interleave(q.block_shape[0], 0)  # (Mp, 1)
+    mb, kb = q.scale.shape
+    br, bc = q.block_shape
+    v = (v.view(mb, br, kb, bc) * q.scale[:, None, :, None]).view(v.shape)
+    return v.to(dtype), None
+
+
+def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    cuda = a.data.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda and _exact_in_bf16(a) and _exact_in_bf16(b) else torch.float32
+    va, sa = _operand(a, dtype)
+    vb, sb = _operand(b, dtype)
+    out = torch.mm(va, vb.t(), out_dtype=torch.float32) if dtype != torch.float32 else va @ vb.t()
+    if sa is not None:
+        out = out * sa
+    if sb is not None:
+        out = out * sb.t()
+    for g in (a.global_scale, b.global_scale):
+        if g is not None:
+            out = out * g
+    return out.to(out_dtype)
+
+
+def scaled_mm(
+    a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32, *,
+    fast_accum: bool = False, backend: str | None = None,
+) -> torch.Tensor:
+    """``a (M, K) @ b (N, K).T`` with both operands quantized along K; returns ``(M, N)``
+    in ``out_dtype`` (cropped to the operands' original row counts)."""
+    if a.shape[-1] != b.shape[-1]:
+        fail("a/b", "operands with the same reduction dimension K", f"{tuple(a.shape)} and {tuple(b.shape)}")
+    backend = backend or gemm_backend(a, b, capability(a.data.device))
+    if backend == "cublas":
+        out = _cublas(a, b, out_dtype, fast_accum)
+    elif backend == "emulated":
+        out = _emulated(a, b, out_dtype)
+    else:
+        fail("backend", "'cublas' or 'emulated'", repr(backend))
+    m = a.shape.numel() // a.shape[-1]
+    n = b.shape.numel() // b.shape[-1]
+    return out[:m, :n]
