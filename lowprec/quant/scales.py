@@ -50,7 +50,11 @@ def mx_scale(amax: torch.Tensor, fmt: F.Format, rule: ScaleRule) -> torch.Tensor
     if rule is ScaleRule.FLOOR:
         exp = _log2_floor(safe) - fmt.emax
     else:
-        exp = _log2_ceil(safe / fmt.max)
+        ratio = safe / fmt.max
+        # amax / fmax can underflow to 0 in FP32 (amax near 1e-45); log2(0) = -inf clamps to -127,
+        # whereas frexp(0) would report exponent 0 and give a scale of 1.
+        finite = finite & (ratio > 0)
+        exp = _log2_ceil(torch.where(finite, ratio, 1.0))
     exp = torch.where(finite, exp, -127).clamp(-127, 127)
     return _nonfinite_to_nan(torch.ldexp(torch.ones_like(amax), exp), amax)
 
