@@ -74,7 +74,7 @@ def quantize(
     f, g = _check_args(x, fmt, granularity, rounding, scale, rand)
     x2 = as_2d(x.detach()).float()  # (M, K)
     br, bc = g.blocks(*x2.shape)
-    xp = pad_to_blocks(x2, br, bc)  # (Mp, Kp)
+    xp = pad_to_blocks(x2, br, bc).contiguous()  # (Mp, Kp)
     mp, kp = xp.shape
     global_scale = None
     if scale is not None:
