@@ -12,7 +12,7 @@ import torch
 
 from lowprec._checks import check_choice
 from lowprec.kernels.capability import Capability, capability
-from lowprec.kernels.gemm import gemm_backend, scaled_mm
+from lowprec.kernels.gemm import gemm_backend, gemm_path, scaled_mm
 from lowprec.quant import Granularity, QuantizedTensor
 from lowprec.quant import quantize as _reference_quantize
 
@@ -66,4 +66,4 @@ def quantize_pair(
     return q, q_t
 
 
-__all__ = ["Capability", "capability", "gemm_backend", "quantize", "quantize_backend", "quantize_pair", "scaled_mm"]
+__all__ = ["Capability", "capability", "gemm_backend", "gemm_path", "quantize", "quantize_backend", "quantize_pair", "scaled_mm"]

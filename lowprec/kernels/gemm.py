@@ -21,18 +21,17 @@ from lowprec.quant import QuantizedTensor
 _FP8 = ("e4m3", "e5m2")
 
 
-def _kind(q: QuantizedTensor) -> str:
-    g = q.granularity
+def _kind(g) -> str:
     return {(None, None): "tensor", (1, None): "row"}.get((g.block_rows, g.block_cols), str(g))
 
 
-def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str:
-    """``cublas`` where the device has a native GEMM for this pair of operands, else ``emulated``."""
-    if not cap.fp8_gemm or a.fmt.name not in _FP8 or b.fmt.name not in _FP8:
+def gemm_path(lhs_fmt: str, lhs_gran, rhs_fmt: str, rhs_gran, cap: Capability) -> str:
+    """``cublas`` where the device has a native GEMM for this pair of operand casts, else ``emulated``."""
+    if not cap.fp8_gemm or lhs_fmt not in _FP8 or rhs_fmt not in _FP8:
         return "emulated"
-    if a.fmt.name == "e5m2" and b.fmt.name == "e5m2":
+    if lhs_fmt == "e5m2" and rhs_fmt == "e5m2":
         return "emulated"  # FP8 tensor cores take at most one E5M2 operand
-    pair = (_kind(a), _kind(b))
+    pair = (_kind(lhs_gran), _kind(rhs_gran))
     if pair in (("tensor", "tensor"), ("row", "row")):
         return "cublas"
     if cap.blockwise_fp8_gemm and pair == ("block1x128", "block128x128"):
@@ -40,8 +39,13 @@ def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str
     return "emulated"
 
 
+def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str:
+    """The backend ``scaled_mm`` takes for these operands on ``cap``'s device."""
+    return gemm_path(a.fmt.name, a.granularity, b.fmt.name, b.granularity, cap)
+
+
 def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    if _kind(a) == "block1x128":
+    if _kind(a.granularity) == "block1x128":
         sa = a.scale.t().contiguous().t()  # (M, K/128), outer-dim-major as cuBLAS asks
         sb = b.scale.t()  # (K/128, N/128)
     else:
