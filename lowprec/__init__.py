@@ -1,5 +1,19 @@
-"""lowprec: train language models in low precision (FP8, MX, NVFP4) with PyTorch."""
-from lowprec import formats
+"""lowprec: train language models in low precision (FP8, MX, NVFP4) with PyTorch.
+
+    report = lowprec.convert(model, "mxfp8")   # swap linears, bind a recipe
+    print(report)                              # what became what, and why
+    with lowprec.autocast(enabled=False):      # a region in high precision
+        ...
+"""
+from lowprec import formats, quant, recipes
+from lowprec.autocast import autocast
+from lowprec.convert import ConversionReport, convert, recipe_paths
+from lowprec.policy import Policy
+from lowprec.quant import QuantizedTensor, dequantize, quantize
+from lowprec.recipes import Recipe
 
 __version__ = "0.1.0"
-__all__ = ["formats", "__version__"]
+__all__ = [
+    "ConversionReport", "Policy", "QuantizedTensor", "Recipe", "autocast", "convert", "dequantize", "formats",
+    "quant", "quantize", "recipe_paths", "recipes", "__version__",
+]

@@ -1,0 +1,143 @@
+"""``convert(model, recipe, policy)``: swap a model's linears for ``lowprec.nn.Linear`` and report."""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+
+from lowprec import recipes as R
+from lowprec._checks import describe, fail
+from lowprec._table import format_table
+from lowprec.kernels import capability, gemm_path
+from lowprec.nn import Linear, fallback_reason
+from lowprec.policy import Policy, find_blocks, policy_reason
+
+
+@dataclass(frozen=True, slots=True)
+class LayerReport:
+    name: str
+    in_features: int
+    out_features: int
+    converted: bool
+    """True when the layer runs the recipe's low-precision GEMMs."""
+    reason: str
+    """What it became, or why it stays in high precision."""
+
+
+@dataclass
+class ConversionReport:
+    """Every linear of the model: what it became and why. ``str(report)`` prints the table."""
+
+    recipe: R.Recipe
+    device: str
+    layers: list[LayerReport] = field(default_factory=list)
+    gemm_paths: dict[str, str] = field(default_factory=dict)
+    """``fprop``/``dgrad``/``wgrad`` -> ``cublas`` (native), ``emulated`` or ``hp`` on this device."""
+
+    @property
+    def converted(self) -> list[LayerReport]:
+        return [lr for lr in self.layers if lr.converted]
+
+    @property
+    def kept(self) -> list[LayerReport]:
+        return [lr for lr in self.layers if not lr.converted]
+
+    def to_table(self, markdown: bool = False) -> str:
+        rows = [(lr.name, f"{lr.in_features}x{lr.out_features}", "yes" if lr.converted else "no", lr.reason)
+                for lr in self.layers]
+        return format_table(["layer", "shape", "low precision", "reason"], rows, markdown=markdown)
+
+    def summary(self) -> str:
+        paths = ", ".join(f"{g} {p}" for g, p in self.gemm_paths.items())
+        return (f"recipe {self.recipe.name}: {len(self.converted)} of {len(self.layers)} linears converted, "
+                f"{len(self.kept)} kept in high precision; GEMMs on {self.device}: {paths}")
+
+    def to_dict(self) -> dict:
+        return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
+                "layers": [asdict(lr) for lr in self.layers]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        return self.summary() + "\n" + self.to_table()
+
+
+def recipe_paths(recipe: R.Recipe, device: torch.device | str | None = None) -> dict[str, str]:
+    """For each GEMM: ``cublas`` (native tensor cores), ``emulated`` (exact values, high-precision
+    GEMM) or ``hp`` (no low-precision operands), on ``device``."""
+    cap = capability(device)
+    out = {}
+    for name in ("fprop", "dgrad", "wgrad"):
+        g: R.Gemm = getattr(recipe, name)
+        if not g.low_precision:
+            out[name] = "hp"
+        else:
+            out[name] = gemm_path(g.lhs.format, g.lhs.granularity, g.rhs.format, g.rhs.granularity, cap)
+    return out
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)
+
+
+def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = None) -> ConversionReport:
+    """Swap every ``nn.Linear`` of ``model`` in place for a ``lowprec.nn.Linear`` bound to ``recipe``
+    (sharing its parameters), except those ``policy`` keeps in high precision, and return a report of
+    every linear. Layers whose shape the recipe's GEMMs cannot take are converted but run in high
+    precision; the report and a warning say so, as they say when GEMMs are emulated on this device.
+    """
+    if not isinstance(model, nn.Module):
+        fail("model", "a torch.nn.Module", describe(model), TypeError)
+    recipe = R.get(recipe)
+    policy = policy if policy is not None else Policy()
+    if not isinstance(policy, Policy):
+        fail("policy", "a lowprec.Policy or None", describe(policy), TypeError)
+    device = _model_device(model)
+    report = ConversionReport(recipe, str(device), gemm_paths=recipe_paths(recipe, device))
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.modules()}
+    blocks = find_blocks(model)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, lin in linears:
+        reason = policy_reason(policy, name, lin, embeddings=embeddings, mha_children=mha, blocks=blocks,
+                               last_fraction=recipe.hp_last_fraction)
+        if reason is not None:
+            if isinstance(lin, Linear):  # converted before: back to high precision
+                lin.recipe = None
+            report.layers.append(LayerReport(name, lin.in_features, lin.out_features, False, reason))
+            continue
+        shape_reason = fallback_reason(lin.in_features, lin.out_features, recipe) if recipe.low_precision else None
+        new = lin if isinstance(lin, Linear) else Linear.from_linear(lin, recipe)
+        new.recipe, new.hp_reason = recipe, shape_reason
+        new.clear_cache()
+        if new is not lin:
+            _set_module(model, name, new)
+        what = recipe.name if shape_reason is None else f"high precision: {shape_reason}"
+        report.layers.append(LayerReport(name, lin.in_features, lin.out_features, shape_reason is None, what))
+    _warn(report)
+    return report
+
+
+def _warn(report: ConversionReport) -> None:
+    shapes = [lr for lr in report.kept if lr.reason.startswith("high precision")]
+    if shapes:
+        names = ", ".join(lr.name for lr in shapes[:5]) + (" ..." if len(shapes) > 5 else "")
+        warnings.warn(f"lowprec: {len(shapes)} linear(s) run in high precision because the {report.recipe.name} "
+                      f"GEMMs cannot take their shape: {names} (see the conversion report)", stacklevel=3)
+    emulated = [g for g, p in report.gemm_paths.items() if p == "emulated"]
+    if emulated and report.converted:
+        warnings.warn(f"lowprec: {report.recipe.name} {'/'.join(emulated)} GEMMs are emulated on {report.device} "
+                      "(exact quantized values, high-precision GEMM): numerics as on native hardware, speed not",
+                      stacklevel=3)

@@ -1,0 +1,133 @@
+"""The autograd of a low-precision linear layer, with its three GEMMs written out.
+
+[Note: what backward keeps]
+Forward casts the input twice from the one high-precision copy it reads: along K for fprop, and
+(transposed) along the tokens for wgrad. Only the second is saved for backward, with the weight's
+transposed cast, so a converted layer keeps one low-precision copy of its input where a BF16 layer
+keeps a BF16 one: never more activation memory than BF16.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as nnf
+
+from lowprec import formats as F
+from lowprec import kernels as K
+from lowprec.quant import QuantizedTensor, hadamard
+from lowprec.recipes import Cast, Gemm, Recipe, Scaling
+
+HADAMARD_BLOCK = 16
+HADAMARD_SEED = 0x5EED
+Operand = QuantizedTensor | torch.Tensor  # a high-precision operand is a plain tensor
+
+
+def _pad_cols(x2: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = (-x2.shape[1]) % multiple
+    return nnf.pad(x2, (0, pad)) if pad else x2
+
+
+def cast(x2: torch.Tensor, c: Cast, state=None, role: str = "", record: bool = True) -> Operand:
+    """One operand (a 2-D view, reduced over its last dimension) cast as ``c`` says. With delayed
+    scaling the scale comes from ``state``'s history for ``role``, and x's amax is recorded."""
+    if c.format is None:
+        return x2
+    if c.granularity is None:  # unscaled cast (bf16/fp16)
+        return x2.to(F.get(c.format).torch_dtype)
+    if c.hadamard:
+        x2 = hadamard(_pad_cols(x2, HADAMARD_BLOCK), HADAMARD_BLOCK, seed=HADAMARD_SEED)
+    scale = None
+    if c.scaling is Scaling.DELAYED and state is not None:
+        scale = state.scale(role, F.get(c.format))
+        if record:
+            state.record(role, x2.detach().abs().amax())
+    return K.quantize(x2, c.format, c.granularity, rounding=c.rounding, scale=scale)
+
+
+def cast_pair(x2: torch.Tensor, c: Cast, c_t: Cast | None, state=None, role: str = "") -> tuple[Operand, Operand | None]:
+    """``x2`` cast as ``c`` and ``x2.T`` as ``c_t`` (None: not needed); x's amax recorded once."""
+    a = cast(x2, c, state, role)
+    if c_t is None:
+        return a, None
+    per_tensor = c.granularity is not None and (c.granularity.block_rows, c.granularity.block_cols) == (None, None)
+    if c_t == c and per_tensor and c.quantized and c.rounding == "nearest":
+        # per-tensor: the transposed cast is the transposed data under the same scale
+        return a, QuantizedTensor(a.data.t().contiguous(), a.scale, a.fmt, a.granularity, x2.t().shape, a.dtype)
+    return a, cast(x2.t(), c_t, state, role, record=c.scaling is not Scaling.DELAYED)
+
+
+def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:
+    return op.dequantize(dtype) if isinstance(op, QuantizedTensor) else op.to(dtype)
+
+
+def gemm(a: Operand, b: Operand, g: Gemm, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a (M, K) @ b (N, K).T`` on the low-precision path when both operands are quantized, else in
+    high precision (the wider of the operands' dtypes)."""
+    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+        return K.scaled_mm(a, b, out_dtype, fast_accum=g.fast_accum)
+    dtypes = [op.dtype for op in (a, b) if isinstance(op, torch.Tensor)]
+    dt = max(dtypes, key=lambda d: d.itemsize) if dtypes else out_dtype
+    return (_hp(a, dt) @ _hp(b, dt).t()).to(out_dtype)
+
+
+def _save(op: Operand | None) -> tuple[tuple, object]:
+    """Tensors to ``save_for_backward`` and the metadata to rebuild the operand."""
+    if isinstance(op, QuantizedTensor):
+        return (op.data, op.scale, op.global_scale), (op.fmt, op.granularity, op.shape, op.dtype)
+    return (op, None, None), None
+
+
+def _restore(tensors, meta) -> Operand | None:
+    if meta is None:
+        return tensors[0]
+    fmt, gran, shape, dtype = meta
+    return QuantizedTensor(tensors[0], tensors[1], fmt, gran, shape, dtype, tensors[2])
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class LinearFunction(torch.autograd.Function):
+    """``y = x @ w.T + b`` with every GEMM operand cast as ``recipe`` says (see [Note: the three GEMMs]
+    in ``lowprec.recipes``). ``layer`` gives the weight casts (cached per optimizer step) and the
+    delayed-scaling state."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Recipe, layer):
+        out_dtype = output_dtype(x)
+        need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+            qx, qx_t = cast_pair(x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
+                                 layer.delayed_state, "input")
+            qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad)
+            y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
+            if bias is not None:
+                y = y + bias.to(out_dtype)
+        x_saved, x_meta = _save(qx_t)
+        w_saved, w_meta = _save(qw_t)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.dtype, bias is not None)
+        ctx.recipe, ctx.layer = recipe, layer
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_meta, w_meta, x_shape, x_dtype, w_dtype, has_bias = ctx.meta
+        saved = ctx.saved_tensors
+        qx_t, qw_t = _restore(saved[:3], x_meta), _restore(saved[3:], w_meta)
+        r: Recipe = ctx.recipe
+        need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
+            qdy, qdy_t = cast_pair(dy2, r.dgrad.lhs, r.wgrad.lhs if need_wgrad else None,
+                                   ctx.layer.delayed_state, "grad_output")
+            if need_dgrad:
+                dx = gemm(qdy, qw_t, r.dgrad, x_dtype).view(x_shape)  # (M, K)
+            if need_wgrad:
+                dw = gemm(qdy_t, qx_t, r.wgrad, w_dtype)  # (N, K)
+            if has_bias and need_bias:
+                db = dy2.sum(0).to(w_dtype)
+        return dx, dw, db, None, None

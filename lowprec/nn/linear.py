@@ -1,0 +1,140 @@
+"""``lowprec.nn.Linear``: a drop-in ``torch.nn.Linear`` whose GEMMs run as a recipe says."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as nnf
+
+from lowprec.autocast import resolve
+from lowprec import recipes as R
+from lowprec.nn.delayed import DelayedState
+from lowprec.nn.function import LinearFunction, cast_pair, output_dtype
+
+
+def fallback_reason(in_features: int, out_features: int, recipe: R.Recipe) -> str | None:
+    """Why a layer of this shape cannot take the recipe's low-precision GEMMs, or None."""
+    m = recipe.required_multiple()
+    bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features)) if v % m]
+    if bad:
+        return f"{' and '.join(bad)} not a multiple of {m} ({recipe.name})"
+    return None
+
+
+class Linear(nn.Linear):
+    """``torch.nn.Linear`` with the same parameters, ``state_dict`` keys and initialisation, whose
+    forward and backward GEMMs cast their operands as ``recipe`` says (None: plain high precision).
+
+    Weights are cast once per optimizer step and reused across gradient-accumulation micro-batches
+    (the cache notices any in-place change of the weight). Delayed-scaling state, when the recipe
+    uses it, is saved in ``state_dict`` as versioned extra state; see ``lowprec.nn.delayed``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 *, recipe: str | R.Recipe | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_lowprec(recipe)
+
+    def _init_lowprec(self, recipe) -> None:
+        self.recipe: R.Recipe | None = R.get(recipe) if recipe is not None else None
+        self.hp_reason: str | None = None
+        """Why this layer runs in high precision although it has a recipe (set by ``convert``)."""
+        self.delayed_state: DelayedState | None = None
+        self._weight_cache: tuple | None = None
+        self._warned: set[str] = set()
+        self.register_state_dict_post_hook(_drop_empty_extra_state)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: str | R.Recipe | None) -> "Linear":
+        """A lowprec Linear sharing ``linear``'s parameters (so optimizers holding them still work)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new._init_lowprec(recipe)
+        new.train(linear.training)
+        return new
+
+    # ---- forward ------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        recipe = resolve(self.recipe)
+        if recipe is None:
+            return nnf.linear(x, self.weight, self.bias)
+        if recipe.hp_dtype is not None:
+            return self._unscaled(x, recipe.hp_dtype)
+        reason = self.hp_reason or fallback_reason(self.in_features, self.out_features, recipe)
+        if reason is not None:
+            self._warn_once(reason)
+            return nnf.linear(x, self.weight, self.bias)
+        if recipe.uses_delayed_scaling and (self.delayed_state is None or
+                                            self.delayed_state.config != recipe.delayed):
+            self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
+        return LinearFunction.apply(x, self.weight, self.bias, recipe, self)
+
+    def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""
+        out = output_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            b = self.bias.to(dtype) if self.bias is not None else None
+            return nnf.linear(x.to(dtype), self.weight.to(dtype), b).to(out)
+
+    def _warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"lowprec: a Linear({self.in_features}, {self.out_features}) runs in high "
+                          f"precision: {reason}", stacklevel=3)
+
+    def weight_casts(self, weight: torch.Tensor, recipe: R.Recipe, need_transposed: bool):
+        """(weight cast for fprop, weight.T cast for dgrad or None), cached until the weight changes."""
+        compiling = torch.compiler.is_compiling()
+        key = (weight._version, weight.data_ptr(), recipe) if not compiling else None
+        cached = self._weight_cache
+        if cached is not None and cached[0] == key and (cached[2] is not None or not need_transposed):
+            return cached[1], cached[2]
+        w = weight.detach()
+        qw, qw_t = cast_pair(w, recipe.fprop.rhs, recipe.dgrad.rhs if need_transposed else None,
+                             self.delayed_state, "weight")
+        if not compiling:
+            self._weight_cache = (key, qw, qw_t)
+        return qw, qw_t
+
+    def clear_cache(self) -> None:
+        self._weight_cache = None
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def get_extra_state(self):
+        return self.delayed_state.to_tensor() if self.delayed_state is not None else None
+
+    def set_extra_state(self, state) -> None:
+        if state is None:
+            return
+        recipe = self.recipe
+        if recipe is None or not recipe.uses_delayed_scaling:
+            return  # saved under a delayed recipe, loaded under another: nothing to restore
+        self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
+        self.delayed_state.load_tensor(state, f"Linear({self.in_features}, {self.out_features})")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "_extra_state"
+        if key in missing_keys:  # never required: a missing history starts from current scaling
+            missing_keys.remove(key)
+        self._weight_cache = None
+
+    def extra_repr(self) -> str:
+        r = self.recipe.name if self.recipe is not None else None
+        hp = f", hp_reason={self.hp_reason!r}" if self.hp_reason else ""
+        return super().extra_repr() + f", recipe={r}{hp}"
+
+
+def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
+    # A Linear without delayed state writes no extra-state entry, so its state_dict has exactly
+    # torch.nn.Linear's keys and loads into a plain model.
+    key = prefix + "_extra_state"
+    if key in state_dict and state_dict[key] is None:
+        del state_dict[key]

@@ -1,0 +1,293 @@
+"""Recipes: for each operand of each GEMM of a linear layer, how it is cast.
+
+[Note: the three GEMMs]
+A linear layer ``y = x @ w.T`` runs three GEMMs, each ``lhs (M, K) @ rhs (N, K).T`` reducing over K:
+
+=======  ========================  =======================  ===================
+GEMM     computes                  lhs (quantized along K)  rhs (along K)
+=======  ========================  =======================  ===================
+fprop    y  = x @ w.T              input  (tokens, in)      weight   (out, in)
+dgrad    dx = dy @ w               grad_output (tokens,out) weight.T (in, out)
+wgrad    dw = dy.T @ x             grad_output.T (out, tok) input.T  (in, tokens)
+=======  ========================  =======================  ===================
+
+Every operand is quantized along the GEMM's reduction dimension, in its own 2-D view: a granularity
+of ``rowwise()`` for wgrad's lhs means one scale per output channel over the tokens. So a recipe is
+six casts, and a user-defined recipe is as good as a preset: build a ``Recipe`` and pass it wherever
+a recipe name is accepted.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from lowprec import formats as F
+from lowprec._checks import check_choice, describe, fail
+from lowprec.quant import Granularity, ScaleRule, blockwise, mx, nvfp4, rowwise, tensorwise
+
+
+class Scaling(enum.Enum):
+    CURRENT = "current"
+    """The scale is computed from the tensor being cast."""
+    DELAYED = "delayed"
+    """The scale comes from a history of past amaxes (Transformer Engine's DelayedScaling)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cast:
+    """How one operand of one GEMM is cast."""
+
+    format: str | None
+    """Element format name (``"e4m3"``, ``"e2m1"``, ...); None keeps the operand in high precision."""
+    granularity: Granularity | None = None
+    """Which elements share a scale; None for an unscaled cast (``"bf16"``, ``"fp16"``)."""
+    scaling: Scaling = Scaling.CURRENT
+    """Current or delayed scaling (delayed only for per-tensor FP32 scales)."""
+    rounding: str = "nearest"
+    """``"nearest"`` (half to even) or ``"stochastic"``."""
+    hadamard: bool = False
+    """Apply the 16-point random Hadamard transform along the reduction dimension first (wgrad only)."""
+
+    def __post_init__(self) -> None:
+        if self.format is not None:
+            F.get(self.format)
+        check_choice("rounding", self.rounding, ("nearest", "stochastic"))
+        if not isinstance(self.scaling, Scaling):
+            fail("scaling", "a lowprec.recipes.Scaling", describe(self.scaling), TypeError)
+        if self.format is not None and self.granularity is None and F.get(self.format).bits <= 8:
+            fail("granularity", f"a scaling granularity for the {self.format} format", "None")
+        if self.scaling is Scaling.DELAYED and (
+            self.granularity is None or self.granularity.rule is not ScaleRule.AMAX
+            or (self.granularity.block_rows, self.granularity.block_cols) != (None, None)
+        ):
+            fail("scaling", "delayed scaling only with a tensorwise() granularity", str(self.granularity))
+
+    @property
+    def quantized(self) -> bool:
+        """True when the operand goes onto a scaled low-precision grid."""
+        return self.format is not None and self.granularity is not None
+
+    @property
+    def block_cols(self) -> int | None:
+        return self.granularity.block_cols if self.granularity is not None else None
+
+    def describe(self) -> str:
+        if self.format is None:
+            return "hp"
+        if self.granularity is None:
+            return self.format
+        extra = "".join([" delayed" if self.scaling is Scaling.DELAYED else "",
+                         " SR" if self.rounding == "stochastic" else "", " RHT" if self.hadamard else ""])
+        return f"{self.format}/{self.granularity}{extra}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gemm:
+    """One GEMM: its two operands' casts and its accumulation."""
+
+    lhs: Cast
+    rhs: Cast
+    fast_accum: bool = False
+    """FP8 tensor cores' fast (reduced-precision) accumulation; FP32 accumulation otherwise."""
+
+    @property
+    def low_precision(self) -> bool:
+        return self.lhs.quantized and self.rhs.quantized
+
+
+@dataclass(frozen=True, slots=True)
+class DelayedScaling:
+    """Settings of delayed scaling's amax history."""
+
+    history_len: int = 1024
+    """How many past amaxes are kept."""
+    algo: str = "max"
+    """``"max"`` of the history or the ``"most_recent"`` amax."""
+    margin: int = 0
+    """The scale is multiplied by ``2^margin`` for headroom."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
+            fail("history_len", "a positive int", describe(self.history_len))
+        check_choice("algo", self.algo, ("max", "most_recent"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recipe:
+    """The casts of the three GEMMs of every converted linear layer (see [Note: the three GEMMs])."""
+
+    name: str
+    fprop: Gemm
+    dgrad: Gemm
+    wgrad: Gemm
+    delayed: DelayedScaling = field(default_factory=DelayedScaling)
+    """History settings for casts with delayed scaling."""
+    loss_scaling: bool = False
+    """Whether training should use dynamic loss scaling (FP16's narrow range needs it)."""
+    hp_last_fraction: float = 0.0
+    """Fraction of the last transformer blocks the default policy keeps in high precision."""
+    doc: str = ""
+    """What the recipe is and where it comes from."""
+
+    def __post_init__(self) -> None:
+        for name in ("fprop", "dgrad", "wgrad"):
+            if not isinstance(getattr(self, name), Gemm):
+                fail(name, "a lowprec.recipes.Gemm", describe(getattr(self, name)), TypeError)
+        for name, cast in self.casts().items():
+            if cast.hadamard and not name.startswith("wgrad"):
+                fail(f"{name}.hadamard", "False (the Hadamard transform applies to wgrad operands only)", True)
+        if self.wgrad.lhs.hadamard != self.wgrad.rhs.hadamard:
+            fail("wgrad.hadamard", "the same on both wgrad operands (the transform must cancel)",
+                 f"lhs={self.wgrad.lhs.hadamard}, rhs={self.wgrad.rhs.hadamard}")
+        if not 0.0 <= self.hp_last_fraction < 1.0:
+            fail("hp_last_fraction", "a fraction in [0, 1)", self.hp_last_fraction)
+
+    def casts(self) -> dict[str, Cast]:
+        """The six casts by ``<gemm>.<role>`` name."""
+        roles = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"), "wgrad": ("grad_output", "input")}
+        out = {}
+        for gemm, (lhs, rhs) in roles.items():
+            g = getattr(self, gemm)
+            out[f"{gemm}.{lhs}"], out[f"{gemm}.{rhs}"] = g.lhs, g.rhs
+        return out
+
+    @property
+    def low_precision(self) -> bool:
+        """True when any GEMM runs on scaled low-precision operands."""
+        return any(c.quantized for c in self.casts().values())
+
+    @property
+    def hp_dtype(self) -> torch.dtype | None:
+        """For unscaled recipes (bf16, fp16): the dtype every operand is cast to."""
+        fmts = {c.format for c in self.casts().values()}
+        if self.low_precision or len(fmts) != 1 or None in fmts:
+            return None
+        return F.get(fmts.pop()).torch_dtype
+
+    @property
+    def uses_delayed_scaling(self) -> bool:
+        return any(c.scaling is Scaling.DELAYED for c in self.casts().values())
+
+    def required_multiple(self) -> int:
+        """Both feature dimensions of a layer must be multiples of this for the low-precision GEMMs
+        (16 for FP8 tensor cores, and every block size along a feature dimension)."""
+        sizes = [b for c in self.casts().values() if c.granularity is not None
+                 for b in (c.granularity.block_rows, c.granularity.block_cols) if b]
+        return math.lcm(16, *sizes) if self.low_precision else 1
+
+    def summary(self) -> str:
+        return "; ".join(f"{k}={v.describe()}" for k, v in self.casts().items())
+
+
+# --------------------------------------------------------------------------------------------
+# presets
+
+
+def _uniform(name: str, cast: Cast, **kw) -> Recipe:
+    g = Gemm(lhs=cast, rhs=cast)
+    return Recipe(name=name, fprop=g, dgrad=g, wgrad=g, **kw)
+
+
+def _fp8_tensorwise(name: str, scaling: Scaling, doc: str) -> Recipe:
+    fwd = Cast(format="e4m3", granularity=tensorwise(), scaling=scaling)
+    grad = Cast(format="e5m2", granularity=tensorwise(), scaling=scaling)
+    return Recipe(
+        name=name, doc=doc,
+        fprop=Gemm(lhs=fwd, rhs=fwd, fast_accum=True),
+        dgrad=Gemm(lhs=grad, rhs=fwd),
+        wgrad=Gemm(lhs=grad, rhs=fwd),
+    )
+
+
+def bf16() -> Recipe:
+    """BF16 operands, FP32 accumulation: the baseline every other recipe is compared with."""
+    return _uniform("bf16", Cast(format="bf16"), doc=bf16.__doc__)
+
+
+def fp16() -> Recipe:
+    """FP16 operands with dynamic loss scaling (Micikevicius et al., Mixed Precision Training, 2018)."""
+    return _uniform("fp16", Cast(format="fp16"), loss_scaling=True, doc=fp16.__doc__)
+
+
+def fp8_delayed() -> Recipe:
+    """FP8 per-tensor delayed scaling: E4M3 forward, E5M2 gradients, amax history of 1024 with
+    ``max`` (Transformer Engine's DelayedScaling, Format.HYBRID; arXiv 2209.05433)."""
+    return _fp8_tensorwise("fp8-delayed", Scaling.DELAYED, fp8_delayed.__doc__)
+
+
+def fp8_current() -> Recipe:
+    """FP8 per-tensor current scaling: E4M3 forward, E5M2 gradients, scales from each tensor's own
+    amax (Transformer Engine's Float8CurrentScaling; torchao float8 tensorwise)."""
+    return _fp8_tensorwise("fp8-current", Scaling.CURRENT, fp8_current.__doc__)
+
+
+def fp8_rowwise() -> Recipe:
+    """FP8 E4M3 for every operand with one scale per row of each operand along the reduction
+    dimension (torchao float8 rowwise)."""
+    c = Cast(format="e4m3", granularity=rowwise())
+    return Recipe(name="fp8-rowwise", doc=fp8_rowwise.__doc__,
+                  fprop=Gemm(lhs=c, rhs=c, fast_accum=True), dgrad=Gemm(lhs=c, rhs=c), wgrad=Gemm(lhs=c, rhs=c))
+
+
+def fp8_blockwise() -> Recipe:
+    """FP8 E4M3 with FP32 block scales: activations and gradients 1x128, weights 128x128, current
+    scaling (DeepSeek-V3, arXiv 2412.19437)."""
+    act = Cast(format="e4m3", granularity=blockwise(1, 128))
+    w = Cast(format="e4m3", granularity=blockwise(128, 128))
+    return Recipe(name="fp8-blockwise", doc=fp8_blockwise.__doc__,
+                  fprop=Gemm(lhs=act, rhs=w), dgrad=Gemm(lhs=act, rhs=w), wgrad=Gemm(lhs=act, rhs=act))
+
+
+def mxfp8() -> Recipe:
+    """MXFP8: E4M3 elements in blocks of 32 with E8M0 scales rounded up, for every tensor
+    (arXiv 2506.08027; OCP MX v1.0)."""
+    return _uniform("mxfp8", Cast(format="e4m3", granularity=mx(32, "ceil")), doc=mxfp8.__doc__)
+
+
+def mxfp4() -> Recipe:
+    """MXFP4 forward (E2M1 in blocks of 32, E8M0 scales rounded up so stochastic rounding never
+    clips, stochastic rounding), MXFP8 E4M3 backward (arXiv 2502.20586; OCP MX v1.0)."""
+    fwd = Cast(format="e2m1", granularity=mx(32, "ceil"), rounding="stochastic")
+    bwd = Cast(format="e4m3", granularity=mx(32, "ceil"))
+    return Recipe(name="mxfp4", doc=mxfp4.__doc__,
+                  fprop=Gemm(lhs=fwd, rhs=fwd), dgrad=Gemm(lhs=bwd, rhs=bwd), wgrad=Gemm(lhs=bwd, rhs=bwd))
+
+
+def nvfp4_recipe() -> Recipe:
+    """NVFP4 for all three GEMMs: E2M1 in blocks of 16 with E4M3 scales and an FP32 global scale,
+    weights in 16x16 blocks, stochastic rounding of gradients, a random Hadamard transform on the
+    weight-gradient GEMM's operands, the last blocks kept in BF16 (arXiv 2509.25149)."""
+    act = Cast(format="e2m1", granularity=nvfp4(16))
+    w = Cast(format="e2m1", granularity=nvfp4(16, two_d=True))
+    grad = Cast(format="e2m1", granularity=nvfp4(16), rounding="stochastic")
+    return Recipe(
+        name="nvfp4", doc=nvfp4_recipe.__doc__, hp_last_fraction=0.15,
+        fprop=Gemm(lhs=act, rhs=w), dgrad=Gemm(lhs=grad, rhs=w),
+        wgrad=Gemm(lhs=replace(grad, hadamard=True), rhs=replace(act, hadamard=True)),
+    )
+
+
+PRESETS: dict[str, Callable[[], Recipe]] = {
+    "bf16": bf16, "fp16": fp16, "fp8-delayed": fp8_delayed, "fp8-current": fp8_current,
+    "fp8-rowwise": fp8_rowwise, "fp8-blockwise": fp8_blockwise, "mxfp8": mxfp8, "mxfp4": mxfp4,
+    "nvfp4": nvfp4_recipe,
+}
+
+
+def get(recipe: str | Recipe) -> Recipe:
+    """A preset by name, or a user-defined ``Recipe`` as it is."""
+    if isinstance(recipe, Recipe):
+        return recipe
+    if not isinstance(recipe, str):
+        fail("recipe", "a recipe name or lowprec.recipes.Recipe", describe(recipe), TypeError)
+    if recipe not in PRESETS:
+        fail("recipe", "one of " + ", ".join(PRESETS) + " (or a lowprec.recipes.Recipe)", repr(recipe))
+    return PRESETS[recipe]()
+
+
+def names() -> list[str]:
+    return list(PRESETS)
