@@ -79,7 +79,8 @@ class Granularity:
 
     def blocks(self, rows: int, cols: int) -> tuple[int, int]:
         """Block shape for a 2-D view of ``rows x cols`` elements."""
-        return (self.block_rows or rows, self.block_cols or cols)
+        # at least 1: an empty dimension still needs a block size to divide by
+        return (self.block_rows or max(rows, 1), self.block_cols or max(cols, 1))
 
     def __str__(self) -> str:
         r, c = self.block_rows, self.block_cols

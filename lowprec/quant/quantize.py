@@ -18,7 +18,8 @@ from lowprec.quant.tensor import QuantizedTensor, store
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
     """The (M, K) view of [Note: the 2-D view]; a 0-d or 1-d tensor is one row."""
-    return x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
+    # M spelled out, not -1: reshape cannot infer -1 for an empty tensor (an MoE expert given no tokens)
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1]) if x.dim() else x.reshape(1, 1)
 
 
 def pad_to_blocks(x2: torch.Tensor, br: int, bc: int) -> torch.Tensor:
@@ -31,6 +32,15 @@ def block_amax(xp: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     """Largest magnitude per block of a padded 2-D tensor; NaN where a block holds NaN."""
     mp, kp = xp.shape
     return xp.abs().view(mp // br, br, kp // bc, bc).amax(dim=(1, 3))  # (Mb, Kb)
+
+
+def given_scale(scale: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+    """A caller's scale as the (Mb, Kb) block grid, copied: a delayed-scaling buffer is updated in
+    place after each step, and a QuantizedTensor must keep the scale it was quantized with."""
+    try:
+        return torch.broadcast_to(scale.float(), grid).clone()
+    except RuntimeError:
+        fail("scale", f"a tensor broadcastable to the block grid {grid}", describe(scale))
 
 
 def _check_args(x, fmt, granularity, rounding, scale, rand) -> tuple[F.Format, Granularity]:
@@ -47,7 +57,7 @@ def _check_args(x, fmt, granularity, rounding, scale, rand) -> tuple[F.Format, G
         check_tensor("scale", scale)
         if granularity.rule is not ScaleRule.AMAX:
             fail("scale", f"None for {granularity} (its scales are always computed from the data)", describe(scale))
-    if rand is not None and rand.shape != x.shape:
+    if rand is not None and (not isinstance(rand, torch.Tensor) or rand.shape != x.shape):
         fail("rand", f"a float32 tensor of x's shape {tuple(x.shape)}", describe(rand))
     check_same_device(x=x, scale=scale, rand=rand)
     return f, granularity
@@ -78,11 +88,12 @@ def quantize(
     mp, kp = xp.shape
     global_scale = None
     if scale is not None:
-        s = torch.broadcast_to(scale.float(), (mp // br, kp // bc))
+        s = given_scale(scale, (mp // br, kp // bc))
     else:
         amax = block_amax(xp, br, bc)
         if g.rule is ScaleRule.NVFP4:
-            finite_amax = torch.where(torch.isfinite(amax), amax, 0.0).amax()
+            finite = torch.where(torch.isfinite(amax), amax, 0.0)  # (Mb, Kb)
+            finite_amax = finite.amax() if finite.numel() else finite.new_zeros(())
             global_scale = S.nvfp4_global_scale(finite_amax, f)
         s = S.block_scales(amax, f, g.rule, global_scale)
     eff = s if global_scale is None else s * global_scale  # (Mb, Kb)

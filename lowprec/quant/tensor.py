@@ -1,6 +1,7 @@
 """``QuantizedTensor``: a plain, frozen holder of quantized data and its scales."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,8 @@ class QuantizedTensor:
 
     @property
     def block_shape(self) -> tuple[int, int]:
-        return (self.data.shape[0] // self.scale.shape[0], self.data.shape[1] // self.scale.shape[1])
+        # from the granularity, not data / scale shapes: those are 0 // 0 for an empty tensor
+        return self.granularity.blocks(*self.data.shape)
 
     def effective_scale(self) -> torch.Tensor:
         """Per-block float32 scale that multiplies decoded values (block scale x global scale)."""
@@ -67,8 +69,7 @@ class QuantizedTensor:
         mb, kb = self.scale.shape
         v = self.values().view(mb, br, kb, bc)  # (Mb, br, Kb, bc)
         x = (v * self.effective_scale()[:, None, :, None]).view(mp, kp)
-        m = self.shape.numel() // self.shape[-1] if len(self.shape) else 1
-        k = self.shape[-1] if len(self.shape) else 1
+        m, k = (math.prod(self.shape[:-1]), self.shape[-1]) if len(self.shape) else (1, 1)
         return x[:m, :k].reshape(self.shape).to(dtype or self.dtype)
 
     def scale_codes(self) -> torch.Tensor:
