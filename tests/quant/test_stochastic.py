@@ -76,7 +76,7 @@ def test_mx_e2m1_stochastic_rounding_is_unbiased():
     step = torch.from_numpy(np.where(hi > lo, hi - lo, 1.0)) * torch.exp2(j).double()  # grid step, x units
     z = ((mean - x.double()) / step).numpy()  # per element: mean of n_draws (B - p), signed by x
     # Hoeffding: P(|mean(B) - p| >= e) <= 2 exp(-2 N e^2). With failure probability 1e-9 per element,
-    # e = sqrt(ln(2e9) / (2N)); for the average over all 256 elements' N draws, N -> 512 N.
+    # e = sqrt(ln(2e9) / (2N)); for the average over all 256 elements' N draws, N -> 256 N.
     per_element = math.sqrt(math.log(2e9) / (2 * n_draws))
     pooled = math.sqrt(math.log(2e9) / (2 * n_draws * z.size))
     assert np.abs(z).max() <= per_element
