@@ -86,6 +86,8 @@ class Format:
         """The dtype a quantized tensor of this format stores its data in."""
         if self.torch_dtype is not None:
             return self.torch_dtype
+        if self.bits > 8:  # tf32: float32 whose low 13 mantissa bits are zero
+            return torch.float32
         return torch.int8 if self.name == "int8" else torch.uint8
 
     def __str__(self) -> str:
@@ -196,19 +198,35 @@ def round_to(
              "a tensor containing inf or NaN")
     if f.kind is Kind.EXPONENT and bool((x <= 0).any()):
         fail("x", "positive values (e8m0 has no sign and no zero)", "a tensor with values <= 0")
-    a = torch.where(finite, x.abs(), 0.0)
-    q = _quantum(a, f)
-    t = a / q  # exact: q is a power of two
-    if rounding == "nearest":
-        r = torch.round(t)  # half to even
-    else:
+    if rounding == "stochastic":
         if rand is None:
             rand = torch.rand(x.shape, generator=generator, device=x.device)
         elif not isinstance(rand, torch.Tensor) or rand.shape != x.shape or rand.dtype != torch.float32:
             fail("rand", f"a float32 tensor of shape {tuple(x.shape)}", describe(rand),
                  ValueError if isinstance(rand, torch.Tensor) else TypeError)
+    y = round_unchecked(x, f, rand if rounding == "stochastic" else None, saturate=saturate)
+    if not saturate and not f.has_nan and bool(torch.isnan(y).any()):  # x is finite here: NaN = overflow
+        fail("x", f"values within [{f.lowest}, {f.max}] ({f.name} has no inf or NaN to overflow to)",
+             "values beyond it with saturate=False")
+    return y
+
+
+def round_unchecked(x: torch.Tensor, fmt: str | Format, rand: torch.Tensor | None = None,
+                    saturate: bool = True) -> torch.Tensor:
+    """:func:`round_to` without argument checks and without host synchronisation (no data-dependent
+    branch), for callers that guarantee a float32/float64 ``x``, finite wherever ``fmt`` has no NaN, and
+    positive for e8m0: ``lowprec.quant`` and the kernels. ``rand`` given: stochastic rounding.
+    Without ``saturate``, overflow goes to inf or NaN (NaN where the format has neither)."""
+    f = get(fmt)
+    finite = torch.isfinite(x)
+    a = torch.where(finite, x.abs(), 0.0)
+    q = _quantum(a, f)
+    t = a / q  # exact: q is a power of two
+    if rand is None:
+        r = torch.round(t)  # half to even
+    else:
         low = torch.floor(t)
-        r = low + (rand.to(x.device) < (t - low)).float()
+        r = low + (rand.to(x.device) < (t - low)).to(t.dtype)
     y = r * q
     if f.kind is Kind.EXPONENT:  # no zero: values below 2^-127 round to it
         y = y.clamp_min(f.min_subnormal)
@@ -216,13 +234,10 @@ def round_to(
     over = finite & ((y > f.max) | (y < f.lowest))
     if saturate:
         y = torch.where(over, torch.where(y > 0, f.max, f.lowest), y)
-    elif bool(over.any()):
-        if not f.has_nan:
-            fail("x", f"values within [{f.lowest}, {f.max}] ({f.name} has no inf or NaN to overflow to)",
-                 "values beyond it with saturate=False")
+    else:
         y = torch.where(over, torch.copysign(torch.full_like(y, math.inf if f.has_inf else math.nan), x), y)
-    if not bool(finite.all()):  # NaN keeps x's sign, so encode gives -inf and -NaN the negative NaN code
-        y = torch.where(finite, y, x if f.has_inf else torch.copysign(torch.full_like(x, math.nan), x))
+    # NaN keeps x's sign, so encode gives -inf and -NaN the negative NaN code
+    y = torch.where(finite, y, x if f.has_inf else torch.copysign(torch.full_like(x, math.nan), x))
     return y.float()
 
 
@@ -230,15 +245,16 @@ def round_to(
 # bit codes
 
 
-def _decode_fields(codes: torch.Tensor, f: Format) -> torch.Tensor:
-    """Decode int64 codes by the format's formula (float64 result: exact for every format)."""
-    c = codes.to(torch.int64)
+def _decode_fields(codes: torch.Tensor, f: Format, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Decode integer codes by the format's formula (float64: exact for every format; float32:
+    exact for formats of 8 bits or fewer)."""
+    c = codes.to(torch.int64) if dtype == torch.float64 else codes.to(torch.int32)
     if f.kind is Kind.INT:
-        return torch.where(c >= 2 ** (f.bits - 1), c - 2**f.bits, c).double()
+        return torch.where(c >= 2 ** (f.bits - 1), c - 2**f.bits, c).to(dtype)
     sign_bit = f.bits - 1
     body = c & ((1 << sign_bit) - 1) if f.signed else c
     ef = body >> f.man_bits
-    man = (body & ((1 << f.man_bits) - 1)).double()
+    man = (body & ((1 << f.man_bits) - 1)).to(dtype)
     frac = man / 2**f.man_bits
     if f.kind is Kind.EXPONENT:
         v = torch.ldexp(torch.ones_like(frac), ef - f.bias)
@@ -288,6 +304,15 @@ def _as_codes(codes: torch.Tensor, f: Format) -> torch.Tensor:
         fail("codes", f"values in [0, 2^{f.bits}) ({f.name} has {f.bits} bits)",
              f"values in [{int(codes.min())}, {int(codes.max())}]")
     return codes
+
+
+def decode_unchecked(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
+    """:func:`decode` of uint8 codes of a format of 8 bits or fewer, computed arithmetically in float32
+    (exact there) with no table and no range check, so it needs no host sync and compiles."""
+    f = get(fmt)
+    if codes.dtype != torch.uint8:
+        codes = codes.view(torch.uint8)
+    return _decode_fields(codes.to(torch.int32), f, torch.float32)
 
 
 def decode(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:

@@ -89,6 +89,8 @@ def quantize(
     global_scale = None
     if scale is not None:
         s = given_scale(scale, (mp // br, kp // bc))
+        if not f.has_nan:  # the element format cannot hold inf/NaN: the block scale carries it
+            s = torch.where(torch.isfinite(block_amax(xp, br, bc)), s, torch.nan)
     else:
         amax = block_amax(xp, br, bc)
         if g.rule is ScaleRule.NVFP4:
@@ -106,7 +108,10 @@ def quantize(
     if rounding == "stochastic":
         r = rand if rand is not None else torch.rand(x.shape, generator=generator, device=x.device)
         r = pad_to_blocks(as_2d(r.float()), br, bc)
-    values = F.round_to(scaled, f, rounding=rounding, saturate=saturate, rand=r)
+    if saturate:  # no host sync: a GEMM operand's cast must not stall the GPU or break a graph
+        values = F.round_unchecked(scaled, f, r)
+    else:
+        values = F.round_to(scaled, f, rounding=rounding, saturate=False, rand=r)
     return QuantizedTensor(store(values, f), s, f, g, x.shape, x.dtype, global_scale)
 
 
@@ -121,12 +126,18 @@ def fake_quantize(x: torch.Tensor, fmt: str | F.Format, granularity: Granularity
 
 
 def error_bound(q: QuantizedTensor) -> torch.Tensor:
-    """Largest rounding error per element (half the grid spacing at each value, times the scale),
-    of the padded 2-D view; valid where no element saturated."""
-    v = q.values().abs()
-    spacing = F._quantum(v, q.fmt)  # grid spacing at the decoded value's binade
+    """Largest error ``|dequantize(q) - x|`` per element of the padded 2-D view (float32), valid where
+    the element did not saturate (nor, under NVFP4, sit in a block whose E4M3 scale underflowed to 0):
+    half the grid spacing at the decoded value (at zero, the format's smallest step) times the scale,
+    plus the FP32 rounding of ``x / scale`` and of ``value * scale``."""
+    v = q.values().abs()  # (Mp, Kp)
+    spacing = torch.where(v == 0, q.fmt.min_subnormal, F._quantum(v, q.fmt))  # grid step at each value
     mb, kb = q.scale.shape
     br, bc = q.block_shape
-    eff = q.effective_scale()[:, None, :, None]
-    half = (spacing.view(mb, br, kb, bc) * eff / 2).view(q.data.shape)
-    return half * (1 + 2 * math.ldexp(1.0, -23))  # allow for the FP32 division
+    eff = q.effective_scale()[:, None, :, None]  # (Mb, 1, Kb, 1)
+    v4 = v.view(mb, br, kb, bc)  # (Mb, br, Kb, bc)
+    half = spacing.view(mb, br, kb, bc) / 2
+    # x / scale and value * scale each round once in FP32 (2^-24 relative, 2^-150 absolute among
+    # subnormals); 2^-22 leaves room for rounding this sum itself.
+    bound = (half + (v4 + half) * 2.0**-22) * eff + 2.0**-149
+    return bound.view(q.data.shape)

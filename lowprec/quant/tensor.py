@@ -23,7 +23,7 @@ def load(data: torch.Tensor, fmt: F.Format) -> torch.Tensor:
     """The format's storage -> float32 values."""
     if fmt.torch_dtype is not None:
         return data.float()  # exact: torch's casts from narrower float dtypes are exact
-    return F.decode(data, fmt)
+    return F.decode_unchecked(data, fmt)
 
 
 @dataclass(frozen=True, slots=True)
