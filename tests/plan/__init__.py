@@ -1,0 +1,1 @@
+"""Tests of lowprec.plan: capacity planning."""

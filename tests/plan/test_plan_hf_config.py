@@ -1,0 +1,85 @@
+"""Reading model shapes from Hugging Face config.json files (fields as the published configs write them)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowprec.plan.hf_config import from_hf_config, load_hf_config
+from lowprec.plan.layers import count_params
+from lowprec.plan.models import PRESETS, get_model
+
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "tie_word_embeddings": False, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+}
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "vocab_size": 129280, "tie_word_embeddings": False, "num_nextn_predict_layers": 1,
+}
+MIXTRAL = {
+    "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 32000, "tie_word_embeddings": False,
+}
+QWEN3_MOE = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_attention_heads": 32, "num_hidden_layers": 48, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "vocab_size": 151936, "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("cfg, preset", [
+    (LLAMA_3_8B, "llama-3-8b"), (DEEPSEEK_V3, "deepseek-v3"), (MIXTRAL, "mixtral-8x7b"), (QWEN3_MOE, "qwen3-30b-a3b"),
+])
+def test_configs_give_the_presets_counts(cfg, preset):
+    assert count_params(from_hf_config(cfg)) == count_params(PRESETS[preset])
+
+
+def test_qwen2_moe_shared_expert_and_sparse_step():
+    cfg = {**QWEN3_MOE, "model_type": "qwen2_moe", "num_hidden_layers": 8, "decoder_sparse_step": 2,
+           "mlp_only_layers": [1], "shared_expert_intermediate_size": 4096}
+    m = from_hf_config(cfg)
+    # MoE where (i + 1) % 2 == 0 and i not in [1]: layers 3, 5, 7
+    assert (m.n_moe_layers, m.n_dense_layers) == (3, 5)
+    assert (m.moe.n_shared, m.moe.shared_ffn) == (1, 4096)
+
+
+def test_defaults_kv_heads_head_dim_and_text_config():
+    cfg = {"text_config": {**LLAMA_3_8B, "num_key_value_heads": None}}
+    m = from_hf_config(cfg)
+    assert (m.n_kv_heads, m.head_dim, m.tied_embeddings) == (32, 128, False)
+
+
+def test_load_from_file_or_folder(tmp_path):
+    folder = tmp_path / "Meta-Llama-3-8B"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_3_8B))
+    for path in (folder, folder / "config.json"):
+        m = load_hf_config(path)
+        assert m.name == "Meta-Llama-3-8B"
+        assert count_params(m).total == 8_030_261_248
+    assert get_model(str(folder)).d_model == 4096
+
+
+def test_missing_key_names_file_and_key(tmp_path):
+    cfg = dict(LLAMA_3_8B)
+    del cfg["hidden_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="hidden_size: expected an int, got nothing"):
+        load_hf_config(tmp_path)
+
+
+def test_wrong_type_and_bad_json_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match=r"num_hidden_layers: expected a non-negative int, got '32' \(str\)"):
+        from_hf_config({**LLAMA_3_8B, "num_hidden_layers": "32"})
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="valid JSON"):
+        load_hf_config(tmp_path / "config.json")
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf_config(tmp_path / "nowhere")
