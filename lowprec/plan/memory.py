@@ -1,0 +1,249 @@
+"""Memory per GPU of training a model with a recipe, under ZeRO and tensor/pipeline/expert parallelism.
+
+[Note: the accounting]
+Per parameter held by a GPU: the BF16 weight (2 B), the recipe's low-precision copy of each
+quantized weight, the gradient (2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
+the optimizer moments (8 B for AdamW, 2 B for 8-bit AdamW): 16 B per parameter for BF16 mixed
+precision with AdamW, as in the ZeRO paper (arXiv 1910.02054). ZeRO stage 1 shards master
+weights and moments over the data-parallel ranks, stage 2 also gradients, stage 3 also weights.
+
+Tensor parallelism (``tp``) splits every block linear and the vocabulary; norms and latent
+down-projections stay whole. Pipeline parallelism (``pp``) gives each stage a balanced share of
+the layers; stage 0 holds the embedding and the last stage the LM head. Expert parallelism
+(``ep``) splits the routed experts, whose states ZeRO then shards over the remaining dp / ep ranks.
+
+Activations: a 1F1B pipeline schedule keeps ``pp - stage`` micro-batches in flight on a stage
+(so stage 0 holds as many layer-activations as one GPU without pipelining); with ``tp > 1``
+sequence parallelism is assumed, so every activation is split ``tp`` ways. What a block saves
+per token is :func:`lowprec.plan.activations.block_bytes`.
+
+Overhead is a heuristic, not a measurement: a fixed allowance for the CUDA context, communication
+buffers and GEMM workspaces, two gathered blocks under ZeRO-3 (the one computing and the one
+prefetched), and a fraction of the rest for allocator fragmentation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowprec._checks import check_choice, check_positive_int, fail
+from lowprec.plan.activations import RECOMPUTE, block_bytes, output_saved
+from lowprec.plan.layers import block_kinds, block_linears, block_norm_params, check_parallel_fits
+from lowprec.plan.models import ModelSpec
+from lowprec.plan.recipes import GRAD_BYTES, HP_BYTES, MASTER_BYTES, OPTIMIZERS, RecipeCost
+from lowprec.plan.units import GB, count
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Parallel:
+    gpus: int
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallelism)."""
+    pp: int = 1
+    """Pipeline stages."""
+    ep: int = 1
+    """Expert-parallel degree, within the data-parallel ranks."""
+    zero: int = 0
+    """ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also weights."""
+
+    def __post_init__(self) -> None:
+        for name in ("gpus", "tp", "pp", "ep"):
+            check_positive_int(name, getattr(self, name))
+        check_choice("zero", self.zero, (0, 1, 2, 3))
+        if self.gpus % (self.tp * self.pp):
+            fail("gpus", f"a multiple of tp x pp = {self.tp * self.pp}", self.gpus)
+        if self.dp % self.ep:
+            fail("ep", f"a divisor of the data-parallel degree gpus / (tp x pp) = {self.dp}", self.ep)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Training:
+    seq: int = 4096
+    """Tokens per sequence."""
+    micro_batch: int = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    recompute: str = "none"
+    """``none``, ``selective`` or ``full`` activation recomputation."""
+    optimizer: str = "adamw"
+    grad_dtype: str = "bf16"
+    """Dtype gradients are kept and reduced in; ``fp32`` for FP32 accumulation."""
+    overhead_gb: float = 2.0
+    """Fixed allowance per GPU: CUDA context, communication buffers, GEMM workspaces."""
+    fragmentation: float = 0.05
+    """Allocator fragmentation, as a fraction of everything else."""
+
+    def __post_init__(self) -> None:
+        check_positive_int("seq", self.seq)
+        check_positive_int("micro_batch", self.micro_batch)
+        check_choice("recompute", self.recompute, RECOMPUTE)
+        check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("grad_dtype", self.grad_dtype, GRAD_BYTES)
+        if not self.overhead_gb >= 0:
+            fail("overhead_gb", "a non-negative number of GB", self.overhead_gb)
+        if not 0 <= self.fragmentation < 1:
+            fail("fragmentation", "a fraction in [0, 1)", self.fragmentation)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per micro-batch."""
+        return self.seq * self.micro_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Component:
+    name: str
+    bytes: float
+    formula: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    stage: int
+    layers: tuple[int, int]
+    """``(dense, moe)`` blocks on this stage."""
+    components: tuple[Component, ...]
+
+    @property
+    def total(self) -> float:
+        return sum(c.bytes for c in self.components)
+
+
+@dataclass(frozen=True, slots=True)
+class _Params:
+    """Parameters one GPU of a stage holds, before ZeRO sharding."""
+
+    dense: float
+    """All but the routed experts: ZeRO shards these over dp."""
+    expert: float
+    """Routed experts: ZeRO shards these over dp / ep."""
+    quantized: float
+    lp_dense: float
+    """Bytes of the low-precision copies."""
+    lp_expert: float
+    largest_block: float
+
+
+def stage_layers(m: ModelSpec, pp: int, stage: int) -> tuple[int, int]:
+    """``(dense, moe)`` blocks on ``stage`` of a balanced split; dense blocks come first."""
+    lo, hi = stage * m.n_layers // pp, (stage + 1) * m.n_layers // pp
+    dense = max(0, min(hi, m.n_dense_layers) - lo)
+    return dense, hi - lo - dense
+
+
+def _block_params(m: ModelSpec, moe: bool, recipe: RecipeCost, tp: int, ep: int) -> _Params:
+    dense = expert = quant = lp_dense = lp_expert = 0.0
+    for lin in block_linears(m, moe):
+        n = lin.numel / lin.shards(tp) / (ep if lin.expert else 1)
+        lp = n * recipe.weight.bytes_per_element(lin.d_in, n) if recipe.quantizes and lin.quantized else 0.0
+        quant += n if lp else 0.0
+        if lin.expert:
+            expert, lp_expert = expert + n, lp_expert + lp
+        else:
+            dense, lp_dense = dense + n, lp_dense + lp
+    dense += block_norm_params(m)
+    return _Params(dense, expert, quant, lp_dense, lp_expert, dense + expert)
+
+
+def _stage_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -> _Params:
+    counts = dict(zip((False, True), stage_layers(m, par.pp, stage)))
+    blocks = [(_block_params(m, moe, recipe, par.tp, par.ep), counts[moe]) for moe, _ in block_kinds(m)]
+    table = m.vocab * m.d_model / par.tp  # vocabulary-parallel embedding and LM head
+    extra = table if stage == 0 else 0.0
+    if stage == par.pp - 1:  # a tied head shares the embedding only when both sit on one stage
+        extra += m.d_model + (table if not m.tied_embeddings or par.pp > 1 else 0.0)
+    total = lambda f: sum(getattr(p, f) * n for p, n in blocks)  # noqa: E731
+    return _Params(total("dense") + extra, total("expert"), total("quantized"), total("lp_dense"),
+                   total("lp_expert"), max((p.largest_block for p, n in blocks if n), default=0.0))
+
+
+def _sharded(name: str, per_param: float, p: _Params, par: Parallel, sharded: bool) -> Component:
+    div, div_e = (par.dp, par.dp // par.ep) if sharded else (1, 1)
+    nbytes = per_param * (p.dense / div + p.expert / div_e)
+    formula = f"{per_param:g} B x {count(p.dense)} params" + (f" / dp {div}" if div > 1 else "")
+    if p.expert:
+        formula += f" + {per_param:g} B x {count(p.expert)} expert params" + (f" / {div_e}" if div_e > 1 else "")
+    return Component(name, nbytes, formula)
+
+
+def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training) -> list[Component]:
+    out = [_sharded("weights (bf16)", HP_BYTES, p, par, par.zero >= 3)]
+    if recipe.quantizes:
+        div, div_e = (par.dp, par.dp // par.ep) if par.zero >= 3 else (1, 1)
+        nbytes = p.lp_dense / div + p.lp_expert / div_e
+        per = (p.lp_dense + p.lp_expert) / p.quantized if p.quantized else 0.0
+        formula = f"{per:.4g} B x {count(p.quantized)} quantized params" + (" (ZeRO-3 sharded)" if div > 1 else "")
+        out.append(Component(f"low-precision weight copy ({recipe.name})", nbytes, formula))
+    else:
+        out.append(Component("low-precision weight copy", 0.0, "none: the GEMMs read the BF16 weights"))
+    grad = GRAD_BYTES[train.grad_dtype]
+    out.append(_sharded(f"gradients ({train.grad_dtype})", grad, p, par, par.zero >= 2))
+    out.append(_sharded("master weights (fp32)", MASTER_BYTES, p, par, par.zero >= 1))
+    opt = OPTIMIZERS[train.optimizer]
+    out.append(_sharded(f"optimizer moments ({opt.name})", opt.moment_bytes, p, par, par.zero >= 1))
+    return out
+
+
+def _activations(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Training, stage: int) -> list[Component]:
+    counts = dict(zip((False, True), stage_layers(m, par.pp, stage)))
+    in_flight = par.pp - stage  # 1F1B: stage s holds pp - s micro-batches
+    scale = train.tokens * in_flight / par.tp
+    groups: dict[str, float] = {}
+    for moe, _ in block_kinds(m):
+        for group, per_token in block_bytes(m, moe, recipe, train.recompute).items():
+            groups[group] = groups.get(group, 0.0) + per_token * counts[moe]
+    where = f"{in_flight} micro-batch(es) x {train.tokens} tokens" + (f" / tp {par.tp}" if par.tp > 1 else "")
+    out = [Component(f"activations: {g}", b * scale, f"{count(b)} B/token summed over {sum(counts.values())} layers x {where}")
+           for g, b in groups.items() if b]
+    if train.recompute == "full" and sum(counts.values()):
+        worst = max(sum(block_bytes(m, moe, recipe, "none").values()) for moe, n in counts.items() if n)
+        out.append(Component("activations: recomputed block", worst * train.tokens / par.tp,
+                             f"{count(worst)} B/token, one block rebuilt at a time"))
+    if stage == par.pp - 1:
+        per_token = sum(s.bytes(recipe) for s in output_saved(m))
+        out.append(Component("activations: output", per_token * train.tokens / par.tp,
+                             f"{count(per_token)} B/token (final norm, LM head input, FP32 logits)"))
+    return out
+
+
+def stage_memory(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Training, stage: int) -> StageMemory:
+    p = _stage_params(m, recipe, par, stage)
+    parts = _states(p, recipe, par, train) + _activations(m, recipe, par, train, stage)
+    rest = sum(c.bytes for c in parts)
+    gather = 2 * p.largest_block * HP_BYTES if par.zero == 3 else 0.0
+    overhead = train.overhead_gb * GB + gather + train.fragmentation * rest
+    formula = f"{train.overhead_gb:g} GB fixed + {train.fragmentation:g} x the rest" + (
+        f" + 2 gathered blocks x {count(p.largest_block)} params x 2 B" if gather else "")
+    parts.append(Component("overhead", overhead, formula))
+    return StageMemory(stage, stage_layers(m, par.pp, stage), tuple(parts))
+
+
+def check_layout(m: ModelSpec, par: Parallel) -> None:
+    check_parallel_fits(m, par.tp, par.ep)
+    if par.pp > m.n_layers:
+        fail("pp", f"at most the {m.n_layers} layers of {m.name}", par.pp)
+
+
+def memory_per_gpu(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Training) -> StageMemory:
+    """Memory of the fullest pipeline stage."""
+    check_layout(m, par)
+    return max((stage_memory(m, recipe, par, train, s) for s in range(par.pp)), key=lambda s: s.total)
+
+
+def fewest_gpus(m: ModelSpec, recipe: RecipeCost, capacity_gb: float, train: Training, *, tp: int = 1,
+                pp: int = 1, ep: int = 1, zero: int = 0, max_dp: int = 1 << 20) -> int | None:
+    """The fewest GPUs (tp x pp x dp, dp a multiple of ep) whose fullest stage fits, or None."""
+    def fits(k: int) -> bool:
+        par = Parallel(gpus=tp * pp * ep * k, tp=tp, pp=pp, ep=ep, zero=zero)
+        return memory_per_gpu(m, recipe, par, train).total <= capacity_gb * GB
+
+    hi = max(1, max_dp // ep)
+    if not fits(hi):
+        return None
+    lo = 1  # memory never grows with dp, so the smallest fitting dp is found by bisection
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return tp * pp * ep * lo
