@@ -1,0 +1,103 @@
+"""A plan as JSON-ready data and as text tables."""
+from __future__ import annotations
+
+from lowprec._table import format_table
+from lowprec.plan.gpus import GPUS
+from lowprec.plan.layers import count_params
+from lowprec.plan.units import GB
+from lowprec.plan.models import all_presets
+from lowprec.plan.planner import Plan
+
+
+def _gb(nbytes: float) -> float:
+    return round(nbytes / GB, 3)
+
+
+def plan_to_dict(p: Plan) -> dict:
+    c, par, t = p.config, p.parallel, p.throughput
+    train = c.training
+    return {
+        "model": {"name": p.model.name, "params": p.params.total, "active_params": p.params.active,
+                  "quantized_params": p.params.quantized, "layers": p.model.n_layers, "source": p.model.source},
+        "recipe": {"name": p.recipe.name, "gemms": dict(zip(("fprop", "dgrad", "wgrad"), p.recipe.gemms)),
+                   "note": p.recipe.note},
+        "gpu": {"name": p.gpu.key, "memory_gb": p.gpu.memory_gb, "source": p.gpu.source, "note": p.gpu.note},
+        "parallel": {"gpus": par.gpus, "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "zero": par.zero},
+        "training": {"seq": train.seq, "micro_batch": train.micro_batch, "recompute": train.recompute,
+                     "optimizer": train.optimizer, "grad_dtype": train.grad_dtype},
+        "memory": {
+            "stage": p.memory.stage,
+            "components": [{"name": x.name, "bytes": x.bytes, "gb": _gb(x.bytes), "formula": x.formula}
+                           for x in p.memory.components],
+            "total_gb": _gb(p.memory.total), "capacity_gb": p.gpu.memory_gb, "fits": p.fits,
+            "fewest_gpus": p.fewest_gpus,
+        },
+        "flops": [{"name": f.name, "flops_per_token": f.flops, "gemm": f.gemm, "peak_tflops": f.tflops,
+                   "native": f.native, "recompute": f.recompute, "formula": f.formula} for f in p.flops],
+        "throughput": {
+            "formula": "tokens/s = gpus x mfu / sum(flops_per_token / peak)",
+            "mfu": c.mfu, "model_flops_per_token": t.model_flops_per_token,
+            "effective_peak_tflops": t.effective_peak_tflops, "tokens_per_s": t.tokens_per_s,
+            "tokens_per_step": t.tokens_per_step, "step_s": t.step_s, "tokens": t.tokens, "days": t.days,
+            "gpu_hours": t.gpu_hours, "price_per_gpu_hour": c.price_per_gpu_hour, "cost": t.cost,
+        },
+    }
+
+
+def _fit_line(p: Plan) -> str:
+    used, cap = p.memory.total / GB, p.gpu.memory_gb
+    verdict = "fits" if p.fits else "does NOT fit"
+    line = f"{verdict}: {used:.1f} of {cap:g} GB per GPU ({100 * used / cap:.0f}%)"
+    par = p.parallel
+    layout = f"tp {par.tp} x pp {par.pp} x ep {par.ep}, ZeRO-{par.zero}"
+    if p.fewest_gpus is None:
+        return line + f"; no GPU count fits with {layout} (try --zero 3, more --tp/--pp, or --recompute full)"
+    return line + f"; fewest GPUs that fit with {layout}: {p.fewest_gpus}"
+
+
+def _time_lines(p: Plan) -> list[str]:
+    t = p.throughput
+    lines = [f"{t.tokens_per_s:,.0f} tokens/s on {p.parallel.gpus} GPUs "
+             f"(blended peak {t.effective_peak_tflops:,.0f} TFLOP/s per GPU at MFU {p.config.mfu:g}); "
+             f"step of {t.tokens_per_step:,} tokens: {t.step_s:.3g} s"]
+    if t.days is not None:
+        line = f"{t.tokens:.3g} tokens: {t.days:,.1f} days, {t.gpu_hours:,.0f} GPU-hours"
+        lines.append(line + (f", cost {t.cost:,.0f}" if t.cost is not None else ""))
+    return lines
+
+
+def format_plan(p: Plan) -> str:
+    m, par, train = p.model, p.parallel, p.config.training
+    head = [
+        f"{m.name} ({p.params.total / 1e9:.2f}B params, {p.params.active / 1e9:.2f}B active), recipe "
+        f"{p.recipe.name}, {par.gpus} x {p.gpu.key} (tp {par.tp}, pp {par.pp}, ep {par.ep}, dp {par.dp}, "
+        f"ZeRO-{par.zero})",
+        f"seq {train.seq} x micro-batch {train.micro_batch}, recompute {train.recompute}, "
+        f"optimizer {train.optimizer}, gradients {train.grad_dtype}",
+        "",
+        f"memory per GPU (pipeline stage {p.memory.stage}, the fullest; "
+        f"{p.memory.layers[0] + p.memory.layers[1]} layers)",
+    ]
+    rows = [[x.name, f"{x.bytes / GB:.2f}", x.formula] for x in p.memory.components]
+    rows.append(["total", f"{p.memory.total / GB:.2f}", ""])
+    flops = [[f.name, f.gemm + ("" if f.native else " (emulated: bf16 peak)"), f"{f.tflops:g}",
+              f"{f.flops / 1e9:.4g}", f.formula] for f in p.flops]
+    return "\n".join(head + [format_table(["component", "GB", "formula"], rows), "", _fit_line(p), "",
+                             "FLOPs per token by GEMM format",
+                             format_table(["part", "format", "peak TFLOP/s", "GFLOP", "formula"], flops), ""]
+                     + _time_lines(p))
+
+
+def gpu_table() -> str:
+    rows = [[g.key, g.name, f"{g.memory_gb:g}", f"{g.hbm_tb_s:g}", f"{g.link_gb_s:g}",
+             " ".join(f"{f}={v:g}" for f, v in g.peaks), g.source + (f" ({g.note})" if g.note else "")]
+            for g in GPUS.values()]
+    return format_table(["gpu", "name", "GB", "HBM TB/s", "link GB/s", "dense TFLOP/s", "source"], rows)
+
+
+def model_table() -> str:
+    rows = []
+    for key, m in all_presets().items():
+        c = count_params(m)
+        rows.append([key, f"{c.total / 1e9:.3f}B", f"{c.active / 1e9:.3f}B", m.n_layers, m.d_model, m.source])
+    return format_table(["model", "params", "active", "layers", "d_model", "source"], rows)
