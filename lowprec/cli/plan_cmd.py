@@ -1,0 +1,57 @@
+"""``lowprec plan``: memory per GPU, GPUs needed, and time and cost to train a model with a recipe."""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import click
+
+from lowprec.cli.app import main
+from lowprec.plan.gpus import GPUS
+from lowprec.plan.memory import Training
+from lowprec.plan.planner import PlanConfig, plan
+from lowprec.plan.recipes import GRAD_BYTES, OPTIMIZERS, RECIPES
+from lowprec.plan.report import format_plan, gpu_table, model_table, plan_to_dict
+
+
+def _show(table: Callable[[], str]) -> Callable:
+    """An eager flag's callback: print ``table()`` and exit before the required options are checked."""
+    def callback(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            click.echo(table())
+            ctx.exit()
+    return callback
+
+
+@main.command("plan")
+@click.option("--model", required=True, help="A preset (see --list-models) or a Hugging Face config.json / its folder.")
+@click.option("--recipe", default="bf16", show_default=True, help="One of " + ", ".join(RECIPES) + ".")
+@click.option("--gpu", default="h100", show_default=True, help="One of " + ", ".join(GPUS) + ".")
+@click.option("--gpus", type=int, default=None, help="GPUs to plan for [default: the fewest that fit].")
+@click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline stages.")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (MoE).")
+@click.option("--seq", type=int, default=4096, show_default=True, help="Sequence length.")
+@click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--recompute", default="none", show_default=True, help="none, selective or full.")
+@click.option("--optimizer", default="adamw", show_default=True, help="One of " + ", ".join(OPTIMIZERS) + ".")
+@click.option("--grad-dtype", default="bf16", show_default=True, help="One of " + ", ".join(GRAD_BYTES) + ".")
+@click.option("--tokens", type=float, default=None, help="Tokens to train on (e.g. 15e12), for days and cost.")
+@click.option("--mfu", type=float, default=0.4, show_default=True, help="Fraction of dense peak achieved.")
+@click.option("--price-per-gpu-hour", type=float, default=None, help="Price of one GPU-hour, for the cost.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+@click.option("--list-gpus", is_flag=True, expose_value=False, is_eager=True, callback=_show(gpu_table),
+              help="Print the accelerator table and exit.")
+@click.option("--list-models", is_flag=True, expose_value=False, is_eager=True, callback=_show(model_table),
+              help="Print the model presets and exit.")
+def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp: int, pp: int, ep: int,
+             seq: int, micro_batch: int, recompute: str, optimizer: str, grad_dtype: str,
+             tokens: float | None, mfu: float, price_per_gpu_hour: float | None, as_json: bool) -> None:
+    """Memory per GPU by component, whether it fits, the fewest GPUs that fit, and time and cost."""
+    training = Training(seq=seq, micro_batch=micro_batch, recompute=recompute, optimizer=optimizer,
+                        grad_dtype=grad_dtype)
+    config = PlanConfig(model=model, recipe=recipe, gpu=gpu, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero,
+                        training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
+    result = plan(config)
+    click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else format_plan(result))

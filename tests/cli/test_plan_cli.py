@@ -1,0 +1,84 @@
+"""``lowprec plan`` and ``lowprec info`` through the command line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lowprec.cli import main
+from lowprec.plan.layers import count_params
+from lowprec.plan.models import PRESETS
+
+
+def _run(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_plan_table_shows_components_fit_and_time():
+    r = _run("plan", "--model", "llama-3-70b", "--recipe", "fp8-current", "--gpu", "h200", "--gpus", "64",
+             "--tp", "8", "--zero", "3", "--tokens", "15e12", "--price-per-gpu-hour", "2.5")
+    assert r.exit_code == 0, r.output
+    for text in ("weights (bf16)", "low-precision weight copy (fp8-current)", "master weights (fp32)",
+                 "optimizer moments (adamw)", "activations: attention", "overhead", "fits:",
+                 "fewest GPUs that fit", "tokens/s on 64 GPUs", "days", "cost"):
+        assert text in r.output
+
+
+def test_plan_json_carries_formulas_and_matches_the_textbook():
+    r = _run("plan", "--model", "llama-3-70b", "--recipe", "bf16", "--gpu", "h100", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    parts = {c["name"]: c for c in data["memory"]["components"]}
+    p = count_params(PRESETS["llama-3-70b"]).total
+    assert parts["weights (bf16)"]["bytes"] == 2 * p and parts["weights (bf16)"]["formula"].startswith("2 B x")
+    assert all(c["formula"] for c in data["memory"]["components"] if c["bytes"])
+    assert data["memory"]["fits"] is False and data["memory"]["fewest_gpus"] is None  # 1.1 TB, no sharding
+    assert data["parallel"]["gpus"] == 1 and data["throughput"]["days"] is None
+    assert {f["gemm"] for f in data["flops"]} == {"bf16"}
+
+
+def test_plan_defaults_to_the_fewest_gpus_that_fit():
+    data = json.loads(_run("plan", "--model", "llama-3-8b", "--gpu", "h100", "--zero", "3", "--json").output)
+    assert data["parallel"]["gpus"] == data["memory"]["fewest_gpus"] and data["memory"]["fits"]
+
+
+def test_plan_reads_a_hugging_face_config(tmp_path):
+    cfg = {"hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+           "vocab_size": 32000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    data = json.loads(_run("plan", "--model", str(tmp_path), "--json").output)
+    assert data["model"]["params"] == 6_738_415_616
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu", "h300"], "Error: gpu: expected one of a100"),
+    (["--model", "llama-9"], "Error: model: expected one of"),
+    (["--tp", "3"], "Error: tp: expected a divisor of the 64 attention heads of llama-3-70b, got 3"),
+    (["--tokens", "-1"], "Error: tokens: expected a positive finite number, got -1.0"),
+    (["--recipe", "fp3"], "Error: recipe: expected one of"),
+    (["--recompute", "half"], "Error: recompute: expected one of 'none', 'selective', 'full', got 'half'"),
+])
+def test_plan_bad_input_is_one_clear_line(args, message):
+    base = {"--model": "llama-3-70b"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    r = _run("plan", *[x for kv in base.items() for x in kv])
+    assert r.exit_code == 1
+    assert message in r.output and "Traceback" not in r.output
+
+
+def test_plan_lists_gpus_and_models_without_a_model():
+    gpus = _run("plan", "--list-gpus")
+    assert gpus.exit_code == 0 and "mi355x" in gpus.output and "datasheet" in gpus.output
+    models = _run("plan", "--list-models")
+    assert models.exit_code == 0 and "deepseek-v3" in models.output and "ref-1b" in models.output
+
+
+def test_info_lists_the_cpu_and_versions():
+    r = _run("info")
+    assert r.exit_code == 0, r.output
+    assert "none: every format emulated" in r.output and "torch" in r.output
+    data = json.loads(_run("info", "--json").output)
+    assert data["devices"][0]["device"] == "cpu"
+    assert {row["library"] for row in data["libraries"]} >= {"python", "torch", "numpy", "lowprec"}
