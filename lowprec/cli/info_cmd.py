@@ -1,4 +1,5 @@
-"""``lowprec info``: this machine's devices, the formats each runs natively, and library versions.
+"""``lowprec info``: this machine's devices, the formats each runs natively, the path each recipe's
+GEMMs take on each device, and library versions.
 
 The output is a list of :class:`Section`; :func:`info_sections` builds it, so adding a section is
 one more call there.
@@ -9,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 import click
+import torch
 
 from lowprec._table import format_table
 from lowprec.cli.app import main
@@ -39,8 +41,23 @@ def versions_section() -> Section:
     return Section("libraries", ("library", "version"), tuple(library_versions()))
 
 
+def recipe_paths_section() -> Section:
+    """Per recipe and device: the path each GEMM takes (cublas = native tensor cores, emulated =
+    exact quantized values through a high-precision GEMM, hp = no low-precision operands)."""
+    from lowprec import recipes as R
+    from lowprec.convert import recipe_paths
+
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    rows = []
+    for dev in devices:
+        for name in R.names():
+            p = recipe_paths(R.get(name), dev)
+            rows.append((dev, name, p["fprop"], p["dgrad"], p["wgrad"]))
+    return Section("recipe paths", ("device", "recipe", "fprop", "dgrad", "wgrad"), tuple(rows))
+
+
 def info_sections() -> list[Section]:
-    return [devices_section(), versions_section()]
+    return [devices_section(), recipe_paths_section(), versions_section()]
 
 
 @main.command("info")
