@@ -19,6 +19,8 @@ def hadamard_matrix(block: int, seed: int | None = None, device=None, dtype=torc
     """The orthonormal ``block x block`` matrix ``D H / sqrt(block)``."""
     if isinstance(block, bool) or not isinstance(block, int) or block < 1 or block & (block - 1):
         fail("block", "a power of two", describe(block))
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        fail("seed", "an int or None", describe(seed), TypeError)
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < block:  # Sylvester: H_2n = [[H, H], [H, -H]]
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -32,9 +34,9 @@ def hadamard_matrix(block: int, seed: int | None = None, device=None, dtype=torc
 def hadamard(x: torch.Tensor, block: int = 16, seed: int | None = None, inverse: bool = False) -> torch.Tensor:
     """Transform each run of ``block`` elements along x's last dimension (see module doc)."""
     check_tensor("x", x)
+    m = hadamard_matrix(block, seed, device=x.device, dtype=torch.float32)  # checks block before x % block
     if x.dim() == 0 or x.shape[-1] % block:
         fail("x", f"a last dimension divisible by block={block}", describe(x))
-    m = hadamard_matrix(block, seed, device=x.device, dtype=torch.float32)
     if inverse:
         m = m.T
     xb = x.float().unflatten(-1, (-1, block))  # (..., K / block, block)
