@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from lowprec._checks import describe, fail
+from lowprec._checks import check_positive_int, describe, fail
 
 
 class ScaleRule(enum.Enum):
@@ -104,20 +104,33 @@ def columnwise() -> Granularity:
     return Granularity(block_rows=None, block_cols=1)
 
 
+# The constructors check their own arguments so that an error names the argument the caller
+# passed (``block``), not the field it lands in (``block_cols``).
+
+
 def blockwise(rows: int = 1, cols: int = 128) -> Granularity:
     """FP32 scales per ``rows x cols`` block: ``(1, 128)`` for activations, ``(128, 128)`` for weights."""
+    for name, v in (("rows", rows), ("cols", cols)):
+        if v is not None:
+            check_positive_int(name, v)
     return Granularity(block_rows=rows, block_cols=cols)
 
 
 def mx(block: int = 32, rule: str | ScaleRule = ScaleRule.FLOOR) -> Granularity:
     """MX blocks of ``block`` elements along the reduction dimension with E8M0 scales."""
-    rule = ScaleRule(rule) if isinstance(rule, str) else rule
-    if rule not in (ScaleRule.FLOOR, ScaleRule.CEIL):
-        fail("rule", "'floor' or 'ceil' for MX scales", describe(rule))
+    check_positive_int("block", block)
+    mx_rules = (ScaleRule.FLOOR, ScaleRule.CEIL)
+    if isinstance(rule, str) and rule in [r.value for r in mx_rules]:
+        rule = ScaleRule(rule)
+    if rule not in mx_rules:
+        fail("rule", "'floor' or 'ceil' (or ScaleRule.FLOOR/CEIL) for MX scales", describe(rule))
     return Granularity(block_rows=1, block_cols=block, rule=rule)
 
 
 def nvfp4(block: int = 16, two_d: bool = False) -> Granularity:
     """NVFP4: E4M3 scales per ``block`` elements (``block x block`` tiles with ``two_d``, as the
     NVFP4 recipe quantizes weights so that W and W.T share scales) and one FP32 global scale."""
+    check_positive_int("block", block)
+    if not isinstance(two_d, bool):
+        fail("two_d", "a bool", describe(two_d), TypeError)
     return Granularity(block_rows=block if two_d else 1, block_cols=block, rule=ScaleRule.NVFP4)
