@@ -5,7 +5,7 @@
     with lowprec.autocast(enabled=False):      # a region in high precision
         ...
 """
-from lowprec import formats, quant, recipes
+from lowprec import formats, optim, quant, recipes
 from lowprec.autocast import autocast
 from lowprec.convert import ConversionReport, convert, recipe_paths
 from lowprec.policy import Policy
@@ -15,5 +15,5 @@ from lowprec.recipes import Recipe
 __version__ = "0.1.0"
 __all__ = [
     "ConversionReport", "Policy", "QuantizedTensor", "Recipe", "autocast", "convert", "dequantize", "formats",
-    "quant", "quantize", "recipe_paths", "recipes", "__version__",
+    "optim", "quant", "quantize", "recipe_paths", "recipes", "__version__",
 ]
