@@ -102,8 +102,8 @@ def test_tiny_amax_blocks_divide_by_nothing_and_make_no_inf(g, spec, fmt):
     ref = quantize_ref(x, fmt, spec)
     np.testing.assert_array_equal(q.scale.numpy(), ref.scale)
     np.testing.assert_array_equal(codes_of(q.data), ref.codes)
-    if spec.rule == "amax":
-        assert q.scale.min().item() == np.float32(2.0**-126) or q.scale.min().item() == 1.0
+    if spec.rule == "amax":  # amax / fmax is below FP32's normals here: clamped to 2^-126, never 0
+        assert q.scale.min().item() == 2.0**-126
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 37), (1, 1, 1), (2, 129)])
