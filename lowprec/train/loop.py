@@ -1,0 +1,244 @@
+"""The training loop: convert, then AdamW with the step guard, schedule, validation, logs, checkpoints.
+
+[Note: why a run is deterministic and resumes exactly]
+Everything random in a step is a function of saved state: the batch of step ``s`` is drawn from
+``(seed, s)`` alone (:meth:`TokenData.train_batch`), the learning rate is a function of ``s``
+(:func:`lr_at`), and the draws of stochastic rounding come from torch's global generators, which
+:func:`train` seeds at the start and a checkpoint saves and restores. With the model (delayed
+scaling state included), the optimizer (masters, moments, loss scale, spike window) and the
+history saved after step ``k``, a run resumed there repeats steps ``k+1..`` bit for bit on a CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+import lowprec
+from lowprec import recipes
+from lowprec._checks import fail
+from lowprec.autocast import autocast
+from lowprec.nn import Linear as LowprecLinear
+from lowprec.optim import Optimizer
+from lowprec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from lowprec.train.config import TrainConfig, check_resumable
+from lowprec.train.data import TokenData
+from lowprec.train.logs import RunLog
+from lowprec.train.memory import PeakMemory
+from lowprec.train.result import RunResult
+from lowprec.train.schedule import lr_at
+
+HP_START_RECIPE = "bf16"
+"""What the first ``hp_start_steps`` steps run in (DeepSeek-V3 starts its scales this way)."""
+
+
+@dataclass
+class _Run:
+    """The mutable state of one run, in one place."""
+
+    model: nn.Module
+    opt: Optimizer
+    data: TokenData
+    cfg: TrainConfig
+    device: torch.device
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) -> Optimizer:
+    """AdamW over the model: weight decay on matrices (ndim >= 2), none on norms; fp32 masters for bf16/fp16."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    low_precision_params = cfg.torch_dtype != torch.float32
+    loss_scale = "dynamic" if recipe.loss_scaling or cfg.torch_dtype == torch.float16 else None
+    return Optimizer([g for g in groups if g["params"]], torch.optim.AdamW, lr=cfg.lr, betas=(0.9, 0.95),
+                     master_weights=low_precision_params, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm)
+
+
+def _param_shapes(model: nn.Module) -> dict[str, list[int]]:
+    return {n: list(p.shape) for n, p in model.named_parameters()}
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None}
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _run_info(run: _Run) -> dict[str, Any]:
+    return {"train_config": run.cfg.to_dict(), "data": {"source": run.data.source,
+                                                        "fingerprint": run.data.fingerprint},
+            "param_shapes": _param_shapes(run.model), "lowprec_version": lowprec.__version__,
+            "torch_version": torch.__version__, "python_version": platform.python_version()}
+
+
+def _save(run: _Run, directory: Path) -> None:
+    state = {"model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "rng": _rng_state(run.device),
+             "history": run.history, "run": _run_info(run)}
+    save_checkpoint(directory, run.history[-1]["step"], state, keep=run.cfg.keep)
+
+
+def _resume(run: _Run, directory: Path) -> None:
+    path = latest_checkpoint(directory)
+    if path is None:
+        fail("resume", f"a checkpoint in {str(directory)!r}", "none (start without --resume)", FileNotFoundError)
+    step, state = load_checkpoint(path)
+    info = state["run"]
+    check_resumable(info["train_config"], run.cfg)
+    if info["data"]["fingerprint"] != run.data.fingerprint:
+        fail("data", f"the data the checkpoint was trained on ({info['data']['source']})", run.data.source)
+    if info["param_shapes"] != _param_shapes(run.model):
+        fail("model", "the model the checkpoint was trained on (same parameter names and shapes)",
+             "a different one")
+    if step > run.cfg.steps:
+        fail("steps", f"at least the checkpoint's step {step}", run.cfg.steps)
+    run.model.load_state_dict(state["model"])
+    run.opt.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"], run.device)
+    run.history = list(state["history"])
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> float:
+    """Mean cross-entropy (nats per token) over fixed validation batches."""
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        logits = model(x.to(device))  # (B, T, vocab)
+        total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()).item()
+    model.train()
+    for m in model.modules():
+        if isinstance(m, LowprecLinear):
+            # a weight cast cached here would spare the next step its cast, and a resumed run has no
+            # such cache: dropping it keeps both on the same path (and delayed histories equal)
+            m.clear_cache()
+    return total / len(batches)
+
+
+def _recipe_region(cfg: TrainConfig, step: int) -> contextlib.AbstractContextManager:
+    """BF16 during the high-precision start, else the recipe the model was converted to."""
+    return autocast(HP_START_RECIPE) if step <= cfg.hp_start_steps else contextlib.nullcontext()
+
+
+def _train_step(run: _Run, step: int) -> dict[str, Any]:
+    cfg = run.cfg
+    lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len)  # (M, B, T)
+    start = time.perf_counter()
+    loss_sum = torch.zeros((), device=run.device)
+    # backward inside the region too: the override must hold while the backward GEMMs pick their casts
+    with _recipe_region(cfg, step):
+        for x, y in zip(inputs, targets):
+            logits = run.model(x.to(run.device, non_blocking=True))  # (B, T, vocab)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
+            run.opt.backward(loss / cfg.grad_accum)
+            loss_sum += loss.detach()
+    loss_value = loss_sum.item() / cfg.grad_accum
+    result = run.opt.step(loss=loss_value)
+    seconds = time.perf_counter() - start
+    return {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
+            "loss_scale": result.loss_scale, "skipped": result.skipped, "spike": result.spike,
+            "recipe": HP_START_RECIPE if step <= cfg.hp_start_steps else cfg.recipe,
+            "tokens_per_s": cfg.tokens_per_step / seconds}
+
+
+def _steps(run: _Run, first: int) -> Iterator[int]:
+    interactive = run.cfg.progress and sys.stderr.isatty()
+    bar = tqdm(range(first, run.cfg.steps + 1), initial=first - 1, total=run.cfg.steps, disable=not interactive,
+               desc=run.cfg.recipe, unit="step", dynamic_ncols=True, file=sys.stderr)
+    with contextlib.closing(bar):
+        for step in bar:
+            yield step
+            row = run.history[-1]
+            bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
+
+
+def _loop(run: _Run, log: RunLog | None, ckpt_dir: Path | None, on_step: Callable[[dict], None] | None) -> bool:
+    """Train from the step after the history's last to ``cfg.steps``; True if the run diverged."""
+    cfg, started = run.cfg, time.perf_counter()
+    in_a_row = 0
+    for step in _steps(run, run.history[-1]["step"] + 1 if run.history else 1):
+        row = _train_step(run, step)
+        in_a_row = in_a_row + 1 if row["skipped"] else 0
+        diverged = in_a_row >= cfg.max_skips_in_row
+        if (step % cfg.eval_every == 0 or step == cfg.steps) and not diverged:
+            with _recipe_region(cfg, step):  # validated as it was trained at this step
+                row["val_loss"] = evaluate(run.model, run.val, run.device)
+        row["elapsed_s"] = time.perf_counter() - started
+        run.history.append(row)
+        if log is not None:
+            log.write(row)
+        if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+            _save(run, ckpt_dir)
+        if on_step is not None:
+            on_step(row)
+        if diverged:
+            return True
+    return False
+
+
+def _throughput(history: list[dict[str, Any]]) -> float:
+    # the median ignores the first steps' one-time costs and a resumed run's restart
+    rates = [r["tokens_per_s"] for r in history[1:] or history]
+    return statistics.median(rates) if rates else math.nan
+
+
+def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str | Path | None = None,
+          resume: bool = False, checkpoints: bool = True,
+          on_step: Callable[[dict[str, Any]], None] | None = None) -> RunResult:
+    """Convert ``model`` (high precision, unconverted) to ``cfg.recipe`` and train it on ``data``.
+
+    Seeds torch's global generators from ``cfg.seed`` (stochastic rounding draws from them).
+    With ``out_dir``: ``log.csv``, ``tensorboard/`` and, with ``checkpoints``, ``checkpoints/``;
+    ``resume`` continues from the newest checkpoint there. ``on_step`` sees each step's log row
+    after it is written and checkpointed (an exception from it stops the run there).
+    """
+    recipe = recipes.get(cfg.recipe)
+    device = torch.device(cfg.device)
+    if resume and out_dir is None:
+        fail("resume", "an output directory holding checkpoints", "out_dir=None")
+    # cast before converting, so scaling state the converted layers hold stays float32
+    model.to(device=device, dtype=cfg.torch_dtype)
+    conversion = str(lowprec.convert(model, recipe))
+    torch.manual_seed(cfg.seed)
+    run = _Run(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
+               val=data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len))
+    out = Path(out_dir) if out_dir is not None else None
+    ckpt_dir = out / "checkpoints" if out is not None and checkpoints else None
+    if resume:
+        _resume(run, out / "checkpoints")
+    elif ckpt_dir is not None and latest_checkpoint(ckpt_dir) is not None:
+        # a fresh run among an older run's checkpoints could later resume from the wrong one
+        fail("out_dir", "a directory without checkpoints, or resume=True to continue the run in it",
+             f"{str(out)!r} holding {latest_checkpoint(ckpt_dir).name}")
+    memory = PeakMemory(device)
+    memory.reset()
+    log = RunLog(out, run.history, cfg.tensorboard) if out is not None else None
+    try:
+        diverged = _loop(run, log, ckpt_dir, on_step)
+    finally:
+        if log is not None:
+            log.close()
+        run.opt.remove_hooks()
+    return RunResult(recipe=cfg.recipe, history=tuple(run.history), tokens_per_s=_throughput(run.history),
+                     peak_memory_bytes=memory.peak_bytes(), diverged=diverged, conversion=conversion,
+                     out_dir=str(out) if out is not None else None)

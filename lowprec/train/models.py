@@ -1,0 +1,73 @@
+"""Which model to train: a preset of the reference decoder, or a Hugging Face causal LM.
+
+A Hugging Face model comes from a local directory (``config.json``, and weights if present) or a
+``config.json`` file, through ``transformers`` (the optional ``hf`` extra). It is wrapped so that,
+like the reference model, it maps token ids (B, T) to logits (B, T, vocab); its LM head keeps its
+Hugging Face name, ``lm_head``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowprec._checks import fail
+from lowprec.train.model import PRESETS, build_model
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    """The preset name or the path it was loaded from."""
+    config: dict[str, Any]
+    n_params: int
+
+
+class HFCausalLM(nn.Module):
+    """A ``transformers`` causal LM seen as ``tokens -> logits``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, use_cache=False).logits  # (B, T, vocab)
+
+
+def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[str, Any]]:
+    try:
+        import transformers
+    except ImportError:
+        fail("model", "a preset or, with the optional 'hf' extra (pip install 'lowprec[hf]') installed, a "
+             "Hugging Face config", f"{str(path)!r} but transformers is not installed", ValueError)
+    directory = path if path.is_dir() else path.parent
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    if config.vocab_size < vocab_size:
+        fail("model", f"a vocabulary of at least {vocab_size} tokens for this data", config.vocab_size)
+    has_weights = any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
+    if path.is_dir() and has_weights:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+    else:
+        torch.manual_seed(seed)  # transformers initialises from the global generator
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    return HFCausalLM(model), config.to_dict()
+
+
+def load_model(spec: str, *, vocab_size: int = 256, seed: int = 0) -> tuple[nn.Module, ModelSpec]:
+    """``spec``: a preset name (``tiny``, ``small``, ``125m``, ``350m``, ``1b``) or a Hugging Face path.
+
+    The reference decoder is built with ``vocab_size`` (the data's) and initialised from ``seed``.
+    """
+    if spec in PRESETS:
+        cfg = replace(PRESETS[spec], vocab_size=vocab_size)
+        model: nn.Module = build_model(cfg, seed)
+        config = asdict(cfg)
+    elif Path(spec).exists():
+        model, config = _load_hf(Path(spec), vocab_size, seed)
+    else:
+        fail("model", "one of " + ", ".join(map(repr, PRESETS)) + " or a path to a Hugging Face config",
+             repr(spec))
+    return model, ModelSpec(name=spec, config=config, n_params=sum(p.numel() for p in model.parameters()))
