@@ -56,6 +56,14 @@ def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[st
     return HFCausalLM(model), config.to_dict()
 
 
+def check_model_spec(spec: str) -> str:
+    """``spec`` if it names a preset or an existing path, else ``ValueError`` listing the presets."""
+    if spec not in PRESETS and not Path(spec).exists():
+        fail("model", "one of " + ", ".join(map(repr, PRESETS)) + " or a path to a Hugging Face config",
+             repr(spec))
+    return spec
+
+
 def load_model(spec: str, *, vocab_size: int = 256, seed: int = 0) -> tuple[nn.Module, ModelSpec]:
     """``spec``: a preset name (``tiny``, ``small``, ``125m``, ``350m``, ``1b``) or a Hugging Face path.
 
@@ -65,9 +73,6 @@ def load_model(spec: str, *, vocab_size: int = 256, seed: int = 0) -> tuple[nn.M
         cfg = replace(PRESETS[spec], vocab_size=vocab_size)
         model: nn.Module = build_model(cfg, seed)
         config = asdict(cfg)
-    elif Path(spec).exists():
-        model, config = _load_hf(Path(spec), vocab_size, seed)
     else:
-        fail("model", "one of " + ", ".join(map(repr, PRESETS)) + " or a path to a Hugging Face config",
-             repr(spec))
+        model, config = _load_hf(Path(check_model_spec(spec)), vocab_size, seed)
     return model, ModelSpec(name=spec, config=config, n_params=sum(p.numel() for p in model.parameters()))

@@ -1,0 +1,116 @@
+"""``lowprec train``: train a model in one recipe, with logs and resumable checkpoints."""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import warnings
+from typing import Any, Callable, Iterator
+
+import click
+
+from lowprec import recipes
+from lowprec.cli.app import main
+from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
+from lowprec.train.data import load_data
+from lowprec.train.loop import train
+from lowprec.train.models import load_model
+
+_OPTIONS: list[Callable] = [
+    click.option("--model", default="tiny", show_default=True,
+                 help="A preset (tiny, small, 125m, 350m, 1b) or a Hugging Face config file or directory."),
+    click.option("--steps", type=int, default=300, show_default=True, help="Optimizer steps."),
+    click.option("--data", default=None,
+                 help="A text file or directory, or a .npy/.bin token file. Default: the embedded corpus."),
+    click.option("--token-dtype", default="uint16", show_default=True, help="Element type of a .bin token file."),
+    click.option("--batch-size", type=int, default=16, show_default=True),
+    click.option("--seq-len", type=int, default=128, show_default=True),
+    click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step."),
+    click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak learning rate."),
+    click.option("--warmup-steps", type=int, default=None, help="Default: a tenth of --steps."),
+    click.option("--eval-every", type=int, default=None, help="Default: a sixth of --steps."),
+    click.option("--val-batches", type=int, default=8, show_default=True),
+    click.option("--hp-start-steps", type=int, default=0, show_default=True,
+                 help="Run the first N steps in BF16 before switching to the recipe."),
+    click.option("--seed", type=int, default=0, show_default=True),
+    click.option("--device", default=None, help="Default: cuda if available, else cpu."),
+    click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+                 help="Parameter dtype. Default: bfloat16 on CUDA, float32 on the CPU."),
+    click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
+    click.option("--quiet", is_flag=True, help="No progress bar."),
+    click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
+]
+
+
+def training_options(fn: Callable) -> Callable:
+    """The options ``train`` and ``compare`` share."""
+    for option in reversed(_OPTIONS):
+        fn = option(fn)
+    return fn
+
+
+def config_from_options(recipe: str, opts: dict[str, Any], **extra: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from the shared options, with the device-dependent defaults filled in."""
+    steps = opts["steps"]
+    # steps <= 0 is left for TrainConfig to refuse, with its message
+    positive = steps > 0
+    device = opts["device"] or default_device()
+    return TrainConfig(
+        recipe=recipe, steps=steps, batch_size=opts["batch_size"], seq_len=opts["seq_len"],
+        grad_accum=opts["grad_accum"], lr=opts["lr"],
+        warmup_steps=opts["warmup_steps"] if opts["warmup_steps"] is not None else max(1, steps // 10) * positive,
+        eval_every=opts["eval_every"] if opts["eval_every"] is not None else max(1, steps // 6),
+        val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
+        device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
+        tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], **extra)
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Warnings (e.g. "GEMMs are emulated on cpu") as one ``warning: ...`` line each, without source lines."""
+    with warnings.catch_warnings():  # restores the default display on exit
+        warnings.showwarning = lambda message, *_args, **_kw: click.echo(f"warning: {message}", err=True)
+        yield
+
+
+def fmt_memory(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / (1 << 30):.2f} GiB"
+
+
+@main.command("train")
+@click.option("--recipe", default="bf16", show_default=True, help="One of: " + ", ".join(recipes.names()) + ".")
+@click.option("--out", default="runs/train", show_default=True, help="Directory for logs and checkpoints.")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in --out.")
+@click.option("--save-every", type=int, default=0, show_default=True,
+              help="A checkpoint every N steps (0: only at the end).")
+@click.option("--keep", type=int, default=3, show_default=True, help="Checkpoints kept.")
+@training_options
+def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, **opts: Any) -> None:
+    """Train a model in one recipe; logs and checkpoints go to --out."""
+    recipes.get(recipe)  # an unknown recipe is refused before anything is built
+    cfg = config_from_options(recipe, opts, save_every=save_every, keep=keep)
+    data = load_data(opts["data"], token_dtype=opts["token_dtype"])
+    model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
+    if not opts["quiet"] and not opts["as_json"]:
+        click.echo(f"{spec.name}: {spec.n_params:,} parameters, recipe {recipe}, {cfg.steps} steps on "
+                   f"{cfg.device} ({cfg.dtype}); data: {data.source}", err=True)
+    with one_line_warnings():
+        result = train(model, data, cfg, out_dir=out, resume=resume)
+    summary = {"recipe": recipe, "steps": result.steps, "final_train_loss": _finite(result.final_train_loss),
+               "final_val_loss": _finite(result.final_val_loss), "tokens_per_s": _finite(result.tokens_per_s),
+               "peak_memory_bytes": result.peak_memory_bytes, "skipped_steps": result.skipped_steps,
+               "diverged": result.diverged, "data_sha256": data.fingerprint, "out": out}
+    if opts["as_json"]:
+        click.echo(json.dumps(summary, indent=1))
+        return
+    click.echo(f"step {result.steps}: train loss {result.final_train_loss:.4f}, val loss "
+               f"{result.final_val_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s, peak memory "
+               f"{fmt_memory(result.peak_memory_bytes)}, {result.skipped_steps} skipped steps"
+               + (" -- DIVERGED" if result.diverged else ""))
+    click.echo(f"log: {out}/log.csv, checkpoints: {out}/checkpoints")
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
