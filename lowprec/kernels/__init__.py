@@ -55,6 +55,14 @@ def quantize_pair(
     of a linear layer need (``x`` for one GEMM, ``x.T`` for another), in one call so that a kernel can
     read ``x`` once. With the same per-tensor configuration on both sides the transposed copy is the
     transposed data under the same scale."""
+    backend = backend or quantize_backend(x, fmt, granularity, rounding)
+    if backend == "triton" and x.dim() == 2:
+        from lowprec.kernels import triton_quant
+
+        fused = triton_quant.quantize_pair(x, fmt, granularity, fmt_t, granularity_t, rounding=rounding,
+                                           rounding_t=rounding_t, scale=scale, generator=generator)
+        if fused is not None:  # one read of x for both casts
+            return fused[0], fused[1]
     q = quantize(x, fmt, granularity, rounding=rounding, scale=scale, generator=generator, backend=backend)
     same = (granularity.block_rows is None and granularity.block_cols is None and granularity == granularity_t
             and q.fmt.name == str(fmt_t) and rounding == rounding_t == "nearest")

@@ -55,16 +55,27 @@ def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast
 
 
 def _exact_in_bf16(q: QuantizedTensor) -> bool:
-    # element mantissa bits + scale mantissa bits (0 for E8M0, 3 for E4M3) must fit BF16's 7
+    """Whether the values the GEMM multiplies are exact in BF16: the elements alone where the scales
+    stay outside (tensor, row), else element times block scale, whose significand bits (the
+    element's, plus 0 for E8M0 or 3 for E4M3 scales) must fit BF16's 7."""
+    if q.fmt.bits > 8:
+        return False
+    if q.granularity.block_cols is None:
+        return q.fmt.man_bits <= 7
     scale_bits = {"e8m0": 0, "e4m3": 3, "fp32": 99}[q.granularity.scale_format]
-    return q.fmt.bits <= 8 and q.fmt.man_bits + scale_bits <= 7
+    return q.fmt.man_bits + scale_bits <= 7
 
 
 def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(values to multiply, per-row output scale or None). Scales constant along K stay outside."""
-    v = q.values()  # (Mp, Kp) float32
     if q.granularity.block_cols is None:
-        return v.to(dtype), q.scale.repeat_interleave(q.block_shape[0], 0)  # (Mp, 1)
+        v = q.data.to(dtype) if q.fmt.torch_dtype is not None else q.values().to(dtype)  # exact
+        return v, q.scale  # (1, 1) or (Mp, 1): broadcasts over the output's rows
+    if dtype == torch.bfloat16 and q.data.is_cuda:
+        from lowprec.kernels.triton_dequant import block_values_bf16  # Triton, imported on CUDA only
+
+        return block_values_bf16(q), None  # one fused pass: decode x block scale -> BF16
+    v = q.values()  # (Mp, Kp) float32
     mb, kb = q.scale.shape
     br, bc = q.block_shape
     v = (v.view(mb, br, kb, bc) * q.scale[:, None, :, None]).view(v.shape)
@@ -76,6 +87,7 @@ def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) ->
     dtype = torch.bfloat16 if cuda and _exact_in_bf16(a) and _exact_in_bf16(b) else torch.float32
     va, sa = _operand(a, dtype)
     vb, sb = _operand(b, dtype)
+    # BF16 operands, FP32 accumulation and FP32 output (the scales below multiply in FP32)
     out = torch.mm(va, vb.t(), out_dtype=torch.float32) if dtype != torch.float32 else va @ vb.t()
     if sa is not None:
         out = out * sa

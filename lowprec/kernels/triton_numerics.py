@@ -1,0 +1,167 @@
+"""Triton device functions for exact rounding and scale rules, shared by the quantization kernels.
+
+[Note: exact arithmetic in Triton]
+The kernels must equal ``lowprec.quant.quantize`` bit for bit, on the GPU and in Triton's CPU
+interpreter alike, so nothing here trusts a float conversion or an approximate instruction:
+
+* rounding onto a format is done on integers: ``a = t * 2^(binade - man_bits)`` with ``t`` split into
+  ``floor(t)`` and its exact fraction, then rounded half to even (or up when ``rand < frac``), and the
+  bit code assembled from the binade and the rounded ``t``. FP8 data is stored as these codes (a uint8
+  view of the float8 tensor), so no fp32 -> fp8 conversion runs (the interpreter gets those wrong
+  where rounding carries into the next binade; it also truncates fp32 -> bf16);
+* powers of two are built from their bits (:func:`exp2i`), so 2^-127 (an FP32 subnormal, the
+  smallest E8M0 scale) is exact and never flushed to zero;
+* division is ``div_rn`` (IEEE round-to-nearest); Triton's ``/`` on float32 may be approximate;
+* maxima are taken on the int32 bits of ``|x|``: for non-negative floats integer order is float order
+  and every NaN sorts above inf, so a NaN propagates where ``tl.max`` on floats would drop it.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Format specials (see lowprec.formats.Special) and scale rules (lowprec.quant.ScaleRule), as ints.
+SPECIAL_NONE, SPECIAL_FN, SPECIAL_IEEE = 0, 1, 2
+RULE_AMAX, RULE_FLOOR, RULE_CEIL, RULE_NVFP4 = 0, 1, 2, 3
+
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+_F32_NAN_BITS = tl.constexpr(0x7FC00000)  # torch.nan: the NaN every non-finite block's scale holds
+_F32_TINY = tl.constexpr(1.1754943508222875e-38)  # 2^-126, FP32's smallest normal (quant.scales._TINY)
+_E4M3_MAX = tl.constexpr(448.0)
+
+
+@triton.jit
+def exp2i(e):
+    """``2^e`` as float32 for int32 ``e`` in [-149, 127], exactly (subnormals included)."""
+    normal = (e + 127) << 23
+    sub = 1 << tl.minimum(tl.maximum(e + 149, 0), 30)  # e <= -127: a subnormal's single bit
+    return tl.where(e >= -126, normal, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def abs_bits(v):
+    """int32 bits of ``|v|`` (float32): ordered like the magnitudes, NaN above inf."""
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def grid_round(a, rnd, EMIN: tl.constexpr, MAN: tl.constexpr, STOCH: tl.constexpr):
+    """Round finite ``a >= 0`` onto a grid of ``MAN`` mantissa bits with smallest binade ``EMIN``.
+
+    Returns ``(binade, r)`` with the rounded value ``r * 2^(binade - MAN)``; ``r`` may reach
+    ``2^(MAN+1)`` when rounding carries into the next binade. Nearest rounds half to even; stochastic
+    rounds up exactly when ``rnd < frac`` (``lowprec.formats.round_to``'s rule)."""
+    binade = tl.maximum((abs_bits(a) >> 23) - 127, EMIN)
+    t = a * exp2i(MAN - binade)  # exact: a power of two, and t < 2^(MAN+1) is normal
+    fl = t.to(tl.int32)  # floor, t >= 0
+    frac = t - fl.to(tl.float32)  # exact
+    if STOCH:
+        up = rnd < frac
+    else:
+        up = (frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))
+    return binade, fl + up.to(tl.int32)
+
+
+@triton.jit
+def to_codes(v, nan_sign, rnd, EXP: tl.constexpr, MAN: tl.constexpr, SPECIAL: tl.constexpr,
+             SAT: tl.constexpr, STOCH: tl.constexpr):
+    """Bit codes (int32, sign at bit EXP+MAN) of float32 ``v`` rounded onto a float format.
+
+    ``nan_sign`` (0/1) is the sign a NaN result carries: the sign of the unscaled input, as the
+    reference's CPU division keeps it. Overflow saturates with ``SAT``, else goes to inf (IEEE) or NaN
+    (FN); inf becomes NaN where the format has no inf. Formats without NaN never see non-finite values
+    (their callers zero non-finite blocks, or run the reference)."""
+    BIAS = (1 << (EXP - 1)) - 1
+    NAN_CODE = (1 << (EXP + MAN)) - 1
+    INF_CODE = ((1 << EXP) - 1) << MAN
+    if SPECIAL == 2:
+        MAX_CODE = INF_CODE - 1
+    elif SPECIAL == 1:
+        MAX_CODE = NAN_CODE - 1
+    else:
+        MAX_CODE = NAN_CODE
+    vb = v.to(tl.int32, bitcast=True)
+    ab = vb & 0x7FFFFFFF
+    is_nan = ab > 0x7F800000
+    is_inf = ab == 0x7F800000
+    a = tl.where(is_nan | is_inf, 0, ab).to(tl.float32, bitcast=True)
+    binade, r = grid_round(a, rnd, 1 - BIAS, MAN, STOCH)
+    mag = ((binade + BIAS - 1) << MAN) + r  # the code's magnitude bits; carries move up a binade
+    if SAT:
+        mag = tl.minimum(mag, MAX_CODE)
+    elif SPECIAL == 2:
+        mag = tl.where(mag > MAX_CODE, INF_CODE, mag)
+    else:
+        mag = tl.where(mag > MAX_CODE, NAN_CODE, mag)
+    if SPECIAL == 2:
+        mag = tl.where(is_inf, INF_CODE, mag)
+    else:
+        mag = tl.where(is_inf, NAN_CODE, mag)
+    mag = tl.where(is_nan, NAN_CODE, mag)
+    sign = tl.where(is_nan, nan_sign, (vb >> 31) & 1)
+    return mag | (sign << (EXP + MAN))
+
+
+@triton.jit
+def round_e4m3(s):
+    """Finite ``s >= 0`` rounded to nearest E4M3, saturating at 448, as float32 (an NVFP4 block scale)."""
+    binade, r = grid_round(s, s, -6, 3, False)
+    value = r.to(tl.float32) * exp2i(binade - 3)
+    return tl.minimum(value, _E4M3_MAX)
+
+
+@triton.jit
+def round_to_dtype(v, DTYPE: tl.constexpr):
+    """float32 ``v`` rounded to nearest-even bf16 / fp16 and back, on integers (see the module note)."""
+    if DTYPE == tl.bfloat16:
+        b = v.to(tl.int32, bitcast=True)
+        rounded = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # 0xFFFF0000
+        is_nan = (b & 0x7FFFFFFF) > 0x7F800000
+        out = tl.where(is_nan, b, rounded).to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        vb = v.to(tl.int32, bitcast=True)
+        ab = vb & 0x7FFFFFFF
+        finite = ab < 0x7F800000
+        a = tl.where(finite, ab, 0).to(tl.float32, bitcast=True)
+        binade, r = grid_round(a, a, -14, 10, False)
+        mag = r.to(tl.float32) * exp2i(binade - 10)
+        mag = tl.where(mag > 65504.0, float("inf"), mag)
+        signed = (mag.to(tl.int32, bitcast=True) | (vb & -2147483648)).to(tl.float32, bitcast=True)
+        out = tl.where(finite, signed, v)
+    else:
+        out = v
+    return out
+
+
+@triton.jit
+def scale_from_amax(amax_bits, g, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr):
+    """Dequantizing float32 scale of a block from the int32 bits of its amax (``lowprec.quant.scales``):
+    NaN for a block holding inf or NaN. ``g`` is NVFP4's global scale (unused by other rules)."""
+    finite = amax_bits < _F32_INF_BITS
+    amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)
+    if RULE == 0:
+        s = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FMAX), _F32_TINY), 1.0)
+    elif RULE == 1:
+        e = (amax_bits >> 23) - 127 - EMAX  # floor(log2(amax)) - emax; subnormal amax clamps below
+        e = tl.where(finite & (amax > 0), e, -127)
+        s = exp2i(tl.minimum(tl.maximum(e, -127), 127))
+    elif RULE == 2:
+        ratio = tl.math.div_rn(amax, FMAX)
+        rb = ratio.to(tl.int32, bitcast=True)
+        ef = rb >> 23
+        mant = rb & 0x7FFFFF
+        # ceil(log2(ratio)): exact powers of two keep their exponent; a subnormal ratio is above
+        # 2^-127 exactly when its mantissa exceeds 2^22 (and the result clamps to -127 anyway).
+        e = tl.where(ef > 0, ef - 127 + (mant != 0).to(tl.int32), tl.where(mant > 0x400000, -126, -127))
+        e = tl.where(finite & (ratio > 0), e, -127)
+        s = exp2i(tl.minimum(tl.maximum(e, -127), 127))
+    else:  # a ratio beyond FP32 (a block amax far above the global one) saturates like any other
+        s = round_e4m3(tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, FMAX), g), 1e4))
+    return tl.where(finite, s.to(tl.int32, bitcast=True), _F32_NAN_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def nvfp4_global_scale(amax_bits, FMAX: tl.constexpr):
+    """NVFP4's FP32 global scale ``amax / (fmax * 448)`` from the bits of the finite-block amax; 1 when 0."""
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FMAX * _E4M3_MAX), _F32_TINY), 1.0)

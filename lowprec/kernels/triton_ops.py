@@ -1,0 +1,119 @@
+"""The Triton kernels as ``torch.library`` custom ops, with fake implementations.
+
+Registered as opaque ops (``custom_op`` + ``register_fake``) so that ``torch.compile`` keeps them in
+its graph without a break. Eager code calls the same implementations directly (``amax`` / ``cast``
+below), skipping the dispatcher's few tens of microseconds per call, which matter next to kernels of
+a few hundred. A plan travels as a tuple of ints (see ``triton_plan``); the kernel arguments it
+implies are worked out once per plan. Every output is a fresh tensor; unused outputs are empty.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from lowprec.kernels import triton_tiles as T
+from lowprec.kernels.triton_plan import Plan, Side, off_args
+
+
+@functools.lru_cache(maxsize=256)
+def _config(plan: tuple[int, ...]) -> tuple[Plan, tuple[int, int], dict, dict]:
+    """(plan, grid, amax-kernel constants, cast-kernel constants) of a plan."""
+    p = Plan.from_ints(list(plan))
+    bm, bk, warps = p.tile
+    even = p.m % bm == 0 and p.k % bk == 0
+    grid = (triton.cdiv(p.m, bm), triton.cdiv(p.k, bk))
+    amax_kw = dict(BM=bm, BK=bk, EVEN=even, num_warps=warps)
+    for suffix, s in (("A", p.a), ("B", p.b)):
+        kind = s.amax_kind if s is not None else T.AMAX_NONE
+        block = s.block if s is not None else (1, 1)
+        amax_kw.update({f"KIND_{suffix}": kind, f"HAD_{suffix}": int(bool(s and s.hadamard)),
+                        f"BR_{suffix}": block[0], f"BC_{suffix}": block[1]})
+    cast_kw = dict(BM=bm, BK=bk, EVEN=even, RECORD=p.record, SHARE=p.share, num_warps=warps,
+                   **(p.a.kernel_args("A") if p.a else off_args("A")),
+                   **(p.b.kernel_args("B") if p.b else off_args("B")))
+    return p, grid, amax_kw, cast_kw
+
+
+def _amax_len(s: Side | None, p: Plan, transposed: bool) -> int:
+    if s is None or s.amax_kind == T.AMAX_NONE:
+        return 0
+    return (p.k if transposed else p.m) if s.amax_kind == T.AMAX_LINES else 1
+
+
+def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 bits of the amaxes each side's cast needs (one per tensor or per line). ``hmat``: the
+    Hadamard matrix where a side transforms (unused pointers get x: any live allocation will do)."""
+    hmat = x if hmat is None else hmat
+    p, grid, kw, _ = _config(plan)
+    amax_a = torch.zeros(_amax_len(p.a, p, False), dtype=torch.int32, device=x.device)
+    amax_b = torch.zeros(_amax_len(p.b, p, True), dtype=torch.int32, device=x.device)
+    a_ptr, b_ptr = (t if t.numel() else hmat for t in (amax_a, amax_b))
+    T.amax_kernel[grid](x, x.stride(0), x.stride(1), p.m, p.k, hmat, a_ptr, b_ptr, **kw)
+    return amax_a, amax_b
+
+
+def _outputs(x: torch.Tensor, s: Side | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if s is None:
+        return x.new_empty(0, dtype=torch.uint8), x.new_empty(0), x.new_empty(0)
+    return (x.new_empty(s.out_shape, dtype=s.format.storage_dtype), x.new_empty(s.scale_shape, dtype=torch.float32),
+            x.new_empty((), dtype=torch.float32))
+
+
+def cast(
+    x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
+    given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None, seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """(data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits) of one tile pass."""
+    hmat = x if hmat is None else hmat
+    p, grid, _, kw = _config(plan)
+    data_a, scale_a, g_a = _outputs(x, p.a)
+    data_b, scale_b, g_b = _outputs(x, p.b)
+    record = torch.zeros(1 if p.record else 0, dtype=torch.int32, device=x.device)
+
+    def ptr(t: torch.Tensor | None) -> torch.Tensor:
+        # Unused pointers get a live allocation (x, or hmat): an empty tensor may have no address.
+        return t if t is not None and t.numel() else hmat
+
+    def dims(s: Side | None) -> tuple[int, int, int, int]:
+        return (*s.out_shape, *s.scale_shape) if s is not None else (0, 0, 0, 0)
+
+    ra, ca, sra, sca = dims(p.a)
+    rb, cb, srb, scb = dims(p.b)
+    T.cast_kernel[grid](
+        x, x.stride(0), x.stride(1), p.m, p.k, hmat, ptr(given), ptr(seed), ptr(record),
+        ptr(amax_a), ptr(rand_a), ptr(data_a.view(torch.uint8)), ra, ca, ptr(scale_a), sra, sca, ptr(g_a),
+        ptr(amax_b), ptr(rand_b), ptr(data_b.view(torch.uint8)), rb, cb, ptr(scale_b), srb, scb, ptr(g_b),
+        HW=x.is_cuda, **kw,
+    )
+    return data_a, scale_a, g_a, data_b, scale_b, g_b, record
+
+
+@torch.library.custom_op("lowprec::tile_amax", mutates_args=())
+def tile_amax(x: torch.Tensor, plan: list[int], hmat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`amax` as an op."""
+    return amax(x, tuple(plan), hmat)
+
+
+@tile_amax.register_fake
+def _(x, plan, hmat):
+    p = Plan.from_ints(plan)
+    return (x.new_empty(_amax_len(p.a, p, False), dtype=torch.int32),
+            x.new_empty(_amax_len(p.b, p, True), dtype=torch.int32))
+
+
+@torch.library.custom_op("lowprec::tile_cast", mutates_args=())
+def tile_cast(
+    x: torch.Tensor, plan: list[int], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
+    given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None,
+    seed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`cast` as an op."""
+    return cast(x, tuple(plan), hmat, amax_a, amax_b, given, rand_a, rand_b, seed)
+
+
+@tile_cast.register_fake
+def _(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
+    p = Plan.from_ints(plan)
+    return (*_outputs(x, p.a), *_outputs(x, p.b), x.new_empty(1 if p.record else 0, dtype=torch.int32))

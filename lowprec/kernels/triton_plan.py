@@ -1,0 +1,164 @@
+"""From a cast (format, granularity, rounding) to the constants of the Triton kernels.
+
+A :class:`Side` is one output of a tile pass (see [Note: tiles and sides] in ``triton_tiles``): what
+it quantizes, how its scale is found and where it goes. :class:`Plan` is the two sides plus the
+tile; it travels to the ``torch.library`` ops as a flat list of ints (ops take no dataclasses).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowprec import formats as F
+from lowprec.kernels import triton_numerics as N
+from lowprec.kernels import triton_tiles as T
+from lowprec.quant import Granularity, ScaleRule
+
+FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
+"""Element formats the kernels write; a format's index is its code in a plan."""
+_RULES = {ScaleRule.AMAX: N.RULE_AMAX, ScaleRule.FLOOR: N.RULE_FLOOR, ScaleRule.CEIL: N.RULE_CEIL,
+          ScaleRule.NVFP4: N.RULE_NVFP4}
+_SPECIALS = {F.Special.NONE: N.SPECIAL_NONE, F.Special.FN: N.SPECIAL_FN, F.Special.IEEE: N.SPECIAL_IEEE}
+MAX_BLOCK = 128
+"""Largest block edge a tile holds (blocks must be powers of two up to this)."""
+
+
+def _pow2(n) -> bool:
+    return isinstance(n, int) and 0 < n <= MAX_BLOCK and n & (n - 1) == 0
+
+
+def _roundup(n: int, b: int) -> int:
+    return -(-n // b) * b
+
+
+@dataclass(frozen=True, slots=True)
+class Side:
+    """One quantized output of a tile pass."""
+
+    fmt: int
+    """Index into :data:`FORMATS`."""
+    mode: int
+    """``triton_tiles.MODE_*``: where the scale comes from."""
+    rule: int
+    block: tuple[int, int]
+    """Block edges in x's coordinates (LOCAL mode; 1 x 1 otherwise)."""
+    rounding: int
+    """``triton_tiles.ROUND_*``."""
+    hadamard: bool
+    saturate: bool
+    out_shape: tuple[int, int]
+    """The padded 2-D view of this side's tensor (x for side A, x.T for side B)."""
+    scale_shape: tuple[int, int]
+
+    @property
+    def amax_kind(self) -> int:
+        """What the amax pass must reduce for this side before it can be cast."""
+        if self.mode == T.MODE_TENSOR:
+            return T.AMAX_TENSOR
+        if self.mode == T.MODE_LINES:
+            return T.AMAX_LINES
+        if self.mode == T.MODE_LOCAL and self.rule == N.RULE_NVFP4:
+            return T.AMAX_FINITE_BLOCKS
+        return T.AMAX_NONE
+
+    @property
+    def format(self) -> F.Format:
+        return F.get(FORMATS[self.fmt])
+
+    def to_ints(self) -> list[int]:
+        return [1, self.fmt, self.mode, self.rule, *self.block, self.rounding, int(self.hadamard),
+                int(self.saturate), *self.out_shape, *self.scale_shape]
+
+    @staticmethod
+    def from_ints(v: list[int]) -> Side | None:
+        if not v[0]:
+            return None
+        return Side(v[1], v[2], v[3], (v[4], v[5]), v[6], bool(v[7]), bool(v[8]), (v[9], v[10]), (v[11], v[12]))
+
+    def kernel_args(self, suffix: str) -> dict:
+        f = self.format
+        args = dict(ON=True, EXP=f.exp_bits, MAN=f.man_bits, SPECIAL=_SPECIALS[f.special], FMAX=f.max,
+                    EMAX=f.emax, MODE=self.mode, RULE=self.rule, BR=self.block[0], BC=self.block[1],
+                    ROUND=self.rounding, HAD=int(self.hadamard), SAT=int(self.saturate))
+        return {f"{k}_{suffix}": v for k, v in args.items()}
+
+
+_OFF = [0] * 13
+
+
+def off_args(suffix: str) -> dict:
+    args = dict(ON=False, EXP=4, MAN=3, SPECIAL=1, FMAX=448.0, EMAX=8, MODE=0, RULE=0, BR=1, BC=1, ROUND=0,
+                HAD=0, SAT=1)
+    return {f"{k}_{suffix}": v for k, v in args.items()}
+
+
+def side(fmt: F.Format, g: Granularity, rounding: str, saturate: bool, *, transposed: bool, rows: int,
+         cols: int, given_scale: torch.Tensor | None = None, rand: bool = False, hadamard: bool = False) -> Side | None:
+    """The side casting a ``rows x cols`` view (x for side A; x.T, so ``rows = K``, for side B) as
+    ``fmt``/``g``, or None where the kernels do not cover the cast (the reference runs instead)."""
+    if fmt.name not in FORMATS or (not saturate and fmt.special is F.Special.NONE):
+        return None
+    br, bc = g.block_rows, g.block_cols
+    rule = _RULES[g.rule]
+    if given_scale is not None:
+        if (br, bc) != (None, None) or given_scale.numel() != 1:
+            return None
+        mode = T.MODE_GIVEN
+    elif (br, bc) == (None, None):
+        mode = T.MODE_TENSOR
+    elif (br, bc) == (1, None):
+        mode = T.MODE_LINES
+    elif _pow2(br) and _pow2(bc):
+        mode = T.MODE_LOCAL
+    else:
+        return None
+    if hadamard and (mode != T.MODE_LOCAL or bc % 16):
+        return None
+    ebr, ebc = br or rows, bc or cols
+    out_shape = (_roundup(rows, ebr), _roundup(cols, ebc))
+    scale_shape = (out_shape[0] // ebr, out_shape[1] // ebc)
+    block = (br, bc) if mode == T.MODE_LOCAL else (1, 1)
+    if transposed:
+        block = block[::-1]
+    rnd = T.ROUND_NEAREST if rounding == "nearest" else (T.ROUND_RAND if rand else T.ROUND_PHILOX)
+    return Side(FORMATS.index(fmt.name), mode, rule, block, rnd, hadamard, saturate, out_shape, scale_shape)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    m: int
+    k: int
+    a: Side | None
+    b: Side | None
+    record: bool = False
+    """Also reduce x's amax (delayed scaling records it)."""
+    num_warps: int = 0
+    """Warps per tile; 0 picks 32 elements per thread."""
+
+    @property
+    def share(self) -> bool:
+        """Side B is side A transposed (one scale for the tensor, same format and rounding)."""
+        a, b = self.a, self.b
+        if a is None or b is None or a.mode not in (T.MODE_TENSOR, T.MODE_GIVEN):
+            return False
+        key = lambda s: (s.fmt, s.mode, s.rule, s.rounding, s.hadamard, s.saturate)  # noqa: E731
+        return key(a) == key(b) and a.rounding == T.ROUND_NEAREST and not a.hadamard
+
+    @property
+    def tile(self) -> tuple[int, int, int]:
+        """``(BM, BK, num_warps)``: 64 x 128 unless a block needs more (every LOCAL block divides the
+        tile, so no block straddles two programs)."""
+        bm, bk = 64, 128
+        for s in (self.a, self.b):
+            if s is not None and s.mode == T.MODE_LOCAL:
+                bm, bk = max(bm, s.block[0]), max(bk, s.block[1])
+        return bm, bk, self.num_warps or max(4, min(16, bm * bk // (32 * 32)))
+
+    def to_ints(self) -> list[int]:
+        return [self.m, self.k, int(self.record), self.num_warps, *(self.a.to_ints() if self.a else _OFF),
+                *(self.b.to_ints() if self.b else _OFF)]
+
+    @staticmethod
+    def from_ints(v: list[int]) -> Plan:
+        return Plan(v[0], v[1], Side.from_ints(v[4:17]), Side.from_ints(v[17:30]), bool(v[2]), v[3])

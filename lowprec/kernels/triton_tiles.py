@@ -1,0 +1,333 @@
+"""The Triton quantization kernels: a pass that reduces amaxes, and a pass that casts.
+
+[Note: tiles and sides]
+Both kernels walk the 2-D view ``x (M, K)`` in tiles of ``BM x BK`` and read each tile once. From
+that tile they serve up to two *sides*: side A quantizes ``x`` along K (row-major output), side B
+quantizes ``x.T`` along M (its output is written transposed, as the weight-gradient GEMM wants it).
+Each side has its own format, granularity, rounding and optional Hadamard transform, so one read of
+``x`` gives both casts a linear layer needs. A side's scale comes from one of:
+
+=============  ======================================================================  ==========
+mode           scale                                                                   passes
+=============  ======================================================================  ==========
+LOCAL          blocks that fit in the tile (1x128, 128x128, MX-32, NVFP4-16, ...)      one (NVFP4:
+                                                                                       two, global)
+TENSOR         one amax, reduced beforehand by ``amax_kernel``                         two
+LINES          one amax per line along the side's reduction dimension (row-wise)        two
+GIVEN          a known scale (delayed scaling); the cast can record the new amax       one
+=============  ======================================================================  ==========
+
+Block shapes are given in ``x``'s coordinates (side B's ``br x bc`` blocks of ``x.T`` are ``bc x br``
+blocks of ``x``). Padding follows ``lowprec.quant``: each side's output covers its blocks, and the
+padded region holds zero codes.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lowprec.kernels.triton_numerics import abs_bits, nvfp4_global_scale, round_to_dtype, scale_from_amax, to_codes
+
+MODE_LOCAL, MODE_TENSOR, MODE_LINES, MODE_GIVEN = 0, 1, 2, 3
+ROUND_NEAREST, ROUND_RAND, ROUND_PHILOX = 0, 1, 2
+AMAX_NONE, AMAX_TENSOR, AMAX_LINES, AMAX_FINITE_BLOCKS = 0, 1, 2, 3
+
+
+@triton.jit
+def _tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+    """This program's tile of x; ``EVEN``: the tiles cover x exactly, so no masks."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    ptrs = x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk
+    if EVEN:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    return x, pid_m, pid_k, offs_m, offs_k
+
+
+@triton.jit
+def _to_f32(x):
+    """x as float32, exactly: bf16 by its bits, since Triton's interpreter flushes bf16 subnormals."""
+    if x.dtype == tl.bfloat16:
+        v = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        v = x.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _dot16(t, h, DT: tl.constexpr):
+    if DT == tl.bfloat16:  # bf16 values and +-1/4 are exact in tf32: tensor cores, FP32 accumulation
+        out = tl.dot(t, h, input_precision="tf32")
+    else:
+        out = tl.dot(t, h, input_precision="ieee")
+    return out
+
+
+@triton.jit
+def _transform(v, h_ptr, DT: tl.constexpr, HAD: tl.constexpr, TRANS: tl.constexpr,
+               BM: tl.constexpr, BK: tl.constexpr):
+    """The values a side quantizes: the tile, Hadamard-transformed along the side's reduction
+    dimension and rounded back to x's dtype (as ``lowprec.quant.hadamard`` returns it)."""
+    if HAD:
+        ho = tl.arange(0, 16)
+        h = tl.load(h_ptr + ho[:, None] * 16 + ho[None, :])  # (16, 16) = D H / 4
+        if TRANS:
+            t = tl.reshape(tl.trans(v), (BK * BM // 16, 16))
+            v = tl.trans(tl.reshape(_dot16(t, h, DT), (BK, BM)))
+        else:
+            t = tl.reshape(v, (BM * BK // 16, 16))
+            v = tl.reshape(_dot16(t, h, DT), (BM, BK))
+        v = round_to_dtype(v, DT)
+    return v
+
+
+@triton.jit
+def _block_max(bits, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(BM // BR, BK // BC) maxima of int32 ``bits`` over ``BR x BC`` blocks."""
+    if BR == 1:
+        out = tl.max(tl.reshape(bits, (BM, BK // BC, BC)), axis=2)
+    elif BC == 1:
+        out = tl.max(tl.reshape(bits, (BM // BR, BR, BK)), axis=1)
+    else:
+        out = tl.max(tl.max(tl.reshape(bits, (BM // BR, BR, BK // BC, BC)), axis=3), axis=1)
+    return out
+
+
+@triton.jit
+def _expand(s, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """Per-block values ``(BM // BR, BK // BC)`` -> per element ``(BM, BK)``."""
+    if BR == 1:
+        out = tl.reshape(tl.broadcast_to(s[:, :, None], (BM, BK // BC, BC)), (BM, BK))
+    elif BC == 1:
+        out = tl.reshape(tl.broadcast_to(s[:, None, :], (BM // BR, BR, BK)), (BM, BK))
+    else:
+        out = tl.reshape(tl.broadcast_to(s[:, None, :, None], (BM // BR, BR, BK // BC, BC)), (BM, BK))
+    return out
+
+
+@triton.jit
+def _side_amax(v, offs_m, offs_k, M, K, amax_ptr, KIND: tl.constexpr, TRANS: tl.constexpr,
+               BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    bits = abs_bits(v)
+    if KIND == 1:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+    elif KIND == 2:
+        if TRANS:
+            tl.atomic_max(amax_ptr + offs_k, tl.max(bits, axis=0), mask=offs_k < K)
+        else:
+            tl.atomic_max(amax_ptr + offs_m, tl.max(bits, axis=1), mask=offs_m < M)
+    elif KIND == 3:  # NVFP4's global amax: the largest finite block amax
+        blk = _block_max(bits, BM, BK, BR, BC)
+        blk = tl.where(blk < 0x7F800000, blk, 0)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(blk, axis=1), axis=0))
+
+
+@triton.jit
+def amax_kernel(x_ptr, sxm, sxk, M, K, h_ptr, amax_a, amax_b,
+                BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                KIND_A: tl.constexpr, HAD_A: tl.constexpr, BR_A: tl.constexpr, BC_A: tl.constexpr,
+                KIND_B: tl.constexpr, HAD_B: tl.constexpr, BR_B: tl.constexpr, BC_B: tl.constexpr):
+    """Atomic maxima of ``|x|`` bits into int32 buffers (zero-initialized), per side."""
+    x, pid_m, pid_k, offs_m, offs_k = _tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
+    v = _to_f32(x)
+    if KIND_A != 0:
+        va = _transform(v, h_ptr, x.dtype, HAD_A, False, BM, BK)
+        _side_amax(va, offs_m, offs_k, M, K, amax_a, KIND_A, False, BM, BK, BR_A, BC_A)
+    if KIND_B != 0:
+        vb = _transform(v, h_ptr, x.dtype, HAD_B, True, BM, BK)
+        _side_amax(vb, offs_m, offs_k, M, K, amax_b, KIND_B, True, BM, BK, BR_B, BC_B)
+
+
+@triton.jit
+def _divisor(eff):
+    """(divisor, its reciprocal rounded to nearest, dead, in_range) for effective scales: NaN, inf
+    and zero scales mark dead blocks, whose data is zero; ``in_range`` says whether every divisor
+    lies in [2^-100, 2^100], where the reciprocal is a normal number (see ``_divide``)."""
+    eb = abs_bits(eff)
+    dead = (eb >= 0x7F800000) | (eb == 0)
+    d = tl.where(dead, 1.0, eff)
+    db = abs_bits(d)
+    in_range = (tl.min(db) >= 0x0D800000) & (tl.max(db) <= 0x71800000)  # 2^-100 .. 2^100
+    return d, tl.math.div_rn(1.0, d), dead, in_range
+
+
+@triton.jit
+def _divide(v, d, r, in_range, KIND: tl.constexpr):
+    """``v / d`` rounded to nearest, given ``r = RN(1/d)``.
+
+    KIND 0: powers of two, a product (exact). KIND 1: Markstein's correction, one exact FMA residual
+    and one FMA update, correctly rounded when ``r`` is normal and the quotient is above FP32's
+    subnormals (which round to zero in every target format anyway); amax scales always qualify.
+    KIND 2: scales of any size (given, NVFP4): the same where the whole tile's divisors are in range,
+    else a full division. A quotient that overflows keeps its inf, as the division would."""
+    if KIND == 0:
+        out = v * r
+    else:
+        q = v * r
+        out = tl.fma(tl.fma(-q, d, v), r, q)
+        out = tl.where(abs_bits(q) == 0x7F800000, q, out)
+        if KIND == 2:
+            if not in_range:
+                out = tl.math.div_rn(v, d)
+    return out
+
+
+@triton.jit
+def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr, g_ptr, s_rows, s_cols,
+                MODE: tl.constexpr, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
+                TRANS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """(divisor, reciprocal, dead, in_range), broadcastable to the tile; stores the side's scales (and NVFP4's
+    global scale). Scales are found per block, per line or once, never per element."""
+    first = (pid_m == 0) & (pid_k == 0)
+    if MODE == 0:
+        g = 1.0
+        if RULE == 3:
+            g = nvfp4_global_scale(tl.load(amax_ptr), FMAX)
+            if first:
+                tl.store(g_ptr, g)
+        s = scale_from_amax(_block_max(abs_bits(v), BM, BK, BR, BC), g, RULE, FMAX, EMAX)  # (BM/BR, BK/BC)
+        bi = pid_m * (BM // BR) + tl.arange(0, BM // BR)
+        bj = pid_k * (BK // BC) + tl.arange(0, BK // BC)
+        if TRANS:
+            tl.store(scale_ptr + bj[None, :] * s_cols + bi[:, None], s,
+                     mask=(bj[None, :] < s_rows) & (bi[:, None] < s_cols))
+        else:
+            tl.store(scale_ptr + bi[:, None] * s_cols + bj[None, :], s,
+                     mask=(bi[:, None] < s_rows) & (bj[None, :] < s_cols))
+        if RULE == 3:
+            s = s * g
+        d, r, dead, ok = _divisor(s)
+        d = _expand(d, BM, BK, BR, BC)
+        r = _expand(r, BM, BK, BR, BC)
+        dead = _expand(dead, BM, BK, BR, BC)
+    elif MODE == 1:
+        s = scale_from_amax(tl.load(amax_ptr), 1.0, RULE, FMAX, EMAX)
+        if first:
+            tl.store(scale_ptr, s)
+        d, r, dead, ok = _divisor(tl.zeros((1, 1), tl.float32) + s)
+    elif MODE == 2:
+        if TRANS:
+            s = scale_from_amax(tl.load(amax_ptr + offs_k, mask=offs_k < K, other=0), 1.0, RULE, FMAX, EMAX)
+            if pid_m == 0:
+                tl.store(scale_ptr + offs_k, s, mask=offs_k < K)
+            d, r, dead, ok = _divisor(s[None, :])
+        else:
+            s = scale_from_amax(tl.load(amax_ptr + offs_m, mask=offs_m < M, other=0), 1.0, RULE, FMAX, EMAX)
+            if pid_k == 0:
+                tl.store(scale_ptr + offs_m, s, mask=offs_m < M)
+            d, r, dead, ok = _divisor(s[:, None])
+    else:
+        d, r, dead, ok = _divisor(tl.zeros((1, 1), tl.float32) + tl.load(given_ptr))
+    return d, r, dead, ok
+
+
+@triton.jit
+def _hw_fp8(scaled, nan_sign, EXP: tl.constexpr, FIX: tl.constexpr):
+    """FP8 codes by the GPU's conversion (round to nearest even, saturating: the reference's rule
+    for finite values). With ``FIX``, inf and NaN get the reference's codes (satfinite would clamp inf)."""
+    if EXP == 4:
+        c = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        c = scaled.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+    if FIX:
+        ab = abs_bits(scaled)
+        sign = (scaled.to(tl.int32, bitcast=True) >> 31) & 1
+        if EXP == 4:
+            special = tl.where(ab > 0x7F800000, nan_sign, sign) * 128 + 0x7F
+        else:
+            special = tl.where(ab > 0x7F800000, nan_sign * 128 + 0x7F, sign * 128 + 0x7C)
+        c = tl.where(ab >= 0x7F800000, special, c)
+    return c
+
+
+@triton.jit
+def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given_ptr, rand_ptr, seed_ptr,
+                scale_ptr, s_rows, s_cols, g_ptr,
+                EXP: tl.constexpr, MAN: tl.constexpr, SPECIAL: tl.constexpr, FMAX: tl.constexpr,
+                EMAX: tl.constexpr, MODE: tl.constexpr, RULE: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr, ROUND: tl.constexpr, HAD: tl.constexpr, SAT: tl.constexpr,
+                TRANS: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """uint8 codes of one side's tile, in x's coordinates; the side's scales stored on the way."""
+    v = _transform(v, h_ptr, x.dtype, HAD, TRANS, BM, BK)
+    d, r, dead, ok = _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr, g_ptr,
+                             s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC)
+    if (RULE == 1) | (RULE == 2):
+        scaled = _divide(v, d, r, ok, 0)
+    elif (RULE == 3) | (MODE == 3):
+        scaled = _divide(v, d, r, ok, 2)
+    else:
+        scaled = _divide(v, d, r, ok, 1)
+    nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
+    if HW and (MAN + EXP == 7) and SAT and ROUND == 0:
+        codes = _hw_fp8(scaled, nan_sign, EXP, MODE == 3)
+    else:
+        # Linear index in the side's own 2-D view: the reference's rand has that view's shape.
+        if TRANS:
+            lin = offs_k[None, :] * M + offs_m[:, None]
+            in_view = (offs_k[None, :] < K) & (offs_m[:, None] < M)
+        else:
+            lin = offs_m[:, None] * K + offs_k[None, :]
+            in_view = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        if ROUND == 1:
+            rnd = tl.load(rand_ptr + lin, mask=in_view, other=0.0)
+        elif ROUND == 2:
+            rnd = tl.rand(tl.load(seed_ptr), lin)
+        else:
+            rnd = scaled
+        codes = to_codes(scaled, nan_sign, rnd, EXP, MAN, SPECIAL, SAT, ROUND != 0)
+    return tl.where(dead, 0, codes).to(tl.uint8)
+
+
+@triton.jit
+def _store(codes, offs_m, offs_k, out_ptr, o_rows, o_cols, TRANS: tl.constexpr, EVEN: tl.constexpr):
+    """Codes to the side's output; with ``EVEN`` the output is x's shape (or x.T's): no masks."""
+    if TRANS:  # side B's output is x.T: rows along k
+        ptrs = out_ptr + offs_k[:, None] * o_cols + offs_m[None, :]
+        if EVEN:
+            tl.store(ptrs, tl.trans(codes))
+        else:
+            tl.store(ptrs, tl.trans(codes), mask=(offs_k[:, None] < o_rows) & (offs_m[None, :] < o_cols))
+    else:
+        ptrs = out_ptr + offs_m[:, None] * o_cols + offs_k[None, :]
+        if EVEN:
+            tl.store(ptrs, codes)
+        else:
+            tl.store(ptrs, codes, mask=(offs_m[:, None] < o_rows) & (offs_k[None, :] < o_cols))
+
+
+@triton.jit
+def cast_kernel(
+    x_ptr, sxm, sxk, M, K, h_ptr, given_ptr, seed_ptr, record_ptr,
+    amax_a, rand_a, out_a, o_rows_a, o_cols_a, scale_a, s_rows_a, s_cols_a, g_a,
+    amax_b, rand_b, out_b, o_rows_b, o_cols_b, scale_b, s_rows_b, s_cols_b, g_b,
+    BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, RECORD: tl.constexpr, HW: tl.constexpr,
+    SHARE: tl.constexpr,
+    ON_A: tl.constexpr, EXP_A: tl.constexpr, MAN_A: tl.constexpr, SPECIAL_A: tl.constexpr,
+    FMAX_A: tl.constexpr, EMAX_A: tl.constexpr, MODE_A: tl.constexpr, RULE_A: tl.constexpr,
+    BR_A: tl.constexpr, BC_A: tl.constexpr, ROUND_A: tl.constexpr, HAD_A: tl.constexpr, SAT_A: tl.constexpr,
+    ON_B: tl.constexpr, EXP_B: tl.constexpr, MAN_B: tl.constexpr, SPECIAL_B: tl.constexpr,
+    FMAX_B: tl.constexpr, EMAX_B: tl.constexpr, MODE_B: tl.constexpr, RULE_B: tl.constexpr,
+    BR_B: tl.constexpr, BC_B: tl.constexpr, ROUND_B: tl.constexpr, HAD_B: tl.constexpr, SAT_B: tl.constexpr,
+):
+    """Quantize one tile for side A (x along K) and side B (x.T along M); see [Note: tiles and sides].
+    ``SHARE``: side B is side A's cast transposed (one scale for the whole tensor), so its codes are
+    A's; ``HW``: FP8 codes by the GPU's conversion instruction (never in the CPU interpreter)."""
+    x, pid_m, pid_k, offs_m, offs_k = _tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
+    v = _to_f32(x)
+    if RECORD:  # delayed scaling: this tensor's amax, for the next step's scale
+        tl.atomic_max(record_ptr, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
+    if ON_A:
+        codes = _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_a, given_ptr, rand_a, seed_ptr,
+                            scale_a, s_rows_a, s_cols_a, g_a, EXP_A, MAN_A, SPECIAL_A, FMAX_A, EMAX_A, MODE_A,
+                            RULE_A, BR_A, BC_A, ROUND_A, HAD_A, SAT_A, False, HW, BM, BK)
+        _store(codes, offs_m, offs_k, out_a, o_rows_a, o_cols_a, False, EVEN)
+    if ON_B:
+        if not SHARE:
+            codes = _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_b, given_ptr, rand_b,
+                                seed_ptr + 1, scale_b, s_rows_b, s_cols_b, g_b, EXP_B, MAN_B, SPECIAL_B, FMAX_B,
+                                EMAX_B, MODE_B, RULE_B, BR_B, BC_B, ROUND_B, HAD_B, SAT_B, True, HW, BM, BK)
+        _store(codes, offs_m, offs_k, out_b, o_rows_b, o_cols_b, True, EVEN)

@@ -1,0 +1,89 @@
+"""``scaled_mm`` on both backends against GEMMs of the dequantized operands, and the backend choice
+from a device's capability."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowprec.kernels import Capability, gemm_backend, gemm_path, quantize, scaled_mm
+from lowprec.quant import blockwise, mx, nvfp4, rowwise, tensorwise
+from tests.helpers import sqnr
+
+H100 = Capability("cuda", "H100", (9, 0), fp8_gemm=True, blockwise_fp8_gemm=True, mx_gemm=False, triton=True)
+L40 = Capability("cuda", "L40", (8, 9), fp8_gemm=True, blockwise_fp8_gemm=False, mx_gemm=False, triton=True)
+B200 = Capability("cuda", "B200", (10, 0), fp8_gemm=True, blockwise_fp8_gemm=False, mx_gemm=True, triton=True)
+A100 = Capability("cuda", "A100", (8, 0), fp8_gemm=False, blockwise_fp8_gemm=False, mx_gemm=False, triton=True)
+CPU = Capability("cpu", "cpu", None, False, False, False, False)
+
+
+@pytest.mark.parametrize("lhs,rhs,cap,expected", [
+    (("e4m3", tensorwise()), ("e4m3", tensorwise()), H100, "cublas"),
+    (("e5m2", tensorwise()), ("e4m3", tensorwise()), L40, "cublas"),
+    (("e5m2", tensorwise()), ("e5m2", tensorwise()), H100, "emulated"),  # at most one E5M2 operand
+    (("e4m3", rowwise()), ("e4m3", rowwise()), H100, "cublas"),
+    (("e4m3", rowwise()), ("e4m3", tensorwise()), H100, "emulated"),  # mixed scalings: no cuBLAS kernel
+    (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(128, 128)), H100, "cublas"),
+    (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(128, 128)), L40, "emulated"),  # sm90 only
+    (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(1, 128)), H100, "emulated"),
+    (("e4m3", mx(32, "ceil")), ("e4m3", mx(32, "ceil")), H100, "emulated"),
+    (("e2m1", nvfp4(16)), ("e2m1", nvfp4(16, two_d=True)), H100, "emulated"),
+    (("e4m3", tensorwise()), ("e4m3", tensorwise()), A100, "emulated"),
+    (("e4m3", tensorwise()), ("e4m3", tensorwise()), CPU, "emulated"),
+], ids=str)
+def test_gemm_path_from_capability(lhs, rhs, cap, expected):
+    assert gemm_path(lhs[0], lhs[1], rhs[0], rhs[1], cap) == expected
+    a, b = quantize(torch.randn(32, 128), *lhs), quantize(torch.randn(16, 128), *rhs)
+    assert gemm_backend(a, b, cap) == expected
+
+
+def _dequantized_gemm(a, b) -> torch.Tensor:
+    """The independent reference: float64 product of the dequantized operands."""
+    return a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
+
+
+@pytest.mark.parametrize("lhs,rhs", [
+    (("e4m3", tensorwise()), ("e4m3", tensorwise())), (("e5m2", tensorwise()), ("e4m3", tensorwise())),
+    (("e4m3", rowwise()), ("e4m3", rowwise())),
+], ids=str)
+def test_cublas_backend_on_cpu_matches_the_dequantized_gemm(lhs, rhs):
+    g = torch.Generator().manual_seed(0)
+    a = quantize(torch.randn(64, 128, generator=g), *lhs)
+    b = quantize(torch.randn(48, 128, generator=g) * 10, *rhs)
+    out = scaled_mm(a, b, torch.float32, backend="cublas")
+    assert out.shape == (64, 48) and out.dtype == torch.float32
+    assert sqnr(_dequantized_gemm(a, b), out) > 100  # FP32 accumulation of exact products
+
+
+@pytest.mark.parametrize("lhs,rhs", [
+    (("e4m3", tensorwise()), ("e4m3", tensorwise())), (("e5m2", tensorwise()), ("e5m2", tensorwise())),
+    (("e4m3", rowwise()), ("e4m3", rowwise())), (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(128, 128))),
+    (("e4m3", mx(32, "ceil")), ("e4m3", mx(32, "ceil"))), (("e2m1", mx(32, "ceil")), ("e2m1", mx(32, "ceil"))),
+    (("e3m2", mx(32, "floor")), ("e2m3", mx(32, "floor"))), (("e2m1", nvfp4(16)), ("e2m1", nvfp4(16, two_d=True))),
+], ids=str)
+def test_emulated_backend_matches_the_dequantized_gemm_on_ragged_shapes(lhs, rhs):
+    g = torch.Generator().manual_seed(1)
+    a = quantize(torch.randn(50, 256, generator=g), *lhs)  # 50 rows: padded by 128 x 128 blocks
+    b = quantize(torch.randn(40, 256, generator=g) * 0.1, *rhs)
+    out = scaled_mm(a, b, torch.float32, backend="emulated")
+    assert out.shape == (50, 40)
+    assert sqnr(_dequantized_gemm(a, b), out) > 100
+
+
+def test_emulated_bf16_output_and_a_hand_computed_product():
+    # amax 1.75 and 0.875 give the scales 2^-8 and 2^-9 (448 = 1.75 * 2^8), and every element is an
+    # E4M3 value times its scale, so the product is exact: [.25*.875 + .5*.5, 1*.875 + 1.75*.5].
+    a = quantize(torch.tensor([[0.25, 0.5], [1.0, 1.75]]), "e4m3", tensorwise())
+    b = quantize(torch.tensor([[0.875, 0.5]]), "e4m3", tensorwise())
+    assert a.scale.item() == 2.0**-8 and b.scale.item() == 2.0**-9
+    out = scaled_mm(a, b, torch.bfloat16, backend="emulated")
+    assert out.dtype == torch.bfloat16
+    assert out.float().flatten().tolist() == [0.46875, 1.75]
+
+
+def test_bad_arguments_name_themselves():
+    a = quantize(torch.randn(8, 64), "e4m3", tensorwise())
+    b = quantize(torch.randn(8, 32), "e4m3", tensorwise())
+    with pytest.raises(ValueError, match="a/b: expected operands with the same reduction dimension"):
+        scaled_mm(a, b)
+    with pytest.raises(ValueError, match="backend: expected 'cublas' or 'emulated'"):
+        scaled_mm(a, a, backend="magic")

@@ -1,0 +1,164 @@
+"""The Triton quantization kernels equal ``lowprec.quant.quantize`` bit for bit (codes, scales, global
+scale, metadata), on ragged shapes and on tensors holding NaN, inf, zero blocks, FP32 subnormals and
+values that saturate; the fused pair equals two reference casts; stochastic rounding equals the
+reference given the same uniforms, and is unbiased with its own Philox numbers."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as nnf
+
+pytest.importorskip("triton")
+
+from lowprec.kernels import triton_quant as TQ  # noqa: E402
+from lowprec.quant import blockwise, columnwise, hadamard, mx, nvfp4, quantize, rowwise, tensorwise  # noqa: E402
+
+SEED = 0x5EED
+
+
+def assert_same(q, r):
+    """Same codes (every byte), scales (every bit, NaN included) and metadata."""
+    assert (q.shape, q.dtype, q.fmt, q.granularity) == (r.shape, r.dtype, r.fmt, r.granularity)
+    assert torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8))
+    assert torch.equal(q.scale.contiguous().view(torch.int32), r.scale.contiguous().view(torch.int32))
+    assert (q.global_scale is None) == (r.global_scale is None)
+    if r.global_scale is not None:
+        assert torch.equal(q.global_scale.view(torch.int32), r.global_scale.view(torch.int32))
+
+
+def special(m: int, k: int, dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
+    """Outliers across the columns, plus a NaN, infs, a zero block, subnormals and huge values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-4, 4, k)
+    x[1, 2], x[m // 2, k // 3], x[m - 1, 0] = math.nan, math.inf, -math.inf
+    x[m // 4: m // 4 + 3, :] = 0
+    x[3, :] = 1e-40  # FP32 subnormals (bf16 keeps some)
+    x[m // 3, k // 2: k // 2 + 5] = 3e38
+    return x.to(dtype)
+
+
+CASTS = [
+    ("e4m3", tensorwise()), ("e5m2", tensorwise()), ("e4m3", rowwise()), ("e4m3", blockwise(1, 128)),
+    ("e4m3", blockwise(128, 128)), ("e4m3", mx(32, "floor")), ("e5m2", mx(32, "ceil")), ("e3m2", mx(32, "ceil")),
+    ("e2m3", mx(32, "floor")), ("e2m1", mx(32, "ceil")), ("e2m1", nvfp4(16)), ("e2m1", nvfp4(16, two_d=True)),
+]
+
+
+@pytest.mark.parametrize("fmt,g", CASTS, ids=lambda v: str(v))
+def test_single_cast_is_bit_exact_on_special_ragged_tensors(fmt, g):
+    x = special(150, 200)  # neither dimension a multiple of any block
+    assert_same(TQ.quantize(x, fmt, g), quantize(x, fmt, g))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fmt,g", [("e4m3", tensorwise()), ("e2m1", nvfp4(16))], ids=str)
+def test_other_input_dtypes_and_3d_inputs(dtype, fmt, g):
+    x = special(48, 96, dtype=torch.float32, seed=1).to(dtype).reshape(2, 24, 96)
+    assert_same(TQ.quantize(x, fmt, g), quantize(x, fmt, g))
+
+
+PAIRS = [
+    ("e4m3", tensorwise(), "e4m3", tensorwise()), ("e5m2", rowwise(), "e4m3", rowwise()),
+    ("e4m3", blockwise(1, 128), "e4m3", blockwise(1, 128)), ("e4m3", blockwise(128, 128), "e4m3", blockwise(128, 128)),
+    ("e4m3", mx(32, "ceil"), "e2m1", mx(32, "floor")), ("e2m1", nvfp4(16), "e2m1", nvfp4(16, two_d=True)),
+]
+
+
+@pytest.mark.parametrize("fmt,g,fmt_t,g_t", PAIRS, ids=str)
+def test_pair_from_one_read_equals_two_reference_casts(fmt, g, fmt_t, g_t):
+    x = special(130, 160, seed=2)
+    q, qt, amax = TQ.quantize_pair(x, fmt, g, fmt_t, g_t)
+    assert amax is None
+    assert_same(q, quantize(x, fmt, g))
+    assert_same(qt, quantize(x.t(), fmt_t, g_t))
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_delayed_scale_pair_records_amax_and_matches_the_reference(fmt, saturate):
+    x = special(70, 90, seed=3)
+    x[1, 2] = 5.0  # a finite tensor, so its amax is a number to compare
+    scale = torch.tensor(1e-3)  # many values saturate (or overflow without saturation)
+    q, qt, amax = TQ.quantize_pair(x, fmt, tensorwise(), fmt, tensorwise(), scale=scale, saturate=saturate,
+                                   record_amax=True)
+    assert_same(q, quantize(x, fmt, tensorwise(), scale=scale, saturate=saturate))
+    assert_same(qt, quantize(x.t(), fmt, tensorwise(), scale=scale, saturate=saturate))
+    assert amax.item() == x.float().abs().amax().item() == math.inf
+    x[0, 0] = math.nan
+    assert math.isnan(TQ.quantize_pair(x, fmt, tensorwise(), fmt, tensorwise(), scale=scale, record_amax=True)[2])
+
+
+def test_stochastic_rounding_with_given_uniforms_is_bit_exact_both_sides():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, 96, generator=g).bfloat16()
+    ra, rb = torch.rand(40, 96, generator=g), torch.rand(96, 40, generator=g)
+    q, qt, _ = TQ.quantize_pair(x, "e2m1", nvfp4(16), "e2m1", mx(32, "ceil"), rounding="stochastic",
+                                rounding_t="stochastic", rand=ra, rand_t=rb)
+    assert_same(q, quantize(x, "e2m1", nvfp4(16), rounding="stochastic", rand=ra))
+    assert_same(qt, quantize(x.t(), "e2m1", mx(32, "ceil"), rounding="stochastic", rand=rb))
+
+
+def test_philox_stochastic_rounding_is_unbiased_and_rounds_to_a_neighbour():
+    x = torch.full((64, 512), 0.3)  # between the E2M1 grid points 0.25*s and 0.375*s: never on the grid
+    x[:, ::32] = 6.0  # every block's scale is 1, so 0.3 sits between the grid points 0 and 0.5
+    gen = torch.Generator().manual_seed(5)
+    q = TQ.quantize(x, "e2m1", mx(32, "floor"), rounding="stochastic", generator=gen)
+    v = q.dequantize(torch.float32)[x != 6.0]
+    lo, hi = v.min().item(), v.max().item()
+    assert lo < 0.3 < hi and set(v.unique().tolist()) == {lo, hi}  # only the two neighbours
+    p_up = (v == hi).float().mean().item()
+    expected = (0.3 - lo) / (hi - lo)
+    n = v.numel()
+    assert abs(p_up - expected) < 5 * math.sqrt(expected * (1 - expected) / n)  # 5 sigma
+    q2 = TQ.quantize(x, "e2m1", mx(32, "floor"), rounding="stochastic", generator=gen)
+    assert not torch.equal(q.data, q2.data)  # a fresh seed per call
+
+
+def test_hadamard_side_equals_transform_then_reference_cast():
+    g = torch.Generator().manual_seed(6)
+    # Eighths of small integers: every partial sum is exact, so any summation order gives one answer.
+    x = (torch.randint(-64, 64, (70, 48), generator=g).float() / 8).bfloat16()
+    q, qt, _ = TQ.quantize_pair(x, "e2m1", nvfp4(16), "e2m1", nvfp4(16), hadamard_t=SEED)
+    ref_in = hadamard(nnf.pad(x.t(), (0, 10)), 16, seed=SEED)  # x.T zero-padded to 80 columns
+    assert_same(qt, quantize(ref_in, "e2m1", nvfp4(16)))
+    assert qt.shape == (48, 80)
+    assert_same(q, quantize(x, "e2m1", nvfp4(16)))
+
+
+@pytest.mark.parametrize("fmt,g,kw", [
+    ("int8", tensorwise(), {}), ("e4m3", columnwise(), {}), ("e4m3", blockwise(1, 48), {}),
+    ("e4m3", blockwise(256, 256), {}), ("e2m1", mx(32, "ceil"), {"saturate": False}),
+    ("e4m3", rowwise(), {"scale": torch.full((7, 1), 0.5)}),
+], ids=str)
+def test_casts_the_kernels_do_not_cover_run_the_reference(fmt, g, kw):
+    x = torch.randn(7, 64)  # ceil scales: nothing overflows, so the reference returns instead of raising
+    assert not (TQ.supports(fmt, g) and not kw)
+    assert_same(TQ.quantize(x, fmt, g, **kw), quantize(x, fmt, g, **kw))
+
+
+def test_supports_the_recipe_casts():
+    for fmt, g in CASTS:
+        assert TQ.supports(fmt, g) and TQ.supports(fmt, g, "stochastic")
+    assert not TQ.supports("e4m3", tensorwise(), "truncate")
+    assert not TQ.supports("nope", tensorwise())
+
+
+def test_bad_input_is_refused_with_the_reference_message():
+    with pytest.raises(TypeError, match="x: expected"):
+        TQ.quantize(torch.zeros(4, 4, dtype=torch.int32), "e4m3", tensorwise())
+    with pytest.raises(ValueError, match="rand"):
+        TQ.quantize_pair(torch.zeros(4, 4), "e4m3", tensorwise(), "e4m3", tensorwise(), rand=torch.zeros(3))
+
+
+def test_custom_ops_compile_into_one_graph():
+    x = special(64, 128, seed=7).float().nan_to_num(0.0, 0.0, 0.0)
+
+    def f(x):
+        q = TQ.quantize(x, "e4m3", blockwise(1, 128))
+        return q.data.view(torch.uint8), q.scale
+
+    data, scale = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    r = quantize(x, "e4m3", blockwise(1, 128))
+    assert torch.equal(data, r.data.view(torch.uint8)) and torch.equal(scale, r.scale)
