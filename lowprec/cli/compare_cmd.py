@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from lowprec.cli.app import main
-from lowprec.cli.train_cmd import config_from_options, one_line_warnings, training_options
+from lowprec.cli.train_cmd import Defaults, config_from_options, one_line_warnings, training_options
 from lowprec.train.compare import compare, parse_recipes
 from lowprec.train.data import load_data
 from lowprec.train.models import check_model_spec
@@ -15,6 +15,8 @@ from lowprec.train.report import overall
 from lowprec.train.result import RunResult
 
 DEFAULT_RECIPES = "bf16,fp8-current,mxfp8,mxfp4,nvfp4"
+COMPARE_DEFAULTS = Defaults(steps=120, batch_size=4, seq_len=64, val_batches=8)
+"""The default recipes on the tiny model finish in about four minutes on two CPU cores (emulated GEMMs)."""
 
 
 @main.command("compare")
@@ -24,7 +26,7 @@ DEFAULT_RECIPES = "bf16,fp8-current,mxfp8,mxfp4,nvfp4"
               help="Directory for report.md, report.html, report.json, loss_curves.png and per-recipe logs.")
 @click.option("--fail-on", type=click.Choice(["never", "warn", "fail"]), default="never", show_default=True,
               help="Exit with status 2 when a verdict is at least this bad.")
-@training_options
+@training_options(COMPARE_DEFAULTS)
 def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
     """Every recipe on identical data and initialisation; loss curves and a verdict per recipe against BF16."""
     names = parse_recipes(recipe_list)  # unknown recipes and models are refused before anything is built

@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import click
@@ -16,37 +17,55 @@ from lowprec.train.data import load_data
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
 
-_OPTIONS: list[Callable] = [
-    click.option("--model", default="tiny", show_default=True,
-                 help="A preset (tiny, small, 125m, 350m, 1b) or a Hugging Face config file or directory."),
-    click.option("--steps", type=int, default=300, show_default=True, help="Optimizer steps."),
-    click.option("--data", default=None,
-                 help="A text file or directory, or a .npy/.bin token file. Default: the embedded corpus."),
-    click.option("--token-dtype", default="uint16", show_default=True, help="Element type of a .bin token file."),
-    click.option("--batch-size", type=int, default=16, show_default=True),
-    click.option("--seq-len", type=int, default=128, show_default=True),
-    click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step."),
-    click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak learning rate."),
-    click.option("--warmup-steps", type=int, default=None, help="Default: a tenth of --steps."),
-    click.option("--eval-every", type=int, default=None, help="Default: a sixth of --steps."),
-    click.option("--val-batches", type=int, default=8, show_default=True),
-    click.option("--hp-start-steps", type=int, default=0, show_default=True,
-                 help="Run the first N steps in BF16 before switching to the recipe."),
-    click.option("--seed", type=int, default=0, show_default=True),
-    click.option("--device", default=None, help="Default: cuda if available, else cpu."),
-    click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
-                 help="Parameter dtype. Default: bfloat16 on CUDA, float32 on the CPU."),
-    click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
-    click.option("--quiet", is_flag=True, help="No progress bar."),
-    click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
-]
+@dataclass(frozen=True, slots=True)
+class Defaults:
+    """Per-command defaults: ``compare`` trains five recipes, four of them emulated on a CPU, so its
+    runs are shorter and its batches smaller than ``train``'s."""
+
+    steps: int
+    batch_size: int
+    seq_len: int
+    val_batches: int
 
 
-def training_options(fn: Callable) -> Callable:
-    """The options ``train`` and ``compare`` share."""
-    for option in reversed(_OPTIONS):
-        fn = option(fn)
-    return fn
+TRAIN_DEFAULTS = Defaults(steps=300, batch_size=16, seq_len=128, val_batches=8)
+
+
+def _options(d: Defaults) -> list[Callable]:
+    return [
+        click.option("--model", default="tiny", show_default=True,
+                     help="A preset (tiny, small, 125m, 350m, 1b) or a Hugging Face config file or directory."),
+        click.option("--steps", type=int, default=d.steps, show_default=True, help="Optimizer steps."),
+        click.option("--data", default=None,
+                     help="A text file or directory, or a .npy/.bin token file. Default: the embedded corpus."),
+        click.option("--token-dtype", default="uint16", show_default=True, help="Element type of a .bin token file."),
+        click.option("--batch-size", type=int, default=d.batch_size, show_default=True),
+        click.option("--seq-len", type=int, default=d.seq_len, show_default=True),
+        click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step."),
+        click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak learning rate."),
+        click.option("--warmup-steps", type=int, default=None, help="Default: a tenth of --steps."),
+        click.option("--eval-every", type=int, default=None, help="Default: a sixth of --steps."),
+        click.option("--val-batches", type=int, default=d.val_batches, show_default=True),
+        click.option("--hp-start-steps", type=int, default=0, show_default=True,
+                     help="Run the first N steps in BF16 before switching to the recipe."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--device", default=None, help="Default: cuda if available, else cpu."),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
+                     help="Parameter dtype. Default: bfloat16 on CUDA, float32 on the CPU."),
+        click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
+        click.option("--quiet", is_flag=True, help="No progress bar."),
+        click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
+    ]
+
+
+def training_options(defaults: Defaults) -> Callable[[Callable], Callable]:
+    """The options ``train`` and ``compare`` share, with the command's defaults."""
+    def decorate(fn: Callable) -> Callable:
+        for option in reversed(_options(defaults)):
+            fn = option(fn)
+        return fn
+
+    return decorate
 
 
 def config_from_options(recipe: str, opts: dict[str, Any], **extra: Any) -> TrainConfig:
@@ -84,7 +103,7 @@ def fmt_memory(n: int | None) -> str:
 @click.option("--save-every", type=int, default=0, show_default=True,
               help="A checkpoint every N steps (0: only at the end).")
 @click.option("--keep", type=int, default=3, show_default=True, help="Checkpoints kept.")
-@training_options
+@training_options(TRAIN_DEFAULTS)
 def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, **opts: Any) -> None:
     """Train a model in one recipe; logs and checkpoints go to --out."""
     recipes.get(recipe)  # an unknown recipe is refused before anything is built
