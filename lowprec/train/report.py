@@ -23,7 +23,6 @@ from typing import Any, Sequence
 
 from lowprec._checks import fail
 from lowprec._table import format_table
-from lowprec.train.plot import loss_curves_png
 from lowprec.train.result import FINAL_WINDOW, RunResult
 
 PNG_NAME = "loss_curves.png"
@@ -153,6 +152,9 @@ class CompareReport:
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         """``report.md``, ``report.html``, ``report.json`` and the PNG in ``out_dir``; returns their paths."""
+        # matplotlib takes a second to import: only the commands that draw should pay for it
+        from lowprec.train.plot import loss_curves_png
+
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         png = loss_curves_png(self.results, f"{self.context['model']['name']} model, "
