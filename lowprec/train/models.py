@@ -49,10 +49,10 @@ def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[st
         fail("model", f"a vocabulary of at least {vocab_size} tokens for this data", config.vocab_size)
     has_weights = any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
     if path.is_dir() and has_weights:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path))  # train() casts it
     else:
         torch.manual_seed(seed)  # transformers initialises from the global generator
-        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_config(config)
     return HFCausalLM(model), config.to_dict()
 
 
