@@ -1,0 +1,116 @@
+"""Benchmark 2: scaled GEMM TFLOP/s per recipe against BF16, at Llama-3-8B shapes.
+
+    python benchmarks/bench_gemm.py --out results/
+
+For each shape ``(M tokens) x (K in) -> (N out)`` of a Llama-3-8B layer and each recipe's forward
+operands, quantizes both operands (outside the timing), checks ``scaled_mm`` against the FP32 GEMM
+of the dequantized operands (SQNR), and times it beside ``torch.mm`` in BF16, in one process.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _common import DEVICE, bench_ms, environment, print_table, sqnr, write_json
+from lowprec.kernels import capability, gemm_backend, quantize, scaled_mm
+from lowprec.quant import blockwise, mx, nvfp4, rowwise, tensorwise
+
+SHAPES = {"qo_proj": (4096, 4096), "gate_up": (4096, 14336), "down": (14336, 4096)}
+# name: (lhs fmt, lhs granularity, rhs fmt, rhs granularity, fast_accum, backend or None for the default)
+RECIPES = {
+    "fp8 tensor fast-accum": ("e4m3", tensorwise(), "e4m3", tensorwise(), True, None),
+    "fp8 tensor": ("e4m3", tensorwise(), "e4m3", tensorwise(), False, None),
+    "fp8 row": ("e4m3", rowwise(), "e4m3", rowwise(), False, None),
+    "fp8 1x128 x 128x128": ("e4m3", blockwise(1, 128), "e4m3", blockwise(128, 128), False, None),
+    "fp8 1x128 x 128x128 emulated": ("e4m3", blockwise(1, 128), "e4m3", blockwise(128, 128), False, "emulated"),
+    "mxfp8 (emulated)": ("e4m3", mx(32, "ceil"), "e4m3", mx(32, "ceil"), False, None),
+    "mxfp4 (emulated)": ("e2m1", mx(32, "ceil"), "e2m1", mx(32, "ceil"), False, None),
+    "nvfp4 (emulated)": ("e2m1", nvfp4(16), "e2m1", nvfp4(16, True), False, None),
+}
+
+
+def run_shape(m: int, k: int, n: int) -> list[dict]:
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).bfloat16()
+    flops = 2 * m * n * k
+    bf16_ms = bench_ms(lambda: x @ w.t())
+    out = [{"recipe": "bf16", "ms": bf16_ms, "tflops": flops / bf16_ms / 1e9, "vs_bf16": 1.0, "sqnr_db": None}]
+    cap = capability()
+    for name, (fa, ga, fb, gb, fast, backend) in RECIPES.items():
+        qa, qb = quantize(x, fa, ga), quantize(w, fb, gb)
+        be = backend or gemm_backend(qa, qb, cap)
+        row = {"recipe": name, "backend": be}
+        try:
+            y = scaled_mm(qa, qb, torch.bfloat16, fast_accum=fast, backend=be)
+            ref = qa.dequantize(torch.float32) @ qb.dequantize(torch.float32).t()
+            row["sqnr_db"] = sqnr(ref, y.float())
+            ms = bench_ms(lambda: scaled_mm(qa, qb, torch.bfloat16, fast_accum=fast, backend=be))
+            row.update(ms=ms, tflops=flops / ms / 1e9, vs_bf16=bf16_ms / ms)
+        except Exception as e:  # a path the device refuses: recorded, not fatal
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        out.append(row)
+        print(m, k, n, row, flush=True)
+    return out
+
+
+def probe_blockwise(m: int = 2048, k: int = 1024, n: int = 1536) -> list[dict]:
+    """Which scale layouts ``torch._scaled_mm`` takes for 1x128 x 128x128 blocks, and whether the
+    result matches the dequantized FP32 GEMM (cuBLAS refuses some layouts, and may misread others)."""
+    x = torch.randn(m, k, device=DEVICE).bfloat16()
+    w = torch.randn(n, k, device=DEVICE).bfloat16()
+    qa, qb = quantize(x, "e4m3", blockwise(1, 128)), quantize(w, "e4m3", blockwise(128, 128))
+    ref = qa.dequantize(torch.float32) @ qb.dequantize(torch.float32).t()
+    sa_col = qa.scale.t().contiguous().t()  # (M, K/128), outer-dim-major
+    variants = {"a col-major, b = scale.T view": (sa_col, qb.scale.t()),
+                "a col-major, b = scale.T contiguous": (sa_col, qb.scale.t().contiguous()),
+                "a row-major, b = scale.T view": (qa.scale, qb.scale.t()),
+                "a row-major, b = scale.T contiguous": (qa.scale, qb.scale.t().contiguous())}
+    out = []
+    for name, (sa, sb) in variants.items():
+        row = {"layout": name}
+        try:
+            y = torch._scaled_mm(qa.data, qb.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            row["sqnr_db"] = sqnr(ref, y.float())
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out.append(row)
+        print("blockwise probe", row, flush=True)
+    return out
+
+
+def probe_mm_out_dtype() -> str:
+    a = torch.randn(256, 256, device=DEVICE).bfloat16()
+    try:
+        return str(torch.mm(a, a, out_dtype=torch.float32).dtype)
+    except Exception as e:
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--tokens", type=int, default=16384)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    env = environment()
+    probes = {"blockwise_layouts": probe_blockwise(), "mm_out_dtype_fp32": probe_mm_out_dtype()}
+    print(probes, flush=True)
+    results, rows = {}, []
+    for shape, (k, n) in SHAPES.items():
+        res = run_shape(args.tokens, k, n)
+        results[shape] = res
+        for r in res:
+            rows.append([shape, f"{args.tokens}x{k}x{n}", r["recipe"], r.get("backend", "torch.mm"),
+                         f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "")[:40],
+                         f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-",
+                         f"{r['sqnr_db']:.1f}" if r.get("sqnr_db") is not None else "-"])
+    write_json(args.out, "bench_gemm.json", {"env": env, "tokens": args.tokens, "probes": probes,
+                                             "results": results})
+    print(f"\n{env}")
+    print_table("scaled GEMMs (out BF16)", ["layer", "MxKxN", "recipe", "backend", "TFLOP/s", "vs BF16", "SQNR dB"],
+                rows)
+
+
+if __name__ == "__main__":
+    main()
