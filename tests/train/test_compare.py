@@ -1,10 +1,10 @@
+import importlib
 import math
 from dataclasses import replace
 
 import pytest
 import torch
 
-from lowprec.train import compare as compare_mod
 from lowprec.train.compare import compare, parse_recipes
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import load_data
@@ -34,7 +34,8 @@ def test_every_recipe_starts_from_the_same_weights_with_the_same_settings(monkey
         return RunResult(recipe=cfg.recipe, history=history, tokens_per_s=1.0, peak_memory_bytes=None,
                          diverged=False, conversion="")
 
-    monkeypatch.setattr(compare_mod, "train", fake_train)
+    # the module, not the function of the same name that lowprec.train exports
+    monkeypatch.setattr(importlib.import_module("lowprec.train.compare"), "train", fake_train)
     cfg = TrainConfig(steps=1, seed=7, tensorboard=False, progress=False)
     report = compare("tiny", "mxfp4,fp8-current", cfg, load_data(), out_dir=tmp_path)
     assert [s[1].recipe for s in seen] == ["bf16", "mxfp4", "fp8-current"]
