@@ -83,8 +83,11 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def _run_info(run: _Run) -> dict[str, Any]:
+    # the data position is the step: batches are drawn from (seed, step) alone
     return {"train_config": run.cfg.to_dict(), "data": {"source": run.data.source,
-                                                        "fingerprint": run.data.fingerprint},
+                                                        "fingerprint": run.data.fingerprint,
+                                                        "position": {"seed": run.cfg.seed,
+                                                                     "next_step": run.history[-1]["step"] + 1}},
             "param_shapes": _param_shapes(run.model), "lowprec_version": lowprec.__version__,
             "torch_version": torch.__version__, "python_version": platform.python_version()}
 
