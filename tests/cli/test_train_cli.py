@@ -94,3 +94,14 @@ def test_python_dash_m_lowprec_gives_a_one_line_error_not_a_traceback(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("Error: recipe: expected one of")
+
+
+def test_the_same_command_twice_gives_the_same_curve(tmp_path):
+    curves = []
+    for name in ("a", "b"):
+        result = _invoke("train", "--recipe", "mxfp4", "--steps", "3", "--eval-every", "3", "--out",
+                         str(tmp_path / name), *SMALL)
+        assert result.exit_code == 0, result.output
+        rows = read_log(tmp_path / name / "log.csv")
+        curves.append([(r["step"], r["loss"], r["grad_norm"], r["val_loss"]) for r in rows])
+    assert curves[0] == curves[1] and len(curves[0]) == 3

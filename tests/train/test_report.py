@@ -13,7 +13,8 @@ from lowprec.train.result import RunResult
 def _result(recipe, val, *, losses=(3.0, 2.5, 2.2), diverged=False, skipped=()):
     history = tuple({"step": i + 1, "loss": loss, "val_loss": val if i == len(losses) - 1 else None, "lr": 1e-3,
                      "skipped": i + 1 in skipped, "grad_norm": 1.0, "loss_scale": None, "spike": False,
-                     "recipe": recipe, "tokens_per_s": 1000.0 + i, "elapsed_s": float(i)} for i, loss in enumerate(losses))
+                     "recipe": recipe, "tokens_per_s": 1000.0 + i, "elapsed_s": float(i)}
+                    for i, loss in enumerate(losses))
     return RunResult(recipe=recipe, history=history, tokens_per_s=1234.0, peak_memory_bytes=3 << 29,
                      diverged=diverged, conversion=f"{recipe}: 28 linears converted")
 

@@ -19,7 +19,8 @@ def test_warmup_then_cosine_to_the_floor():
 
 
 def test_no_warmup_starts_at_the_peak():
-    assert lr_at(1, lr=2.0, warmup_steps=0, total_steps=100) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 100))))
+    expected = 2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 100)))
+    assert lr_at(1, lr=2.0, warmup_steps=0, total_steps=100) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("field, value, match", [
