@@ -53,8 +53,16 @@ class Cast:
     """Apply the 16-point random Hadamard transform along the reduction dimension first (wgrad only)."""
 
     def __post_init__(self) -> None:
+        if self.granularity is not None and not isinstance(self.granularity, Granularity):
+            fail("granularity", "a lowprec.quant.Granularity (tensorwise(), mx(32), ...) or None",
+                 describe(self.granularity), TypeError)
         if self.format is not None:
-            F.get(self.format)
+            f = F.get(self.format)
+            if f.kind is F.Kind.EXPONENT:
+                fail("format", "an element format (e8m0 is a scale format)", repr(self.format))
+            if self.granularity is not None and self.granularity.rule is not ScaleRule.AMAX \
+                    and f.kind is not F.Kind.FLOAT:
+                fail("format", f"a floating-point format for {self.granularity} scales", repr(self.format))
         check_choice("rounding", self.rounding, ("nearest", "stochastic"))
         if not isinstance(self.scaling, Scaling):
             fail("scaling", "a lowprec.recipes.Scaling", describe(self.scaling), TypeError)
@@ -94,6 +102,11 @@ class Gemm:
     fast_accum: bool = False
     """FP8 tensor cores' fast (reduced-precision) accumulation; FP32 accumulation otherwise."""
 
+    def __post_init__(self) -> None:
+        for name in ("lhs", "rhs"):
+            if not isinstance(getattr(self, name), Cast):
+                fail(name, "a lowprec.recipes.Cast", describe(getattr(self, name)), TypeError)
+
     @property
     def low_precision(self) -> bool:
         return self.lhs.quantized and self.rhs.quantized
@@ -114,6 +127,8 @@ class DelayedScaling:
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
             fail("history_len", "a positive int", describe(self.history_len))
         check_choice("algo", self.algo, ("max", "most_recent"))
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            fail("margin", "a non-negative int (the scale is multiplied by 2^margin)", describe(self.margin))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -134,6 +149,10 @@ class Recipe:
     """What the recipe is and where it comes from."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            fail("name", "a non-empty str", describe(self.name), TypeError)
+        if not isinstance(self.delayed, DelayedScaling):
+            fail("delayed", "a lowprec.recipes.DelayedScaling", describe(self.delayed), TypeError)
         for name in ("fprop", "dgrad", "wgrad"):
             if not isinstance(getattr(self, name), Gemm):
                 fail(name, "a lowprec.recipes.Gemm", describe(getattr(self, name)), TypeError)

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers import SQNR_FLOORS, sqnr
+
+# CI runs the suite as two pytest workers on two cores; torch's default of one thread per core would
+# put four busy threads on two cores, and the many small element-wise kernels of emulated
+# quantization slow down several-fold while the threads wait on each other.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(name="sqnr")

@@ -63,8 +63,6 @@ def test_torch_linears_are_unaffected():
         assert torch.equal(lin(X), nnf.linear(X, lin.weight, lin.bias))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: resolve(None) returns the override, so a lowprec Linear that a "
-                   "re-conversion's policy put back in high precision (recipe=None) runs the autocast recipe")
 def test_a_layer_a_policy_keeps_stays_high_precision_under_an_override():
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 256))
     with pytest.warns(UserWarning):

@@ -88,6 +88,20 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: bool):
+    """The forward GEMM; also the casts backward needs: (y, x.T cast or None, w.T cast or None)."""
+    out_dtype = output_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        qx, qx_t = cast_pair(x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
+                             layer.delayed_state, "input")
+        qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad)
+        y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+    return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t
+
+
 class LinearFunction(torch.autograd.Function):
     """``y = x @ w.T + b`` with every GEMM operand cast as ``recipe`` says (see [Note: the three GEMMs]
     in ``lowprec.recipes``). ``layer`` gives the weight casts (cached per optimizer step) and the
@@ -95,22 +109,14 @@ class LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe, layer):
-        out_dtype = output_dtype(x)
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-            qx, qx_t = cast_pair(x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
-                                 layer.delayed_state, "input")
-            qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad)
-            y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
-            if bias is not None:
-                y = y + bias.to(out_dtype)
+        y, qx_t, qw_t = fprop(x, weight, bias, recipe, layer, need_dgrad, need_wgrad)
         x_saved, x_meta = _save(qx_t)
         w_saved, w_meta = _save(qw_t)
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.dtype, bias is not None)
         ctx.recipe, ctx.layer = recipe, layer
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):

@@ -10,7 +10,8 @@ import torch.nn.functional as nnf
 from lowprec.autocast import resolve
 from lowprec import recipes as R
 from lowprec.nn.delayed import DelayedState
-from lowprec.nn.function import LinearFunction, cast_pair, output_dtype
+from lowprec._checks import describe, fail
+from lowprec.nn.function import LinearFunction, cast_pair, fprop, output_dtype
 
 
 def fallback_reason(in_features: int, out_features: int, recipe: R.Recipe) -> str | None:
@@ -59,8 +60,12 @@ class Linear(nn.Linear):
     # ---- forward ------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
+            fail("input", "a float32, bfloat16 or float16 tensor", describe(x), TypeError)
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            fail("input", f"a last dimension of in_features={self.in_features}", describe(x))
         recipe = resolve(self.recipe)
-        if recipe is None:
+        if recipe is None or x.numel() == 0:
             return nnf.linear(x, self.weight, self.bias)
         if recipe.hp_dtype is not None:
             return self._unscaled(x, recipe.hp_dtype)
@@ -71,7 +76,10 @@ class Linear(nn.Linear):
         if recipe.uses_delayed_scaling and (self.delayed_state is None or
                                             self.delayed_state.config != recipe.delayed):
             self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
-        return LinearFunction.apply(x, self.weight, self.bias, recipe, self)
+        params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return LinearFunction.apply(x, self.weight, self.bias, recipe, self)
+        return fprop(x, self.weight, self.bias, recipe, self, False, False)[0]  # inference: no transposed casts
 
     def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""

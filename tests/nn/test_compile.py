@@ -34,9 +34,6 @@ def _compiled_matches_eager(recipe: str) -> None:
     torch.testing.assert_close(dwc, lin.weight.grad, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.Unsupported,
-                   reason="Dynamo cannot trace ContextVar.get (lowprec/autocast.py resolve(), called from "
-                          "Linear.forward): 'Dynamo does not know how to trace method get of class ContextVar'")
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
 def test_a_converted_linear_compiles_with_fullgraph(recipe):
     _compiled_matches_eager(recipe)

@@ -51,8 +51,6 @@ def test_bad_recipe_input_is_refused_with_a_named_message(make, exc, message):
         make()
 
 
-@pytest.mark.xfail(strict=True, reason="validation gap: these are accepted when the recipe is built and fail "
-                   "(or misbehave) only at the first forward, far from the mistake")
 @pytest.mark.parametrize("make", [
     lambda: Cast(format="e4m3", granularity="tensor"),
     lambda: Cast(format="e8m0", granularity=tensorwise()),
