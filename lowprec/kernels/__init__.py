@@ -46,32 +46,14 @@ def quantize(
                                generator=generator)
 
 
-def quantize_pair(
-    x: torch.Tensor, fmt, granularity: Granularity, fmt_t, granularity_t: Granularity, *,
-    rounding: str = "nearest", rounding_t: str = "nearest", scale: torch.Tensor | None = None,
-    generator: torch.Generator | None = None, backend: str | None = None,
-) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """A 2-D tensor quantized along its rows and its transpose along its columns, as the three GEMMs
-    of a linear layer need (``x`` for one GEMM, ``x.T`` for another), in one call so that a kernel can
-    read ``x`` once. With the same per-tensor configuration on both sides the transposed copy is the
-    transposed data under the same scale."""
-    backend = backend or quantize_backend(x, fmt, granularity, rounding)
-    if backend == "triton" and x.dim() == 2:
-        from lowprec.kernels import triton_quant
-
-        fused = triton_quant.quantize_pair(x, fmt, granularity, fmt_t, granularity_t, rounding=rounding,
-                                           rounding_t=rounding_t, scale=scale, generator=generator)
-        if fused is not None:  # one read of x for both casts
-            return fused[0], fused[1]
-    q = quantize(x, fmt, granularity, rounding=rounding, scale=scale, generator=generator, backend=backend)
-    same = (granularity.block_rows is None and granularity.block_cols is None and granularity == granularity_t
-            and q.fmt.name == str(fmt_t) and rounding == rounding_t == "nearest")
-    if same:
-        q_t = QuantizedTensor(q.data.t().contiguous(), q.scale, q.fmt, granularity, x.t().shape, x.dtype)
-        return q, q_t
-    q_t = quantize(x.t(), fmt_t, granularity_t, rounding=rounding_t, scale=scale if same else None,
-                   generator=generator, backend=backend)
+def quantize_pair(x: torch.Tensor, fmt, granularity: Granularity, fmt_t, granularity_t: Granularity,
+                  **kw) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """``x`` cast along its rows and ``x.T`` along its columns, from one read of ``x`` where a kernel
+    can: :func:`lowprec.kernels.fused.cast_pair` without the amax."""
+    q, q_t, _ = cast_pair(x, fmt, granularity, fmt_t, granularity_t, **kw)
     return q, q_t
 
 
-__all__ = ["Capability", "capability", "gemm_backend", "gemm_path", "quantize", "quantize_backend", "quantize_pair", "scaled_mm"]
+from lowprec.kernels.fused import cast_pair  # noqa: E402  (fused builds on quantize above)
+
+__all__ = ["Capability", "capability", "gemm_backend", "cast_pair", "gemm_path", "quantize", "quantize_backend", "quantize_pair", "scaled_mm"]

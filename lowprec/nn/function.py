@@ -13,17 +13,12 @@ import torch.nn.functional as nnf
 
 from lowprec import formats as F
 from lowprec import kernels as K
+from lowprec.kernels.fused import HADAMARD_BLOCK
 from lowprec.quant import QuantizedTensor, hadamard
 from lowprec.recipes import Cast, Gemm, Recipe, Scaling
 
-HADAMARD_BLOCK = 16
 HADAMARD_SEED = 0x5EED
 Operand = QuantizedTensor | torch.Tensor  # a high-precision operand is a plain tensor
-
-
-def _pad_cols(x2: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = (-x2.shape[1]) % multiple
-    return nnf.pad(x2, (0, pad)) if pad else x2
 
 
 def cast(x2: torch.Tensor, c: Cast, state=None, role: str = "", record: bool = True) -> Operand:
@@ -34,7 +29,8 @@ def cast(x2: torch.Tensor, c: Cast, state=None, role: str = "", record: bool = T
     if c.granularity is None:  # unscaled cast (bf16/fp16)
         return x2.to(F.get(c.format).torch_dtype)
     if c.hadamard:
-        x2 = hadamard(_pad_cols(x2, HADAMARD_BLOCK), HADAMARD_BLOCK, seed=HADAMARD_SEED)
+        pad = (-x2.shape[1]) % HADAMARD_BLOCK
+        x2 = hadamard(nnf.pad(x2, (0, pad)) if pad else x2, HADAMARD_BLOCK, seed=HADAMARD_SEED)
     scale = None
     if c.scaling is Scaling.DELAYED and state is not None:
         scale = state.scale(role, F.get(c.format))
@@ -43,16 +39,29 @@ def cast(x2: torch.Tensor, c: Cast, state=None, role: str = "", record: bool = T
     return K.quantize(x2, c.format, c.granularity, rounding=c.rounding, scale=scale)
 
 
+def _fusable(c: Cast, c_t: Cast) -> bool:
+    """Both casts from one read (``kernels.cast_pair``): quantized, the Hadamard transform on the
+    transposed side only, and one scale source (delayed scaling shares the scale, so one format)."""
+    return (c.quantized and c_t.quantized and not c.hadamard and c.scaling is c_t.scaling
+            and (c.scaling is not Scaling.DELAYED or c.format == c_t.format))
+
+
 def cast_pair(x2: torch.Tensor, c: Cast, c_t: Cast | None, state=None, role: str = "") -> tuple[Operand, Operand | None]:
-    """``x2`` cast as ``c`` and ``x2.T`` as ``c_t`` (None: not needed); x's amax recorded once."""
-    a = cast(x2, c, state, role)
-    if c_t is None:
-        return a, None
-    per_tensor = c.granularity is not None and (c.granularity.block_rows, c.granularity.block_cols) == (None, None)
-    if c_t == c and per_tensor and c.quantized and c.rounding == "nearest":
-        # per-tensor: the transposed cast is the transposed data under the same scale
-        return a, QuantizedTensor(a.data.t().contiguous(), a.scale, a.fmt, a.granularity, x2.t().shape, a.dtype)
-    return a, cast(x2.t(), c_t, state, role, record=c.scaling is not Scaling.DELAYED)
+    """``x2`` cast as ``c`` and ``x2.T`` as ``c_t`` (None: not needed), reading x2 once where a kernel
+    can; with delayed scaling, x's amax is recorded once."""
+    if c_t is None or not _fusable(c, c_t):
+        a = cast(x2, c, state, role)
+        if c_t is None:
+            return a, None
+        return a, cast(x2.t(), c_t, state, role, record=c.scaling is not Scaling.DELAYED)
+    delayed = c.scaling is Scaling.DELAYED and state is not None
+    scale = state.scale(role, F.get(c.format)) if delayed else None
+    q, q_t, amax = K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding=c.rounding,
+                               rounding_t=c_t.rounding, scale=scale, record_amax=delayed,
+                               hadamard_t=HADAMARD_SEED if c_t.hadamard else None)
+    if delayed:
+        state.record(role, amax)
+    return q, q_t
 
 
 def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:

@@ -23,13 +23,19 @@ _E4M3 = F.get("e4m3")
 _TINY = torch.finfo(torch.float32).tiny
 
 
+def _div(t: torch.Tensor, c: float) -> torch.Tensor:
+    """``t / c`` rounded once in FP32 on every device (ATen on CUDA turns division by a Python
+    scalar into a multiply by its rounded reciprocal, one unit in the last place off)."""
+    return t / torch.full_like(t, c)
+
+
 def _nonfinite_to_nan(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(amax), scale, torch.nan)
 
 
 def amax_scale(amax: torch.Tensor, fmt: F.Format) -> torch.Tensor:
     """FP32 scale ``amax / fmax``; 1 for zero blocks (never below FP32's smallest normal)."""
-    scale = torch.where(amax > 0, (amax / fmt.max).clamp_min(_TINY), 1.0)
+    scale = torch.where(amax > 0, _div(amax, fmt.max).clamp_min(_TINY), 1.0)
     return _nonfinite_to_nan(scale, amax)
 
 
@@ -50,7 +56,7 @@ def mx_scale(amax: torch.Tensor, fmt: F.Format, rule: ScaleRule) -> torch.Tensor
     if rule is ScaleRule.FLOOR:
         exp = _log2_floor(safe) - fmt.emax
     else:
-        ratio = safe / fmt.max
+        ratio = _div(safe, fmt.max)
         # amax / fmax can underflow to 0 in FP32 (amax near 1e-45); log2(0) = -inf clamps to -127,
         # whereas frexp(0) would report exponent 0 and give a scale of 1.
         finite = finite & (ratio > 0)
@@ -61,14 +67,14 @@ def mx_scale(amax: torch.Tensor, fmt: F.Format, rule: ScaleRule) -> torch.Tensor
 
 def nvfp4_global_scale(amax: torch.Tensor, fmt: F.Format) -> torch.Tensor:
     """FP32 global scale ``amax / (fmax * 448)``, so every block scale fits E4M3; 1 when zero."""
-    scale = torch.where(amax > 0, (amax / (fmt.max * _E4M3.max)).clamp_min(_TINY), 1.0)
+    scale = torch.where(amax > 0, _div(amax, fmt.max * _E4M3.max).clamp_min(_TINY), 1.0)
     return torch.where(torch.isfinite(amax), scale, torch.nan)
 
 
 def nvfp4_block_scale(amax: torch.Tensor, fmt: F.Format, global_scale: torch.Tensor) -> torch.Tensor:
     """E4M3 block scale (as FP32) ``e4m3(amax / fmax / g)``, saturating at 448; NaN for non-finite blocks."""
     finite = torch.isfinite(amax)
-    s = (torch.where(finite, amax, 0.0) / fmt.max) / global_scale
+    s = _div(torch.where(finite, amax, 0.0), fmt.max) / global_scale
     return _nonfinite_to_nan(F.round_to(torch.nan_to_num(s, nan=0.0), _E4M3, saturate=True), amax)
 
 
