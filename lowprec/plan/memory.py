@@ -137,7 +137,8 @@ def _block_params(m: ModelSpec, moe: bool, recipe: RecipeCost, tp: int, ep: int)
     dense = expert = quant = lp_dense = lp_expert = 0.0
     for lin in block_linears(m, moe):
         n = lin.numel / lin.shards(tp) / (ep if lin.expert else 1)
-        lp = n * recipe.weight.bytes_per_element(lin.d_in, n) if recipe.quantizes and lin.quantized else 0.0
+        copied = recipe.weight is not None and lin.quantized
+        lp = n * recipe.weight.bytes_per_element(lin.d_in, n) if copied else 0.0
         quant += n if lp else 0.0
         if lin.expert:
             expert, lp_expert = expert + n, lp_expert + lp
@@ -170,7 +171,7 @@ def _sharded(name: str, per_param: float, p: _Params, par: Parallel, sharded: bo
 
 def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training) -> list[Component]:
     out = [_sharded("weights (bf16)", HP_BYTES, p, par, par.zero >= 3)]
-    if recipe.quantizes:
+    if recipe.weight is not None:
         div, div_e = (par.dp, par.dp // par.ep) if par.zero >= 3 else (1, 1)
         nbytes = p.lp_dense / div + p.lp_expert / div_e
         per = (p.lp_dense + p.lp_expert) / p.quantized if p.quantized else 0.0

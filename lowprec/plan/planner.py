@@ -12,6 +12,7 @@ from lowprec.plan.models import ModelSpec, get_model
 from lowprec.plan.recipes import RecipeCost, get_recipe
 from lowprec.plan.throughput import FlopTerm, Throughput, flop_terms, throughput
 from lowprec.plan.units import GB
+from lowprec.recipes import Recipe
 
 
 def _check_number(name: str, value: float | None, *, positive: bool) -> None:
@@ -26,7 +27,8 @@ def _check_number(name: str, value: float | None, *, positive: bool) -> None:
 class PlanConfig:
     model: str | ModelSpec
     """A preset name, a path to a Hugging Face config.json, or a ModelSpec."""
-    recipe: str = "bf16"
+    recipe: str | Recipe = "bf16"
+    """A preset name or a user-defined ``lowprec.recipes.Recipe``."""
     gpu: str = "h100"
     gpus: int | None = None
     """GPUs to plan for; None: the fewest that fit (tp x pp x ep if none does)."""

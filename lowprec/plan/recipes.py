@@ -1,24 +1,39 @@
-"""What each training recipe stores and which GEMM format it runs, for the memory and time accounting.
+"""What each training recipe stores and which GEMM format it runs, derived from ``lowprec.recipes``.
 
-This is the planner's own small table, kept apart from ``lowprec.recipes`` (which says how to
-quantize) so planning needs nothing but shapes. Its names are the recipe presets' names.
+The planner reads the same ``Recipe`` a converted layer runs, so a preset and a user-defined recipe
+are planned alike and the plan cannot drift from what training does. What a converted linear keeps
+(see [Note: what backward keeps] in ``lowprec.nn.function``): the weight's ``fprop.rhs`` cast, and
+the input's ``wgrad.rhs`` cast saved for the weight-gradient GEMM.
 
 [Note: bytes per element]
-A block-scaled operand costs ``element bytes + scale bytes / elements per scale``: MXFP8 is
-1 + 1/32 (one E8M0 per 32), MXFP4 0.5 + 1/32, NVFP4 0.5 + 1/16 (one E4M3 per 16; its one FP32
-global scale per tensor is negligible), FP8 row-wise 1 + 4/K (one FP32 per row of K elements),
-FP8 per-tensor 1 + 4/numel.
+An operand costs ``element bytes + scale bytes / elements per scale``. Element bytes are the format's
+bits / 8: ideal packing, as hardware stores FP4 (two per byte) and FP6 (four in three bytes).
+lowprec's emulation keeps FP4/FP6 codes one per byte in memory; the plan counts what the target
+hardware stores. Scale bytes follow the scale format: FP32 4, E8M0 1, E4M3 1. So MXFP8 is 1 + 1/32,
+MXFP4 0.5 + 1/32, NVFP4 0.5 + 1/16 (its one FP32 global scale per tensor is not counted), FP8
+row-wise 1 + 4/K (one FP32 per row of K elements), FP8 per-tensor 1 + 4/numel.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowprec._checks import check_choice, fail
+from lowprec import formats as F
+from lowprec import recipes as R
+from lowprec._checks import describe, fail
+from lowprec.quant import Granularity, ScaleRule
 
 TENSOR = "tensor"
 """One scale per tensor."""
 ROW = "row"
 """One scale per row of the reduction dimension K (a linear's ``d_in``)."""
+COLUMN = "column"
+"""One scale per column: ``numel / K`` elements share it."""
+
+SCALE_BYTES = {"fp32": 4, "e8m0": 1, "e4m3": 1}
+"""Bytes of one scale, by ``Granularity.scale_format``."""
+
+HP_BYTES = 2
+"""The model's own (BF16) weights and the activations that are not linear inputs."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,74 +43,135 @@ class Storage:
     elem_bytes: float
     scale_bytes: float = 0.0
     scale_every: int | str = TENSOR
-    """Elements per scale: a block size, :data:`ROW` or :data:`TENSOR`."""
+    """Elements per scale: a block size, :data:`ROW`, :data:`COLUMN` or :data:`TENSOR`."""
 
     def __post_init__(self) -> None:
         if self.elem_bytes <= 0 or self.scale_bytes < 0:
             fail("storage", "positive element bytes and non-negative scale bytes",
                  (self.elem_bytes, self.scale_bytes))
-        if not isinstance(self.scale_every, int) and self.scale_every not in (TENSOR, ROW):
-            fail("storage.scale_every", f"a block size, {ROW!r} or {TENSOR!r}", repr(self.scale_every))
+        if not isinstance(self.scale_every, int) and self.scale_every not in (TENSOR, ROW, COLUMN):
+            fail("storage.scale_every", f"a block size, {ROW!r}, {COLUMN!r} or {TENSOR!r}", repr(self.scale_every))
 
-    def bytes_per_element(self, row: int, numel: int) -> float:
+    @property
+    def scaled(self) -> bool:
+        """True for a scaled low-precision operand; False for a plain BF16/FP16 one."""
+        return self.scale_bytes > 0
+
+    def bytes_per_element(self, row: int, numel: float) -> float:
         """Bytes per element of a ``numel``-element operand whose rows hold ``row`` elements."""
         if not self.scale_bytes:
             return self.elem_bytes
-        every = {TENSOR: numel, ROW: row}.get(self.scale_every, self.scale_every)
+        every = {TENSOR: numel, ROW: row, COLUMN: numel / row}.get(self.scale_every, self.scale_every)
         return self.elem_bytes + self.scale_bytes / every
 
 
-BF16 = Storage(elem_bytes=2)
-FP8_TENSOR = Storage(elem_bytes=1, scale_bytes=4, scale_every=TENSOR)
-FP8_ROW = Storage(elem_bytes=1, scale_bytes=4, scale_every=ROW)
-MXFP8 = Storage(elem_bytes=1, scale_bytes=1, scale_every=32)
-MXFP4 = Storage(elem_bytes=0.5, scale_bytes=1, scale_every=32)
-NVFP4 = Storage(elem_bytes=0.5, scale_bytes=1, scale_every=16)
+BF16 = Storage(elem_bytes=HP_BYTES)
+
+
+def _scale_every(g: Granularity) -> int | str:
+    r, c = g.block_rows, g.block_cols
+    if r is None and c is None:
+        return TENSOR
+    # A block that spans a whole dimension is counted as one scale per row (column): at most
+    # r (c) times its real scales, which are a few bytes per thousands of elements either way.
+    if c is None:
+        return ROW
+    if r is None:
+        return COLUMN
+    return r * c
+
+
+def storage_of(cast: R.Cast) -> Storage:
+    """How the operand ``cast`` produces is stored; BF16 when the cast keeps high precision."""
+    if cast.format is None:
+        return BF16
+    elem = F.get(cast.format).bits / 8
+    g = cast.granularity
+    if g is None:  # unscaled bf16/fp16 cast
+        return Storage(elem_bytes=elem)
+    return Storage(elem_bytes=elem, scale_bytes=SCALE_BYTES[g.scale_format], scale_every=_scale_every(g))
+
+
+_MX_GEMM = {8: "mxfp8", 6: "mxfp6", 4: "mxfp4"}
+"""Block-scaled (E8M0) GEMM format by element bits."""
+
+_GEMM_BITS = {"nvfp4": 4, "mxfp4": 4, "mxfp6": 6, "mxfp8": 8, "fp8": 8}
+
+
+def _operand_gemm(cast: R.Cast) -> str:
+    """The GEMM format a quantized operand needs (keys of ``lowprec.plan.gpus.GEMM_FORMATS``)."""
+    f = F.get(cast.format)
+    rule = cast.granularity.rule
+    if f.bits > 8:  # a wide format with scales still runs a high-precision GEMM
+        return "fp16" if f.name == "fp16" else "bf16"
+    if rule is ScaleRule.AMAX:  # FP32 scales: FP8 tensor cores (narrower elements fit E4M3 exactly)
+        return "fp8"
+    if rule is ScaleRule.NVFP4 and f.bits == 4:
+        return "nvfp4"
+    return _MX_GEMM[f.bits]
+
+
+def gemm_format(g: R.Gemm) -> str:
+    """The format ``g`` runs in. Low precision only when both operands are quantized (as
+    ``lowprec.nn.function.gemm`` runs it); operands of different formats run at the wider one,
+    the slower of the two (the left operand's on a tie)."""
+    if not g.low_precision:  # the quantized side, if any, is dequantized to the other's dtype
+        hp = [c.format for c in (g.lhs, g.rhs) if not c.quantized]
+        return "fp16" if hp and all(f == "fp16" for f in hp) else "bf16"
+    lhs, rhs = _operand_gemm(g.lhs), _operand_gemm(g.rhs)
+    if "bf16" in (lhs, rhs) or "fp16" in (lhs, rhs):
+        return "bf16" if "bf16" in (lhs, rhs) else "fp16"
+    return max((lhs, rhs), key=_GEMM_BITS.__getitem__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecipeCost:
     name: str
     weight: Storage | None
-    """The low-precision copy of each quantized weight; None when the GEMMs read the BF16 weight."""
+    """The low-precision copy of each quantized weight (its ``fprop.rhs`` cast); None when the GEMMs
+    read the BF16 weight."""
     saved_input: Storage
-    """How a quantized linear saves its input for the weight-gradient GEMM (no transposed copy kept)."""
+    """How a converted linear saves its input for the weight-gradient GEMM (its ``wgrad.rhs`` cast)."""
     gemms: tuple[str, str, str]
     """GEMM format of fprop, dgrad and wgrad (keys of the accelerator table's peaks)."""
     note: str
 
     @property
     def quantizes(self) -> bool:
-        return self.weight is not None
+        """True when the recipe keeps a low-precision weight copy or saves a quantized input."""
+        return self.weight is not None or self.saved_input.scaled
 
 
-RECIPES: dict[str, RecipeCost] = {r.name: r for r in (
-    RecipeCost(name="bf16", weight=None, saved_input=BF16, gemms=("bf16",) * 3,
-               note="the baseline: BF16 weights, inputs and GEMMs"),
-    RecipeCost(name="fp16", weight=None, saved_input=BF16, gemms=("fp16",) * 3,
-               note="FP16 weights and GEMMs (2 bytes like BF16) with loss scaling"),
-    RecipeCost(name="fp8-delayed", weight=FP8_TENSOR, saved_input=FP8_TENSOR, gemms=("fp8",) * 3,
-               note="E4M3 forward, E5M2 gradients, per-tensor scales from an amax history"),
-    RecipeCost(name="fp8-current", weight=FP8_TENSOR, saved_input=FP8_TENSOR, gemms=("fp8",) * 3,
-               note="E4M3 forward, E5M2 gradients, per-tensor scales from the current amax"),
-    RecipeCost(name="fp8-rowwise", weight=FP8_ROW, saved_input=FP8_ROW, gemms=("fp8",) * 3,
-               note="E4M3, one FP32 scale per row"),
-    RecipeCost(name="fp8-blockwise", weight=Storage(elem_bytes=1, scale_bytes=4, scale_every=128 * 128),
-               saved_input=Storage(elem_bytes=1, scale_bytes=4, scale_every=128), gemms=("fp8",) * 3,
-               note="E4M3, FP32 scales per 128x128 weight block and 1x128 activation block (DeepSeek-V3)"),
-    RecipeCost(name="mxfp8", weight=MXFP8, saved_input=MXFP8, gemms=("mxfp8",) * 3,
-               note="MXFP8 E4M3 everywhere, E8M0 scale per 32"),
-    RecipeCost(name="mxfp4", weight=MXFP4, saved_input=MXFP4, gemms=("mxfp4", "mxfp8", "mxfp8"),
-               note="MXFP4 forward, MXFP8 backward GEMMs; the FP4 copies are what is stored"),
-    RecipeCost(name="nvfp4", weight=NVFP4, saved_input=NVFP4, gemms=("nvfp4",) * 3,
-               note="NVFP4 E2M1 with an E4M3 scale per 16 in all three GEMMs"),
-)}
+def _note(recipe: R.Recipe) -> str:
+    """The docstring's first paragraph on one line; the casts where the recipe has no doc."""
+    para = recipe.doc.strip().split("\n\n")[0]
+    return " ".join(para.split()) or recipe.summary()
 
 
-def get_recipe(name: str | RecipeCost) -> RecipeCost:
-    if isinstance(name, RecipeCost):
-        return name
-    return RECIPES[check_choice("recipe", name, RECIPES)]
+def cost_of(recipe: R.Recipe) -> RecipeCost:
+    """What ``recipe`` stores and which GEMM formats it runs."""
+    if not isinstance(recipe, R.Recipe):
+        fail("recipe", "a lowprec.recipes.Recipe", describe(recipe), TypeError)
+    w = recipe.fprop.rhs
+    return RecipeCost(
+        name=recipe.name,
+        # a weight cast that is not quantized is the BF16 weight itself: no copy
+        weight=storage_of(w) if recipe.low_precision and w.quantized else None,
+        saved_input=storage_of(recipe.wgrad.rhs),
+        gemms=(gemm_format(recipe.fprop), gemm_format(recipe.dgrad), gemm_format(recipe.wgrad)),
+        note=_note(recipe),
+    )
+
+
+def get_recipe(recipe: str | R.Recipe | RecipeCost) -> RecipeCost:
+    """The cost of a preset by name (``lowprec.recipes.names()``) or of a user-defined ``Recipe``."""
+    if isinstance(recipe, RecipeCost):
+        return recipe
+    return cost_of(R.get(recipe))
+
+
+RECIPES: dict[str, RecipeCost] = {name: cost_of(R.get(name)) for name in R.names()}
+"""Every preset's cost, by name."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +193,3 @@ GRAD_BYTES: dict[str, int] = {"bf16": 2, "fp32": 4}
 
 MASTER_BYTES = 4
 """FP32 master weights, kept for every recipe: the optimizer updates these, not the BF16 copy."""
-
-HP_BYTES = 2
-"""The model's own (BF16) weights and the activations that are not linear inputs."""

@@ -94,7 +94,7 @@ def test_full_recompute_adds_a_forward_but_not_model_flops():
     (dict(price_per_gpu_hour=-2.0), "price_per_gpu_hour: expected a non-negative finite number"),
     (dict(gpus=0), "gpus: expected a positive int, got 0"),
     (dict(gpu="h300"), "gpu: expected one of a100, h100, .*, got 'h300'"),
-    (dict(recipe="fp3"), "recipe: expected one of 'bf16', .*, got 'fp3'"),
+    (dict(recipe="fp3"), "recipe: expected one of bf16, .*mxfp4, nvfp4 .*, got 'fp3'"),
 ])
 def test_bad_plan_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
