@@ -68,6 +68,14 @@ def test_plan_bad_input_is_one_clear_line(args, message):
     assert message in r.output and "Traceback" not in r.output
 
 
+def test_plan_unknown_recipe_names_the_presets_in_one_line():
+    r = _run("plan", "--model", "llama-3-8b", "--recipe", "nosuch")
+    assert r.exit_code == 1
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: recipe: expected one of bf16, fp16, ")
+    assert "mxfp4" in lines[0] and lines[0].endswith("got 'nosuch'")
+
+
 def test_plan_lists_gpus_and_models_without_a_model():
     gpus = _run("plan", "--list-gpus")
     assert gpus.exit_code == 0 and "mi355x" in gpus.output and "datasheet" in gpus.output
