@@ -88,7 +88,7 @@ class Format:
             return self.torch_dtype
         if self.bits > 8:  # tf32: float32 whose low 13 mantissa bits are zero
             return torch.float32
-        return torch.int8 if self.name == "int8" else torch.uint8
+        return torch.uint8  # codes, one per byte (pack() packs FP4/FP6 for storage)
 
     def __str__(self) -> str:
         return self.name

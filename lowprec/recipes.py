@@ -68,6 +68,8 @@ class Cast:
             fail("scaling", "a lowprec.recipes.Scaling", describe(self.scaling), TypeError)
         if self.format is not None and self.granularity is None and F.get(self.format).bits <= 8:
             fail("granularity", f"a scaling granularity for the {self.format} format", "None")
+        if self.hadamard and not self.quantized:
+            fail("hadamard", "False for a cast that is not scaled (the transform must cancel in the GEMM)", True)
         if self.scaling is Scaling.DELAYED and (
             self.granularity is None or self.granularity.rule is not ScaleRule.AMAX
             or (self.granularity.block_rows, self.granularity.block_cols) != (None, None)
@@ -176,7 +178,7 @@ class Recipe:
 
     @property
     def low_precision(self) -> bool:
-        """True when any GEMM runs on scaled low-precision operands."""
+        """True when any operand of any GEMM is quantized onto a scaled low-precision grid."""
         return any(c.quantized for c in self.casts().values())
 
     @property

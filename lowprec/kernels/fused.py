@@ -10,10 +10,10 @@ reference operations run one after the other, with the same values.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as nnf
 
 from lowprec import kernels as K  # attribute lookups at call time: kernels/__init__ imports this module
-from lowprec.quant import Granularity, QuantizedTensor, hadamard
+from lowprec import formats as F
+from lowprec.quant import Granularity, QuantizedTensor, hadamard_padded
 
 HADAMARD_BLOCK = 16
 
@@ -30,6 +30,7 @@ def cast_pair(
     the 16-point random Hadamard transform applied to ``x2.T`` (zero-padded to a multiple of 16 along
     its last dimension) before its cast, as ``lowprec.quant.hadamard``. ``record_amax``: also return
     ``x2.abs().amax()`` (NaN if x2 holds one), for the amax history."""
+    requested = backend  # the transposed cast picks its own backend unless the caller chose one
     backend = backend or K.quantize_backend(x2, fmt, granularity, rounding)
     if backend == "triton":
         from lowprec.kernels import triton_quant
@@ -42,12 +43,10 @@ def cast_pair(
     amax = x2.detach().abs().amax().float() if record_amax else None
     q = K.quantize(x2, fmt, granularity, rounding=rounding, scale=scale, generator=generator, backend=backend)
     per_tensor = (granularity.block_rows, granularity.block_cols) == (None, None)
-    if per_tensor and granularity == granularity_t and q.fmt.name == str(fmt_t) and hadamard_t is None \
+    if per_tensor and granularity == granularity_t and q.fmt.name == F.get(fmt_t).name and hadamard_t is None \
             and rounding == rounding_t == "nearest":  # the same scale: the transposed data is the cast
         return q, QuantizedTensor(q.data.t().contiguous(), q.scale, q.fmt, granularity, x2.t().shape, x2.dtype), amax
-    xt = x2.t()
-    if hadamard_t is not None:
-        pad = (-xt.shape[1]) % HADAMARD_BLOCK
-        xt = hadamard(nnf.pad(xt, (0, pad)) if pad else xt, HADAMARD_BLOCK, seed=hadamard_t)
-    q_t = K.quantize(xt, fmt_t, granularity_t, rounding=rounding_t, scale=scale, generator=generator, backend=backend)
+    xt = x2.t() if hadamard_t is None else hadamard_padded(x2.t(), HADAMARD_BLOCK, hadamard_t)
+    q_t = K.quantize(xt, fmt_t, granularity_t, rounding=rounding_t, scale=scale, generator=generator,
+                     backend=requested)
     return q, q_t, amax

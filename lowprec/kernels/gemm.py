@@ -12,6 +12,8 @@ Backends:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from lowprec._checks import fail
@@ -60,7 +62,7 @@ def _exact_in_bf16(q: QuantizedTensor) -> bool:
     element's, plus 0 for E8M0 or 3 for E4M3 scales) must fit BF16's 7."""
     if q.fmt.bits > 8:
         return False
-    if q.granularity.block_cols is None:
+    if q.granularity.block_cols is None and q.granularity.block_rows in (None, 1):
         return q.fmt.man_bits <= 7
     scale_bits = {"e8m0": 0, "e4m3": 3, "fp32": 99}[q.granularity.scale_format]
     return q.fmt.man_bits + scale_bits <= 7
@@ -68,7 +70,7 @@ def _exact_in_bf16(q: QuantizedTensor) -> bool:
 
 def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(values to multiply, per-row output scale or None). Scales constant along K stay outside."""
-    if q.granularity.block_cols is None:
+    if q.granularity.block_cols is None and q.granularity.block_rows in (None, 1):
         v = q.data.to(dtype) if q.fmt.torch_dtype is not None else q.values().to(dtype)  # exact
         return v, q.scale  # (1, 1) or (Mp, 1): broadcasts over the output's rows
     if dtype == torch.bfloat16 and q.data.is_cuda:
@@ -114,6 +116,6 @@ def scaled_mm(
         out = _emulated(a, b, out_dtype)
     else:
         fail("backend", "'cublas' or 'emulated'", repr(backend))
-    m = a.shape.numel() // a.shape[-1]
-    n = b.shape.numel() // b.shape[-1]
+    m = math.prod(a.shape[:-1])
+    n = math.prod(b.shape[:-1])
     return out[:m, :n]

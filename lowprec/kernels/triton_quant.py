@@ -11,7 +11,6 @@ the kernel uses those numbers instead and equals the reference bit for bit.
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -39,9 +38,8 @@ def supports(fmt, granularity: Granularity, rounding: str = "nearest") -> bool:
 
 
 @torch.compiler.disable
-@functools.lru_cache(maxsize=16)
 def _hadamard_matrix(seed: int, device: torch.device) -> torch.Tensor:
-    # Made once per seed and device. Its random signs come from a CPU torch.Generator, which a
+    # Cached by hadamard_matrix, once per seed and device. Its random signs come from a CPU torch.Generator, which a
     # compiled graph cannot hold: under torch.compile this call is the one graph break of the
     # Hadamard path (none elsewhere).
     return hadamard_matrix(HADAMARD_BLOCK, seed, device=device)

@@ -9,34 +9,33 @@ keeps a BF16 one: never more activation memory than BF16.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as nnf
 
 from lowprec import formats as F
 from lowprec import kernels as K
 from lowprec.kernels.fused import HADAMARD_BLOCK
-from lowprec.quant import QuantizedTensor, hadamard
+from lowprec.quant import QuantizedTensor, hadamard_padded
 from lowprec.recipes import Cast, Gemm, Recipe, Scaling
 
 HADAMARD_SEED = 0x5EED
 Operand = QuantizedTensor | torch.Tensor  # a high-precision operand is a plain tensor
 
 
-def cast(x2: torch.Tensor, c: Cast, state=None, role: str = "", record: bool = True) -> Operand:
-    """One operand (a 2-D view, reduced over its last dimension) cast as ``c`` says. With delayed
-    scaling the scale comes from ``state``'s history for ``role``, and x's amax is recorded."""
+def cast(x2: torch.Tensor, c: Cast, scale: torch.Tensor | None = None) -> Operand:
+    """One operand (a 2-D view, reduced over its last dimension) cast as ``c`` says; ``scale`` is the
+    delayed scale when ``c`` uses delayed scaling."""
     if c.format is None:
         return x2
     if c.granularity is None:  # unscaled cast (bf16/fp16)
         return x2.to(F.get(c.format).torch_dtype)
     if c.hadamard:
-        pad = (-x2.shape[1]) % HADAMARD_BLOCK
-        x2 = hadamard(nnf.pad(x2, (0, pad)) if pad else x2, HADAMARD_BLOCK, seed=HADAMARD_SEED)
-    scale = None
-    if c.scaling is Scaling.DELAYED and state is not None:
-        scale = state.scale(role, F.get(c.format))
-        if record:
-            state.record(role, x2.detach().abs().amax())
+        x2 = hadamard_padded(x2, HADAMARD_BLOCK, HADAMARD_SEED)
     return K.quantize(x2, c.format, c.granularity, rounding=c.rounding, scale=scale)
+
+
+def _delayed_scale(c: Cast | None, state, role: str) -> torch.Tensor | None:
+    if c is None or state is None or c.scaling is not Scaling.DELAYED:
+        return None
+    return state.scale(role, F.get(c.format))
 
 
 def _fusable(c: Cast, c_t: Cast) -> bool:
@@ -46,22 +45,24 @@ def _fusable(c: Cast, c_t: Cast) -> bool:
             and (c.scaling is not Scaling.DELAYED or c.format == c_t.format))
 
 
-def cast_pair(x2: torch.Tensor, c: Cast, c_t: Cast | None, state=None, role: str = "") -> tuple[Operand, Operand | None]:
+def cast_pair(x2: torch.Tensor, c: Cast, c_t: Cast | None, state=None, role: str = "",
+              record: bool = True) -> tuple[Operand, Operand | None]:
     """``x2`` cast as ``c`` and ``x2.T`` as ``c_t`` (None: not needed), reading x2 once where a kernel
-    can; with delayed scaling, x's amax is recorded once."""
+    can. Delayed scales come from ``state``'s history before this tensor's amax is recorded (once,
+    and only with ``record``: evaluation must not move the training scales)."""
+    delayed = state is not None and any(k is not None and k.scaling is Scaling.DELAYED for k in (c, c_t))
+    scale, scale_t = _delayed_scale(c, state, role), _delayed_scale(c_t, state, role)
     if c_t is None or not _fusable(c, c_t):
-        a = cast(x2, c, state, role)
-        if c_t is None:
-            return a, None
-        return a, cast(x2.t(), c_t, state, role, record=c.scaling is not Scaling.DELAYED)
-    delayed = c.scaling is Scaling.DELAYED and state is not None
-    scale = state.scale(role, F.get(c.format)) if delayed else None
-    q, q_t, amax = K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding=c.rounding,
-                               rounding_t=c_t.rounding, scale=scale, record_amax=delayed,
-                               hadamard_t=HADAMARD_SEED if c_t.hadamard else None)
-    if delayed:
+        a = cast(x2, c, scale)
+        b = cast(x2.t(), c_t, scale_t) if c_t is not None else None
+        amax = x2.detach().abs().amax() if delayed and record else None
+    else:
+        a, b, amax = K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding=c.rounding,
+                                 rounding_t=c_t.rounding, scale=scale, record_amax=delayed and record,
+                                 hadamard_t=HADAMARD_SEED if c_t.hadamard else None)
+    if amax is not None:
         state.record(role, amax)
-    return q, q_t
+    return a, b
 
 
 def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:
@@ -97,13 +98,14 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: bool):
-    """The forward GEMM; also the casts backward needs: (y, x.T cast or None, w.T cast or None)."""
+def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: bool, record: bool = True):
+    """The forward GEMM; also the casts backward needs: (y, x.T cast or None, w.T cast or None).
+    ``record``: add the input's amax to the delayed-scaling history (training, not evaluation)."""
     out_dtype = output_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = cast_pair(x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
-                             layer.delayed_state, "input")
+                             layer.delayed_state, "input", record)
         qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad)
         y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
         if bias is not None:
@@ -123,13 +125,13 @@ class LinearFunction(torch.autograd.Function):
         x_saved, x_meta = _save(qx_t)
         w_saved, w_meta = _save(qw_t)
         ctx.save_for_backward(*x_saved, *w_saved)
-        ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.dtype, bias is not None)
+        ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.recipe, ctx.layer = recipe, layer
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_meta, w_meta, x_shape, x_dtype, w_dtype, has_bias = ctx.meta
+        x_meta, w_meta, x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
         saved = ctx.saved_tensors
         qx_t, qw_t = _restore(saved[:3], x_meta), _restore(saved[3:], w_meta)
         r: Recipe = ctx.recipe
@@ -137,12 +139,15 @@ class LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
-            qdy, qdy_t = cast_pair(dy2, r.dgrad.lhs, r.wgrad.lhs if need_wgrad else None,
-                                   ctx.layer.delayed_state, "grad_output")
+            state = ctx.layer.delayed_state
+            if need_dgrad:
+                qdy, qdy_t = cast_pair(dy2, r.dgrad.lhs, r.wgrad.lhs if need_wgrad else None, state, "grad_output")
+            else:  # a frozen input (the first layer): only the weight gradient's operand
+                qdy, qdy_t = None, cast_pair(dy2.t(), r.wgrad.lhs, None, state, "grad_output")[0]
             if need_dgrad:
                 dx = gemm(qdy, qw_t, r.dgrad, x_dtype).view(x_shape)  # (M, K)
             if need_wgrad:
                 dw = gemm(qdy_t, qx_t, r.wgrad, w_dtype)  # (N, K)
-            if has_bias and need_bias:
-                db = dy2.sum(0).to(w_dtype)
+            if b_dtype is not None and need_bias:
+                db = dy2.sum(0).to(b_dtype)
         return dx, dw, db, None, None

@@ -79,7 +79,8 @@ class Linear(nn.Linear):
         params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return LinearFunction.apply(x, self.weight, self.bias, recipe, self)
-        return fprop(x, self.weight, self.bias, recipe, self, False, False)[0]  # inference: no transposed casts
+        # inference: no transposed casts, and the delayed-scaling history is left as training made it
+        return fprop(x, self.weight, self.bias, recipe, self, False, False, record=False)[0]
 
     def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""

@@ -2,11 +2,11 @@
 from lowprec.quant.granularity import (
     Granularity, ScaleRule, blockwise, columnwise, mx, nvfp4, rowwise, tensorwise,
 )
-from lowprec.quant.hadamard import hadamard, hadamard_matrix
+from lowprec.quant.hadamard import hadamard, hadamard_matrix, hadamard_padded
 from lowprec.quant.quantize import dequantize, error_bound, fake_quantize, quantize
 from lowprec.quant.tensor import QuantizedTensor
 
 __all__ = [
     "Granularity", "ScaleRule", "QuantizedTensor", "blockwise", "columnwise", "dequantize", "error_bound",
-    "fake_quantize", "hadamard", "hadamard_matrix", "mx", "nvfp4", "quantize", "rowwise", "tensorwise",
+    "fake_quantize", "hadamard", "hadamard_matrix", "hadamard_padded", "mx", "nvfp4", "quantize", "rowwise", "tensorwise",
 ]

@@ -75,7 +75,7 @@ def nvfp4_block_scale(amax: torch.Tensor, fmt: F.Format, global_scale: torch.Ten
     """E4M3 block scale (as FP32) ``e4m3(amax / fmax / g)``, saturating at 448; NaN for non-finite blocks."""
     finite = torch.isfinite(amax)
     s = _div(torch.where(finite, amax, 0.0), fmt.max) / global_scale
-    return _nonfinite_to_nan(F.round_to(torch.nan_to_num(s, nan=0.0), _E4M3, saturate=True), amax)
+    return _nonfinite_to_nan(F.round_unchecked(torch.nan_to_num(s, nan=0.0), _E4M3), amax)
 
 
 def block_scales(

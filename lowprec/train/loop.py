@@ -155,8 +155,8 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
             run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
-    loss_value = loss_sum.item() / cfg.grad_accum
-    result = run.opt.step(loss=loss_value)
+    result = run.opt.step(loss=loss_sum / cfg.grad_accum)  # the loss check shares the step's one host sync
+    loss_value = result.loss
     seconds = time.perf_counter() - start
     return {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
             "loss_scale": result.loss_scale, "skipped": result.skipped, "spike": result.spike,

@@ -90,9 +90,17 @@ def test_a_non_finite_amax_is_recorded_as_zero():
     lin = make_linear("fp8-delayed")
     x = randn(32, 128, seed=0)
     x[3, 7] = float("inf")
-    with torch.no_grad():
-        lin(x)
+    lin(x)
     assert lin.delayed_state.recorded[0] == 1 and lin.delayed_state.history[0, 0].item() == 0.0
+
+
+def test_evaluation_under_no_grad_leaves_the_input_history_alone():
+    lin = make_linear("fp8-delayed")
+    lin(randn(32, 128, seed=0))  # a training forward records the input's amax once
+    before = lin.delayed_state.history.clone(), list(lin.delayed_state.recorded)
+    with torch.no_grad():
+        lin(randn(32, 128, seed=1) * 100)
+    assert torch.equal(lin.delayed_state.history, before[0]) and lin.delayed_state.recorded == before[1]
 
 
 @pytest.mark.parametrize("recipe", R.names())
