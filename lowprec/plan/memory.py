@@ -2,7 +2,8 @@
 
 [Note: the accounting]
 Per parameter held by a GPU: the BF16 weight (2 B), the recipe's low-precision copy of each
-quantized weight, the gradient (2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
+quantized weight and its transposed copy (lowprec's Linear keeps both casts for the optimizer step,
+so that gradient-accumulation micro-batches reuse them), the gradient (2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
 the optimizer moments (8 B for AdamW, 2 B for 8-bit AdamW): 16 B per parameter for BF16 mixed
 precision with AdamW, as in the ZeRO paper (arXiv 1910.02054). ZeRO stage 1 shards master
 weights and moments over the data-parallel ranks, stage 2 also gradients, stage 3 also weights.
@@ -123,6 +124,9 @@ class _Params:
     lp_dense: float
     """Bytes of the low-precision copies."""
     lp_expert: float
+    lp_t_dense: float
+    """Bytes of the transposed low-precision copies (the data-gradient GEMM's weight operand)."""
+    lp_t_expert: float
     largest_block: float
 
 
@@ -134,18 +138,19 @@ def stage_layers(m: ModelSpec, pp: int, stage: int) -> tuple[int, int]:
 
 
 def _block_params(m: ModelSpec, moe: bool, recipe: RecipeCost, tp: int, ep: int) -> _Params:
-    dense = expert = quant = lp_dense = lp_expert = 0.0
+    dense = expert = quant = lp_dense = lp_expert = lp_t_dense = lp_t_expert = 0.0
     for lin in block_linears(m, moe):
         n = lin.numel / lin.shards(tp) / (ep if lin.expert else 1)
         copied = recipe.weight is not None and lin.quantized
         lp = n * recipe.weight.bytes_per_element(lin.d_in, n) if copied else 0.0
+        lp_t = n * recipe.weight_t.bytes_per_element(lin.d_out, n) if copied and recipe.weight_t else 0.0
         quant += n if lp else 0.0
         if lin.expert:
-            expert, lp_expert = expert + n, lp_expert + lp
+            expert, lp_expert, lp_t_expert = expert + n, lp_expert + lp, lp_t_expert + lp_t
         else:
-            dense, lp_dense = dense + n, lp_dense + lp
+            dense, lp_dense, lp_t_dense = dense + n, lp_dense + lp, lp_t_dense + lp_t
     dense += block_norm_params(m)
-    return _Params(dense, expert, quant, lp_dense, lp_expert, dense + expert)
+    return _Params(dense, expert, quant, lp_dense, lp_expert, lp_t_dense, lp_t_expert, dense + expert)
 
 
 def _stage_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -> _Params:
@@ -157,7 +162,8 @@ def _stage_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -
         extra += m.d_model + (table if not m.tied_embeddings or par.pp > 1 else 0.0)
     total = lambda f: sum(getattr(p, f) * n for p, n in blocks)  # noqa: E731
     return _Params(total("dense") + extra, total("expert"), total("quantized"), total("lp_dense"),
-                   total("lp_expert"), max((p.largest_block for p, n in blocks if n), default=0.0))
+                   total("lp_expert"), total("lp_t_dense"), total("lp_t_expert"),
+                   max((p.largest_block for p, n in blocks if n), default=0.0))
 
 
 def _sharded(name: str, per_param: float, p: _Params, par: Parallel, sharded: bool) -> Component:
@@ -177,6 +183,11 @@ def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training) -> l
         per = (p.lp_dense + p.lp_expert) / p.quantized if p.quantized else 0.0
         formula = f"{per:.4g} B x {count(p.quantized)} quantized params" + (" (ZeRO-3 sharded)" if div > 1 else "")
         out.append(Component(f"low-precision weight copy ({recipe.name})", nbytes, formula))
+        nbytes_t = p.lp_t_dense / div + p.lp_t_expert / div_e
+        per_t = (p.lp_t_dense + p.lp_t_expert) / p.quantized if p.quantized else 0.0
+        out.append(Component("transposed weight copy (kept for the step by lowprec's Linear)", nbytes_t,
+                             f"{per_t:.4g} B x {count(p.quantized)} quantized params"
+                             + (" (ZeRO-3 sharded)" if div > 1 else "")))
     else:
         out.append(Component("low-precision weight copy", 0.0, "none: the GEMMs read the BF16 weights"))
     grad = GRAD_BYTES[train.grad_dtype]

@@ -130,6 +130,9 @@ class RecipeCost:
     weight: Storage | None
     """The low-precision copy of each quantized weight (its ``fprop.rhs`` cast); None when the GEMMs
     read the BF16 weight."""
+    weight_t: Storage | None = None
+    """The transposed weight's cast for the data-gradient GEMM (``dgrad.rhs``), which lowprec's Linear
+    keeps beside the forward copy for the whole optimizer step; None when not quantized."""
     saved_input: Storage
     """How a converted linear saves its input for the weight-gradient GEMM (its ``wgrad.rhs`` cast)."""
     gemms: tuple[str, str, str]
@@ -157,6 +160,7 @@ def cost_of(recipe: R.Recipe) -> RecipeCost:
         name=recipe.name,
         # a weight cast that is not quantized is the BF16 weight itself: no copy
         weight=storage_of(w) if recipe.low_precision and w.quantized else None,
+        weight_t=storage_of(recipe.dgrad.rhs) if recipe.low_precision and recipe.dgrad.rhs.quantized else None,
         saved_input=storage_of(recipe.wgrad.rhs),
         gemms=(gemm_format(recipe.fprop), gemm_format(recipe.dgrad), gemm_format(recipe.wgrad)),
         note=_note(recipe),
