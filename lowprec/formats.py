@@ -161,7 +161,15 @@ def _quantum(a: torch.Tensor, f: Format) -> torch.Tensor:
         return torch.ones_like(a)
     _, e = torch.frexp(a)  # a = m * 2^e, m in [0.5, 1)
     binade = (e - 1).clamp_min(f.emin)
-    return torch.ldexp(torch.ones_like(a), binade - f.man_bits)
+    return pow2(binade - f.man_bits, a.dtype, f.emin - f.man_bits)
+
+
+def pow2(e: torch.Tensor, dtype: torch.dtype = torch.float32, lowest: int = -1074) -> torch.Tensor:
+    """``2.0 ** e`` exactly, for integer ``e`` no smaller than ``lowest``. Where every result is a
+    normal float32 this writes the exponent bits directly (``torch.ldexp`` computes a power)."""
+    if dtype == torch.float32 and lowest >= -126:
+        return ((e.to(torch.int32) + 127).clamp(1, 254) << 23).view(torch.float32)
+    return torch.ldexp(torch.ones(e.shape, dtype=dtype, device=e.device), e)
 
 
 def round_to(
@@ -323,11 +331,13 @@ def _as_codes(codes: torch.Tensor, f: Format) -> torch.Tensor:
 
 
 def decode_unchecked(codes: torch.Tensor, fmt: str | Format) -> torch.Tensor:
-    """:func:`decode` of uint8 codes of a format of 8 bits or fewer, computed arithmetically in float32
-    (exact there) with no table and no range check, so it needs no host sync and compiles."""
+    """:func:`decode` of uint8 codes of a format of 8 bits or fewer with no range check, so it needs no
+    host sync: a table lookup in eager mode, the formula in float32 (exact there) under torch.compile."""
     f = get(fmt)
     if codes.dtype != torch.uint8:
         codes = codes.view(torch.uint8)
+    if not torch.compiler.is_compiling():  # eager: one gather from the table
+        return decode_table(f, codes.device)[codes.long()]
     return _decode_fields(codes.to(torch.int32), f, torch.float32)
 
 
@@ -358,7 +368,11 @@ def codes_of(y: torch.Tensor, fmt: str | Format) -> torch.Tensor:
         _, e = torch.frexp(a)
         normal = a >= f.min_normal
         binade = torch.where(normal, e - 1, f.emin)
-        man = (torch.ldexp(a, -binade) - normal.float()) * 2**f.man_bits  # exact integer
+        if -f.emax >= -126 and -f.emin <= 127:  # 2^-binade is a normal float32: build it from bits
+            unit = a * pow2(-binade, torch.float32, -f.emax)
+        else:
+            unit = torch.ldexp(a, -binade)
+        man = (unit - normal.float()) * 2**f.man_bits  # exact integer
         ef = torch.where(normal, binade + f.bias, 0).long()
         codes = (ef << f.man_bits) | man.long()
         if f.has_inf:
