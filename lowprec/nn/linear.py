@@ -43,6 +43,7 @@ class Linear(nn.Linear):
         """Why this layer runs in high precision although it has a recipe (set by ``convert``)."""
         self.delayed_state: DelayedState | None = None
         self._weight_cache: tuple | None = None
+        self._recipe_facts: tuple | None = None
         self._warned: set[str] = set()
         self.register_state_dict_post_hook(_drop_empty_extra_state)
 
@@ -67,13 +68,13 @@ class Linear(nn.Linear):
         recipe = resolve(self.recipe)
         if recipe is None or x.numel() == 0:
             return nnf.linear(x, self.weight, self.bias)
-        if recipe.hp_dtype is not None:
-            return self._unscaled(x, recipe.hp_dtype)
-        reason = self.hp_reason or fallback_reason(self.in_features, self.out_features, recipe)
+        hp_dtype, reason, delayed = self._facts(recipe)
+        if hp_dtype is not None:
+            return self._unscaled(x, hp_dtype)
         if reason is not None:
             self._warn_once(reason)
             return nnf.linear(x, self.weight, self.bias)
-        if recipe.uses_delayed_scaling and (self.delayed_state is None or
+        if delayed and (self.delayed_state is None or
                                             self.delayed_state.config != recipe.delayed):
             self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
         params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
@@ -81,6 +82,18 @@ class Linear(nn.Linear):
             return LinearFunction.apply(x, self.weight, self.bias, recipe, self)
         # inference: no transposed casts, and the delayed-scaling history is left as training made it
         return fprop(x, self.weight, self.bias, recipe, self, False, False, record=False)[0]
+
+    def _facts(self, recipe: R.Recipe) -> tuple[torch.dtype | None, str | None, bool]:
+        """(unscaled dtype, why this layer runs in high precision, delayed scaling?) for ``recipe``,
+        derived once per recipe object rather than on every forward."""
+        memo = self._recipe_facts
+        if memo is not None and memo[0] is recipe and memo[1] == self.hp_reason:
+            return memo[2]
+        reason = self.hp_reason or fallback_reason(self.in_features, self.out_features, recipe)
+        facts = (recipe.hp_dtype, reason, recipe.uses_delayed_scaling)
+        if not torch.compiler.is_compiling():
+            self._recipe_facts = (recipe, self.hp_reason, facts)
+        return facts
 
     def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""
