@@ -106,7 +106,7 @@ def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: 
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = cast_pair(x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
                              layer.delayed_state, "input", record)
-        qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad)
+        qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad, record)
         y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)

@@ -1,7 +1,9 @@
 """``lowprec.nn.Linear``: a drop-in ``torch.nn.Linear`` whose GEMMs run as a recipe says."""
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
@@ -27,8 +29,10 @@ class Linear(nn.Linear):
     """``torch.nn.Linear`` with the same parameters, ``state_dict`` keys and initialisation, whose
     forward and backward GEMMs cast their operands as ``recipe`` says (None: plain high precision).
 
-    Weights are cast once per optimizer step and reused across gradient-accumulation micro-batches
-    (the cache notices any in-place change of the weight). Delayed-scaling state, when the recipe
+    The weight is cast at every forward: the forward GEMM's cast is dropped as soon as the GEMM has
+    run and only the transposed cast the data-gradient GEMM needs is kept for backward, so no weight
+    copy outlives the step. Inside :func:`lowprec.nn.cached_weight_casts` (gradient accumulation)
+    both casts are kept and reused until the weight changes. Delayed-scaling state, when the recipe
     uses it, is saved in ``state_dict`` as versioned extra state; see ``lowprec.nn.delayed``.
     """
 
@@ -43,6 +47,8 @@ class Linear(nn.Linear):
         """Why this layer runs in high precision although it has a recipe (set by ``convert``)."""
         self.delayed_state: DelayedState | None = None
         self._weight_cache: tuple | None = None
+        self._cache_depth = 0
+        """How many :func:`cached_weight_casts` regions hold this layer (0: cast at every forward)."""
         self._recipe_facts: tuple | None = None
         self._warned: set[str] = set()
         self.register_state_dict_post_hook(_drop_empty_extra_state)
@@ -108,21 +114,24 @@ class Linear(nn.Linear):
             warnings.warn(f"lowprec: a Linear({self.in_features}, {self.out_features}) runs in high "
                           f"precision: {reason}", stacklevel=3)
 
-    def weight_casts(self, weight: torch.Tensor, recipe: R.Recipe, need_transposed: bool):
-        """(weight cast for fprop, weight.T cast for dgrad or None), cached until the weight changes."""
-        compiling = torch.compiler.is_compiling()
-        key = (weight._version, weight.data_ptr(), recipe) if not compiling else None
+    def weight_casts(self, weight: torch.Tensor, recipe: R.Recipe, need_transposed: bool, record: bool = True):
+        """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
+        :func:`cached_weight_casts` taken from the cache until the weight changes. ``record``: add the
+        weight's amax to the delayed-scaling history (training forwards, not evaluation)."""
+        caching = self._cache_depth > 0 and not torch.compiler.is_compiling()
+        key = (weight._version, weight.data_ptr(), recipe) if caching else None
         cached = self._weight_cache
-        if cached is not None and cached[0] == key and (cached[2] is not None or not need_transposed):
+        if caching and cached is not None and cached[0] == key and (cached[2] is not None or not need_transposed):
             return cached[1], cached[2]
         w = weight.detach()
         qw, qw_t = cast_pair(w, recipe.fprop.rhs, recipe.dgrad.rhs if need_transposed else None,
-                             self.delayed_state, "weight")
-        if not compiling:
+                             self.delayed_state, "weight", record)
+        if caching:
             self._weight_cache = (key, qw, qw_t)
         return qw, qw_t
 
     def clear_cache(self) -> None:
+        """Drop the cached weight casts (see :func:`cached_weight_casts`)."""
         self._weight_cache = None
 
     # ---- state ----------------------------------------------------------------------------
@@ -152,6 +161,28 @@ class Linear(nn.Linear):
         r = self.recipe.name if self.recipe is not None else None
         hp = f", hp_reason={self.hp_reason!r}" if self.hp_reason else ""
         return super().extra_repr() + f", recipe={r}{hp}"
+
+
+@contextlib.contextmanager
+def cached_weight_casts(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the region, every converted layer of ``model`` casts its weight once and reuses both
+    casts (forward and transposed) for each forward until the weight changes: the micro-batches of
+    gradient accumulation cast each weight once per optimizer step. On exit the casts are dropped.
+
+    The cache is keyed on the parameter's version counter, which every in-place write through the
+    parameter bumps (an optimizer step, ``copy_``, ``load_state_dict``); a write through
+    ``weight.data`` does not, so call ``clear_cache()`` on the layers after one inside the region.
+    Outside any region a layer casts at every forward and keeps only what backward needs."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for m in layers:
+        m._cache_depth += 1
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m._cache_depth -= 1
+            if m._cache_depth == 0:
+                m._weight_cache = None
 
 
 def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:

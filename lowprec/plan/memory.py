@@ -2,8 +2,9 @@
 
 [Note: the accounting]
 Per parameter held by a GPU: the BF16 weight (2 B), the recipe's low-precision copy of each
-quantized weight and its transposed copy (lowprec's Linear keeps both casts for the optimizer step,
-so that gradient-accumulation micro-batches reuse them), the gradient (2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
+quantized weight and its transposed copy (the upper bound: under gradient accumulation lowprec's
+Linear keeps both casts for the optimizer step so that micro-batches reuse them; without it only the
+transposed casts, saved for backward, stay and the forward ones live one layer at a time), the gradient (2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
 the optimizer moments (8 B for AdamW, 2 B for 8-bit AdamW): 16 B per parameter for BF16 mixed
 precision with AdamW, as in the ZeRO paper (arXiv 1910.02054). ZeRO stage 1 shards master
 weights and moments over the data-parallel ranks, stage 2 also gradients, stage 3 also weights.
@@ -185,7 +186,7 @@ def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training) -> l
         out.append(Component(f"low-precision weight copy ({recipe.name})", nbytes, formula))
         nbytes_t = p.lp_t_dense / div + p.lp_t_expert / div_e
         per_t = (p.lp_t_dense + p.lp_t_expert) / p.quantized if p.quantized else 0.0
-        out.append(Component("transposed weight copy (kept for the step by lowprec's Linear)", nbytes_t,
+        out.append(Component("transposed weight copy (saved for backward by lowprec's Linear)", nbytes_t,
                              f"{per_t:.4g} B x {count(p.quantized)} quantized params"
                              + (" (ZeRO-3 sharded)" if div > 1 else "")))
     else:

@@ -29,7 +29,7 @@ import lowprec
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
-from lowprec.nn import Linear as LowprecLinear
+from lowprec.nn import cached_weight_casts
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from lowprec.train.config import TrainConfig, check_resumable
@@ -127,11 +127,6 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
         logits = model(x.to(device))  # (B, T, vocab)
         total += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten()).item()
     model.train()
-    for m in model.modules():
-        if isinstance(m, LowprecLinear):
-            # a weight cast cached here would spare the next step its cast, and a resumed run has no
-            # such cache: dropping it keeps both on the same path (and delayed histories equal)
-            m.clear_cache()
     return total / len(batches)
 
 
@@ -149,7 +144,9 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
-    with _recipe_region(cfg, step):
+    # micro-batches of one step share each weight's casts; a single batch casts at its forward
+    cached = cached_weight_casts(run.model) if cfg.grad_accum > 1 else contextlib.nullcontext()
+    with _recipe_region(cfg, step), cached:
         for x, y in zip(inputs, targets):
             logits = run.model(x.to(run.device, non_blocking=True))  # (B, T, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())

@@ -7,6 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from lowprec.nn import cached_weight_casts
+
 from lowprec import recipes as R
 from lowprec.nn.delayed import ROLES
 from tests.nn.common import GemmSpy, make_linear, randn
@@ -40,11 +42,19 @@ def test_each_role_records_its_own_amax_once_per_cast():
     for i, (xa, dya) in enumerate([(4.0, 0.5), (8.0, 0.25), (2.0, 1.0)]):
         _step(lin, xa, dya, seed=i)
     state = lin.delayed_state
-    # the weight is cast once (cached: it did not change), input and grad_output every step
-    assert state.recorded == [3, 1, 3] and ROLES == ("input", "weight", "grad_output")
+    # every forward casts (and records) the weight as well: no cache outside cached_weight_casts
+    assert state.recorded == [3, 3, 3] and ROLES == ("input", "weight", "grad_output")
     assert state.history[:3, 0].tolist() == [4.0, 8.0, 2.0]
     assert state.history[:3, 2].tolist() == [0.5, 0.25, 1.0]
-    assert state.history[0, 1].item() == w_amax and state.history[1:, 1].abs().sum() == 0
+    assert state.history[:3, 1].tolist() == [w_amax] * 3
+
+
+def test_inside_cached_weight_casts_the_weight_records_once():
+    lin = make_linear("fp8-delayed")
+    with cached_weight_casts(lin):
+        for i, (xa, dya) in enumerate([(4.0, 0.5), (8.0, 0.25), (2.0, 1.0)]):
+            _step(lin, xa, dya, seed=i)
+    assert lin.delayed_state.recorded == [3, 1, 3]
 
 
 @pytest.mark.parametrize(("algo", "margin", "x_amaxes", "want"), [

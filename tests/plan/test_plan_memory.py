@@ -198,5 +198,5 @@ def test_the_transposed_weight_copy_is_counted_beside_the_forward_one(recipe):
     # per-tensor, MX and 16x16 NVFP4 weight casts hold as many scales transposed as not: equal bytes
     parts = _parts("llama-2-7b", recipe)
     fwd = parts[f"low-precision weight copy ({recipe})"]
-    assert parts["transposed weight copy (kept for the step by lowprec's Linear)"] == pytest.approx(fwd, rel=1e-9)
-    assert "transposed weight copy (kept for the step by lowprec's Linear)" not in _parts("llama-2-7b", "bf16")
+    assert parts["transposed weight copy (saved for backward by lowprec's Linear)"] == pytest.approx(fwd, rel=1e-9)
+    assert "transposed weight copy (saved for backward by lowprec's Linear)" not in _parts("llama-2-7b", "bf16")
