@@ -16,7 +16,7 @@ class Capability:
     fp8_gemm: bool
     """FP8 tensor-core GEMMs through ``torch._scaled_mm`` (sm89, sm90 and newer)."""
     blockwise_fp8_gemm: bool
-    """DeepSeek-style 1x128 x 128x128 FP8 GEMMs through ``torch._scaled_mm`` (sm90)."""
+    """DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 FP8 GEMMs through ``torch._scaled_mm`` (sm90)."""
     mx_gemm: bool
     """MXFP8/MXFP4 and NVFP4 block-scaled GEMMs (sm100 and newer, Blackwell)."""
     triton: bool
@@ -55,6 +55,11 @@ def _capability(device: torch.device) -> Capability:
     )
 
 
+_KNOWN: dict[torch.device, Capability] = {}
+"""Capabilities looked up so far. A compiled graph reads this plain dict (dynamo guards on it); the
+lookup itself calls CUDA queries that return Python values, which would break the graph."""
+
+
 def capability(device: torch.device | str | None = None) -> Capability:
     """The capability of ``device`` (default: the current CUDA device if there is one, else CPU)."""
     if device is None:
@@ -62,4 +67,7 @@ def capability(device: torch.device | str | None = None) -> Capability:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _capability(device)
+    cap = _KNOWN.get(device)
+    if cap is None:
+        cap = _KNOWN[device] = _capability(device)
+    return cap

@@ -2,7 +2,7 @@
 
 Backends:
 * ``cublas``: ``torch._scaled_mm`` on FP8 tensor cores (per-tensor and row-wise scales; 1x128 x
-  128x128 block scales on sm90);
+  128x128 and 1x128 x 1x128 block scales on sm90);
 * ``emulated``: the exact quantized values in a high-precision GEMM with FP32 accumulation. Where an
   operand's scales are constant along K (tensor, row) the GEMM runs on the unscaled values and the
   scales multiply the output, as the hardware does; otherwise the operands are dequantized block by
@@ -36,7 +36,7 @@ def gemm_path(lhs_fmt: str, lhs_gran, rhs_fmt: str, rhs_gran, cap: Capability) -
     pair = (_kind(lhs_gran), _kind(rhs_gran))
     if pair in (("tensor", "tensor"), ("row", "row")):
         return "cublas"
-    if cap.blockwise_fp8_gemm and pair == ("block1x128", "block128x128"):
+    if cap.blockwise_fp8_gemm and pair in (("block1x128", "block128x128"), ("block1x128", "block1x128")):
         return "cublas"
     return "emulated"
 
@@ -49,7 +49,9 @@ def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str
 def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     if _kind(a.granularity) == "block1x128":
         sa = a.scale.t().contiguous().t()  # (M, K/128), outer-dim-major as cuBLAS asks
-        sb = b.scale.t()  # (K/128, N/128)
+        # (K/128, N/128) for 128x128 blocks; for 1x128 (K/128, N) stored row-major, i.e. the
+        # (N, K/128) scales outer-dim-major like a's
+        sb = b.scale.t().contiguous() if _kind(b.granularity) == "block1x128" else b.scale.t()
     else:
         sa, sb = a.scale, b.scale.t()  # (M or 1, 1), (1, N or 1)
     return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,

@@ -8,6 +8,8 @@ keeps a BF16 one: never more activation memory than BF16.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from lowprec import formats as F
@@ -65,6 +67,55 @@ def cast_pair(x2: torch.Tensor, c: Cast, c_t: Cast | None, state=None, role: str
     return a, b
 
 
+class _LastInput:
+    """The casts of the last input a converted layer cast, for the layers that read the same tensor
+    next (attention's q, k and v projections; the FFN's gate and up): they reuse its casts rather
+    than cast it again, which spares the reads and keeps one saved copy where there were three.
+
+    One slot, so at most one input's casts are held beyond their use; the slot empties when its
+    input is freed. Only deterministic casts of one recipe's cast pair are shared (not delayed
+    scaling, whose scales are per layer, nor stochastic rounding). Under ``torch.compile`` the
+    compiler removes the repeated casts itself."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.ref: weakref.ref | None = None
+        self.casts: tuple | None = None
+
+    @staticmethod
+    def shareable(c: Cast, c_t: Cast | None) -> bool:
+        return all(k is None or (k.scaling is not Scaling.DELAYED and k.rounding == "nearest") for k in (c, c_t))
+
+    def get(self, x: torch.Tensor, key: tuple) -> tuple | None:
+        if self.key == key and self.ref is not None and self.ref() is x:
+            return self.casts
+        return None
+
+    def put(self, x: torch.Tensor, key: tuple, casts: tuple) -> None:
+        self.key, self.casts = key, casts
+        self.ref = weakref.ref(x, self._forget)
+
+    def _forget(self, ref: weakref.ref) -> None:
+        if self.ref is ref:
+            self.key = self.ref = self.casts = None
+
+
+_LAST_INPUT = _LastInput()
+
+
+def input_casts(x: torch.Tensor, x2: torch.Tensor, c: Cast, c_t: Cast | None, state, record: bool):
+    """``cast_pair`` of a layer's input ``x`` (``x2``: its 2-D view), shared with the previous layer
+    when that one cast the same unchanged tensor the same way (see :class:`_LastInput`)."""
+    if torch.compiler.is_compiling() or not _LastInput.shareable(c, c_t):
+        return cast_pair(x2, c, c_t, state, "input", record)
+    key = (x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device, c, c_t)
+    casts = _LAST_INPUT.get(x, key)
+    if casts is None:
+        casts = cast_pair(x2, c, c_t, state, "input", record)
+        _LAST_INPUT.put(x, key, casts)
+    return casts
+
+
 def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:
     return op.dequantize(dtype) if isinstance(op, QuantizedTensor) else op.to(dtype)
 
@@ -104,8 +155,8 @@ def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: 
     out_dtype = output_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        qx, qx_t = cast_pair(x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
-                             layer.delayed_state, "input", record)
+        qx, qx_t = input_casts(x, x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
+                               layer.delayed_state, record)
         qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad, record)
         y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
         if bias is not None:

@@ -24,7 +24,8 @@ CPU = Capability("cpu", "cpu", None, False, False, False, False)
     (("e4m3", rowwise()), ("e4m3", tensorwise()), H100, "emulated"),  # mixed scalings: no cuBLAS kernel
     (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(128, 128)), H100, "cublas"),
     (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(128, 128)), L40, "emulated"),  # sm90 only
-    (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(1, 128)), H100, "emulated"),
+    (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(1, 128)), H100, "cublas"),  # the weight gradient
+    (("e4m3", blockwise(128, 128)), ("e4m3", blockwise(1, 128)), H100, "emulated"),
     (("e4m3", mx(32, "ceil")), ("e4m3", mx(32, "ceil")), H100, "emulated"),
     (("e2m1", nvfp4(16)), ("e2m1", nvfp4(16, two_d=True)), H100, "emulated"),
     (("e4m3", tensorwise()), ("e4m3", tensorwise()), A100, "emulated"),
@@ -87,3 +88,20 @@ def test_bad_arguments_name_themselves():
         scaled_mm(a, b)
     with pytest.raises(ValueError, match="backend: expected 'cublas' or 'emulated'"):
         scaled_mm(a, a, backend="magic")
+
+
+def test_capability_lookup_compiles_without_a_graph_break(monkeypatch):
+    # On CUDA the first lookup asks the driver (Python values a compiled graph cannot hold); later
+    # lookups, in compiled code too, read the table of known devices.
+    import sys
+
+    table = sys.modules["lowprec.kernels.capability"]._KNOWN
+    monkeypatch.setitem(table, torch.device("cuda", 0), H100)
+    from lowprec.kernels import capability
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def path(x):
+        cap = capability(torch.device("cuda", 0))
+        return x * 2 if cap.blockwise_fp8_gemm else x
+
+    assert torch.equal(path(torch.ones(3)), torch.full((3,), 2.0))
