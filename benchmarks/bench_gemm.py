@@ -24,6 +24,8 @@ RECIPES = {
     "fp8 row": ("e4m3", rowwise(), "e4m3", rowwise(), False, None),
     "fp8 1x128 x 128x128": ("e4m3", blockwise(1, 128), "e4m3", blockwise(128, 128), False, None),
     "fp8 1x128 x 128x128 emulated": ("e4m3", blockwise(1, 128), "e4m3", blockwise(128, 128), False, "emulated"),
+    "fp8 1x128 x 1x128 (wgrad)": ("e4m3", blockwise(1, 128), "e4m3", blockwise(1, 128), False, None),
+    "fp8 1x128 x 1x128 emulated": ("e4m3", blockwise(1, 128), "e4m3", blockwise(1, 128), False, "emulated"),
     "mxfp8 (emulated)": ("e4m3", mx(32, "ceil"), "e4m3", mx(32, "ceil"), False, None),
     "mxfp4 (emulated)": ("e2m1", mx(32, "ceil"), "e2m1", mx(32, "ceil"), False, None),
     "nvfp4 (emulated)": ("e2m1", nvfp4(16), "e2m1", nvfp4(16, True), False, None),

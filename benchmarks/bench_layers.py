@@ -3,10 +3,9 @@
     python benchmarks/bench_layers.py --out results/ [--stages ffn-eager,ffn-compile,layers-compile]
 
 Variants, all in one process: BF16 (plain ``nn.Linear``); every lowprec recipe through
-``lowprec.convert`` (``lowprec.nn.Linear``); the fused-cast layer of ``_fused_linear`` (each operand
-read once for both casts); torchao float8 tensorwise and rowwise, when torchao is importable. Each
-stage writes its JSON as soon as it ends, so a run cut short keeps what it measured. Weight casts
-are redone every step (caches cleared), as in a training step without gradient accumulation.
+``lowprec.convert`` (``lowprec.nn.Linear``); torchao float8 tensorwise and rowwise, when torchao is
+importable. Each stage writes its JSON as soon as it ends, so a run cut short keeps what it
+measured. Weights are cast at every step, as in a training step without gradient accumulation.
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ import torch
 import torch.nn as nn
 
 from _common import DEVICE, bench_ms, environment, print_table, write_json
-from _fused_linear import FusedLinear, fuse
 import lowprec
 from lowprec import Policy
 from lowprec.train.model import Block, FeedForward, ModelConfig, rope_tables
@@ -42,13 +40,11 @@ class TwoLayers(nn.Module):
 
 
 def variant(base: nn.Module, name: str) -> nn.Module:
-    """A copy of ``base`` set up as ``name`` says: bf16, lowprec:<recipe>, fused:<recipe>, torchao:<recipe>."""
+    """A copy of ``base`` set up as ``name`` says: bf16, lowprec:<recipe>, torchao:<recipe>."""
     m = copy.deepcopy(base)
     kind, _, recipe = name.partition(":")
     if kind == "lowprec":
         lowprec.convert(m, recipe, ALL_LINEARS)
-    elif kind == "fused":
-        fuse(m, recipe)
     elif kind == "torchao":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -56,24 +52,20 @@ def variant(base: nn.Module, name: str) -> nn.Module:
     return m
 
 
-def _clear_caches(m: nn.Module) -> None:
-    for mod in m.modules():
-        if hasattr(mod, "clear_cache"):
-            mod.clear_cache()
-
-
-def measure(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, compiled: bool) -> dict:
+def measure(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, compiled: bool, rep: int) -> dict:
     fwd = torch.compile(model) if compiled else model
     params = [p for p in model.parameters()]
 
     def step():
-        _clear_caches(model)
         fwd(x).backward(dy)
 
+    breaks = torch._dynamo.utils.counters["graph_break"]
+    breaks.clear()
     t0 = time.perf_counter()
     step()
     step()  # compile, autotune, warm the delayed-scaling histories
     first_s = time.perf_counter() - t0
+    n_breaks = sum(breaks.values())
     if DEVICE == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -82,10 +74,10 @@ def measure(model: nn.Module, x: torch.Tensor, dy: torch.Tensor, compiled: bool)
         peak = torch.cuda.max_memory_allocated() / 2**30  # parameters, input and gradients included
     else:
         peak = float("nan")
-    ms = bench_ms(step, warmup=50, rep=300) if DEVICE == "cuda" else bench_ms(step)
+    ms = bench_ms(step, warmup=rep // 6, rep=rep) if DEVICE == "cuda" else bench_ms(step)
     for p in params + [x]:
         p.grad = None
-    return {"ms": ms, "peak_gib": peak, "first_two_steps_s": first_s}
+    return {"ms": ms, "peak_gib": peak, "first_two_steps_s": first_s, "graph_breaks": n_breaks}
 
 
 def run_stage(stage: str, names: list[str], args, env: dict, results: dict) -> None:
@@ -108,7 +100,7 @@ def run_stage(stage: str, names: list[str], args, env: dict, results: dict) -> N
     for name in names:
         try:
             m = variant(base, name)
-            rows[name] = measure(m, x, dy, compiled=(mode == "compile"))
+            rows[name] = measure(m, x, dy, compiled=(mode == "compile"), rep=300 if kind == "ffn" else 100)
             del m
         except Exception as e:  # a variant that fails is recorded and the stage goes on
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
@@ -126,23 +118,22 @@ def table(results: dict) -> None:
         out = []
         for name, r in rows.items():
             if "ms" not in r:
-                out.append([name, r.get("error", "")[:60], "", "", ""])
+                out.append([name, r.get("error", "")[:60], "", "", "", ""])
                 continue
             ratio = bf.get("ms", float("nan")) / r["ms"]
             mem = r["peak_gib"] / bf["peak_gib"] if bf.get("peak_gib") else float("nan")
-            out.append([name, f"{r['ms']:.2f}", f"{ratio:.2f}x", f"{r['peak_gib']:.2f}", f"{mem:.2f}x"])
-        print_table(stage, ["variant", "ms", "speed vs bf16", "peak GiB", "mem vs bf16"], out)
+            out.append([name, f"{r['ms']:.2f}", f"{ratio:.2f}x", f"{r['peak_gib']:.2f}", f"{mem:.2f}x",
+                        r.get("graph_breaks", "")])
+        print_table(stage, ["variant", "ms", "speed vs bf16", "peak GiB", "mem vs bf16", "graph breaks"], out)
 
 
+LOWPREC = [f"lowprec:{r}" for r in ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4",
+                                     "nvfp4")]
 STAGES = {
-    "ffn-eager": ["bf16", "fused:fp8-current", "fused:fp8-delayed", "lowprec:fp8-current", "torchao:tensorwise",
-                  "fused:fp8-blockwise", "fused:mxfp8", "fused:nvfp4", "fused:fp8-rowwise", "torchao:rowwise",
-                  "lowprec:fp8-delayed", "lowprec:fp8-blockwise", "lowprec:mxfp8", "lowprec:nvfp4",
-                  "lowprec:fp8-rowwise", "lowprec:mxfp4", "fused:mxfp4"],
-    "ffn-compile": ["bf16", "fused:fp8-current", "torchao:tensorwise", "fused:fp8-delayed", "torchao:rowwise",
-                    "lowprec:fp8-current", "fused:fp8-blockwise"],
-    "layers-compile": ["bf16", "fused:fp8-current", "torchao:tensorwise", "lowprec:fp8-current"],
-    "layers-eager": ["bf16", "fused:fp8-current", "lowprec:fp8-current", "torchao:tensorwise"],
+    "ffn-eager": ["bf16", *LOWPREC, "torchao:tensorwise", "torchao:rowwise"],
+    "ffn-compile": ["bf16", *LOWPREC[:4], "torchao:tensorwise", "torchao:rowwise"],
+    "layers-compile": ["bf16", "lowprec:fp8-current", "lowprec:fp8-delayed", "torchao:tensorwise"],
+    "layers-eager": ["bf16", "lowprec:fp8-current", "lowprec:fp8-delayed", "torchao:tensorwise"],
 }
 
 
