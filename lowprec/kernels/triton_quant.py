@@ -67,11 +67,34 @@ def _rand2(rand: torch.Tensor | None) -> torch.Tensor | None:
     return None if rand is None else as_2d(rand.detach()).float().contiguous()
 
 
+def _traceable_amax(x2: torch.Tensor, s: Side | None, transposed: bool) -> torch.Tensor | None:
+    """A side's amax bits from torch reductions, where they are plain maxima of ``|x|`` (per tensor,
+    per line, no Hadamard transform), else None. Under ``torch.compile`` the compiler fuses these into
+    the kernel that produced x, sparing the amax pass its read. The bits equal the amax kernel's:
+    the max of a float tensor is exact, and a NaN (which torch propagates) marks the scale NaN either way."""
+    if s is None or s.amax_kind == T.AMAX_NONE:
+        return x2.new_empty(0, dtype=torch.int32)
+    if s.hadamard or s.amax_kind not in (T.AMAX_TENSOR, T.AMAX_LINES):
+        return None
+    a = x2.abs()
+    amax = a.amax().reshape(1) if s.amax_kind == T.AMAX_TENSOR else a.amax(dim=0 if transposed else 1)
+    return amax.float().view(torch.int32) & 0x7FFFFFFF  # a NaN's sign may survive abs(): clear it
+
+
+def _amaxes(x2, plan: Plan, ints: tuple[int, ...], hmat, compiling: bool):
+    if compiling:
+        a, b = _traceable_amax(x2, plan.a, False), _traceable_amax(x2, plan.b, True)
+        if a is not None and b is not None:
+            return a, b
+        return ops.tile_amax(x2, list(ints), hmat)
+    return ops.amax(x2, ints, hmat)
+
+
 def _run(x2, plan: Plan, hmat, given, rand_a, rand_b, generator):
     ints = tuple(plan.to_ints())
     compiling = torch.compiler.is_compiling()  # ops in a graph; direct calls in eager mode
     if any(s is not None and s.amax_kind != T.AMAX_NONE for s in (plan.a, plan.b)):
-        amax_a, amax_b = ops.tile_amax(x2, list(ints), hmat) if compiling else ops.amax(x2, ints, hmat)
+        amax_a, amax_b = _amaxes(x2, plan, ints, hmat, compiling)
     else:
         amax_a = amax_b = x2.new_empty(0, dtype=torch.int32)
     given = None if given is None else given.detach().float().reshape(1).contiguous()

@@ -162,3 +162,42 @@ def test_custom_ops_compile_into_one_graph():
     data, scale = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     r = quantize(x, "e4m3", blockwise(1, 128))
     assert torch.equal(data, r.data.view(torch.uint8)) and torch.equal(scale, r.scale)
+
+
+@pytest.mark.parametrize("g", [tensorwise(), rowwise()], ids=str)
+def test_traceable_amax_equals_the_amax_kernel(g):
+    # under torch.compile per-tensor and per-line amaxes come from torch reductions the compiler can
+    # fuse into x's producer; they must give the kernel's bits (NaN: any NaN, the scale is NaN either way)
+    from lowprec import formats as F
+    from lowprec.kernels import triton_ops as ops
+    from lowprec.kernels.triton_plan import Plan, side
+
+    def canonical(bits):
+        return torch.where(bits > 0x7F800000, 0x7FC00000, bits)
+
+    for x in (special(96, 160, seed=3), special(64, 128, dtype=torch.float32, seed=4).nan_to_num(0.0)):
+        m, k = x.shape
+        f = F.get("e4m3")
+        a = side(f, g, "nearest", True, transposed=False, rows=m, cols=k)
+        b = side(f, g, "nearest", True, transposed=True, rows=k, cols=m)
+        plan = Plan(m, k, a, b)
+        kernel = ops.amax(x, tuple(plan.to_ints()), None)
+        traced = TQ._traceable_amax(x, a, False), TQ._traceable_amax(x, b, True)
+        for got, want in zip(traced, kernel):
+            assert torch.equal(canonical(got), canonical(want))
+
+
+@pytest.mark.parametrize("g", [tensorwise(), rowwise()], ids=str)
+def test_compiled_pair_with_traceable_amax_equals_the_reference(g):
+    x = special(64, 256, seed=8)
+
+    def f(x):
+        q, q_t, _ = TQ.quantize_pair(x, "e4m3", g, "e4m3", g)
+        return q.data.view(torch.uint8), q.scale, q_t.data.view(torch.uint8), q_t.scale
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    r, r_t = quantize(x, "e4m3", g), quantize(x.t(), "e4m3", g)
+    want = (r.data.view(torch.uint8), r.scale, r_t.data.view(torch.uint8), r_t.scale)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.uint8 else a.view(torch.int32),
+                           b.view(torch.uint8) if b.dtype == torch.uint8 else b.view(torch.int32))
