@@ -2,9 +2,13 @@
 
 [Note: what backward keeps]
 Forward casts the input twice from the one high-precision copy it reads: along K for fprop, and
-(transposed) along the tokens for wgrad. Only the second is saved for backward, with the weight's
-transposed cast, so a converted layer keeps one low-precision copy of its input where a BF16 layer
-keeps a BF16 one: never more activation memory than BF16.
+(transposed) along the tokens for wgrad. Only the second is saved for backward, so a converted
+layer keeps one low-precision copy of its input where a BF16 layer keeps a BF16 one. The weight's
+transposed cast (dgrad's operand) is not kept: backward makes it again from the parameter, which
+is alive anyway, through the same kernel and with the forward's delayed scale (same bits). That
+costs one read of the weight per step and spares a copy of every weight from forward to backward,
+so a converted model never keeps more than a BF16 one. Inside ``cached_weight_casts`` the cached
+cast is kept instead, and a stochastically rounded weight cast is kept (a second draw would differ).
 """
 from __future__ import annotations
 
@@ -116,6 +120,17 @@ def input_casts(x: torch.Tensor, x2: torch.Tensor, c: Cast, c_t: Cast | None, st
     return casts
 
 
+def transposed_cast(x2: torch.Tensor, c: Cast, c_t: Cast, scale_t: torch.Tensor | None) -> Operand:
+    """The second result of ``cast_pair(x2, c, c_t)`` made again, with the given delayed scale (or
+    None) and no amax recorded; the same bits either way (every backend equals the reference). On
+    Triton through the fused pass, which reads x2 row by row and writes the transposed cast."""
+    if _fusable(c, c_t) and K.quantize_backend(x2, c.format, c.granularity, c.rounding) == "triton":
+        return K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding=c.rounding,
+                           rounding_t=c_t.rounding, scale=scale_t,
+                           hadamard_t=HADAMARD_SEED if c_t.hadamard else None)[1]
+    return cast(x2.t(), c_t, scale_t)
+
+
 def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:
     return op.dequantize(dtype) if isinstance(op, QuantizedTensor) else op.to(dtype)
 
@@ -150,18 +165,23 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: bool, record: bool = True):
-    """The forward GEMM; also the casts backward needs: (y, x.T cast or None, w.T cast or None).
-    ``record``: add the input's amax to the delayed-scaling history (training, not evaluation)."""
+    """The forward GEMM; also what backward needs: (y, x.T cast or None, w.T cast or None, the delayed
+    scale to cast w.T with in backward or None). Where ``layer.defers_weight_t`` the w.T cast is
+    None and backward makes it (see [Note: what backward keeps]). ``record``: add the amaxes to the
+    delayed-scaling history (training, not evaluation)."""
     out_dtype = output_dtype(x)
+    defer = need_dgrad and layer.defers_weight_t(recipe)
+    # taken before this forward records the weight's amax, as the forward's own cast takes it
+    scale_t = _delayed_scale(recipe.dgrad.rhs, layer.delayed_state, "weight") if defer else None
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = input_casts(x, x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
                                layer.delayed_state, record)
-        qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad, record)
+        qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad and not defer, record)
         y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
-    return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t
+    return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t
 
 
 class LinearFunction(torch.autograd.Function):
@@ -172,10 +192,11 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe: Recipe, layer):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        y, qx_t, qw_t = fprop(x, weight, bias, recipe, layer, need_dgrad, need_wgrad)
+        y, qx_t, qw_t, scale_t = fprop(x, weight, bias, recipe, layer, need_dgrad, need_wgrad)
         x_saved, x_meta = _save(qx_t)
         w_saved, w_meta = _save(qw_t)
-        ctx.save_for_backward(*x_saved, *w_saved)
+        deferred = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
+        ctx.save_for_backward(*x_saved, *w_saved, weight if deferred else None, scale_t)
         ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.recipe, ctx.layer = recipe, layer
         return y
@@ -184,11 +205,14 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x_meta, w_meta, x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
         saved = ctx.saved_tensors
-        qx_t, qw_t = _restore(saved[:3], x_meta), _restore(saved[3:], w_meta)
+        qx_t, qw_t = _restore(saved[:3], x_meta), _restore(saved[3:6], w_meta)
+        weight, scale_t = saved[6:8]
         r: Recipe = ctx.recipe
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
+            if weight is not None:
+                qw_t = transposed_cast(weight.detach(), r.fprop.rhs, r.dgrad.rhs, scale_t)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
             state = ctx.layer.delayed_state
             if need_dgrad:

@@ -29,9 +29,8 @@ class Linear(nn.Linear):
     """``torch.nn.Linear`` with the same parameters, ``state_dict`` keys and initialisation, whose
     forward and backward GEMMs cast their operands as ``recipe`` says (None: plain high precision).
 
-    The weight is cast at every forward: the forward GEMM's cast is dropped as soon as the GEMM has
-    run and only the transposed cast the data-gradient GEMM needs is kept for backward, so no weight
-    copy outlives the step. Inside :func:`lowprec.nn.cached_weight_casts` (gradient accumulation)
+    The weight is cast at every forward and its cast dropped once the forward GEMM has run; backward
+    casts weight.T for the data-gradient GEMM itself, so no weight copy is kept between them. Inside :func:`lowprec.nn.cached_weight_casts` (gradient accumulation)
     both casts are kept and reused until the weight changes. Delayed-scaling state, when the recipe
     uses it, is saved in ``state_dict`` as versioned extra state; see ``lowprec.nn.delayed``.
     """
@@ -129,6 +128,14 @@ class Linear(nn.Linear):
         if caching:
             self._weight_cache = (key, qw, qw_t)
         return qw, qw_t
+
+    def defers_weight_t(self, recipe: R.Recipe) -> bool:
+        """Whether backward casts weight.T itself rather than keeping forward's cast: outside
+        :func:`cached_weight_casts`, for a deterministic cast (see [Note: what backward keeps] in
+        ``lowprec.nn.function``)."""
+        c = recipe.dgrad.rhs
+        caching = self._cache_depth > 0 and not torch.compiler.is_compiling()
+        return not caching and c.quantized and c.rounding == "nearest"
 
     def clear_cache(self) -> None:
         """Drop the cached weight casts (see :func:`cached_weight_casts`)."""
