@@ -3,7 +3,8 @@
 [Note: delayed scaling]
 A delayed scale is computed from amaxes seen before (``max`` of the history, or the most recent),
 times ``2^margin``, then the tensor is cast with it and its own amax is recorded. Until a role has a
-recorded amax it uses current scaling. Non-finite amaxes are recorded as 0, so one bad step cannot
+recorded amax it uses current scaling. The state is tensors only, recorded by tensor operations, so
+a compiled graph (forward and backward) holds it without a break or a recompilation per step. Non-finite amaxes are recorded as 0, so one bad step cannot
 poison the scales of the following ``history_len`` steps (the step itself is caught by the guard).
 
 The state travels in the module's ``state_dict`` as one float32 tensor (so that any checkpoint
@@ -26,34 +27,60 @@ _VERSION = 1
 
 
 class DelayedState:
+    """The amax histories of one layer, as tensors only (``history`` and the per-role ``count``), so
+    that compiled code records into them without leaving its graph; see [Note: delayed scaling]."""
+
     def __init__(self, config: DelayedScaling, device: torch.device) -> None:
         self.config = config
         self.history = torch.zeros(config.history_len, len(ROLES), device=device)  # (L, roles)
-        self.recorded = [0] * len(ROLES)
+        self.count = torch.zeros(len(ROLES), dtype=torch.int64, device=device)
+        """Amaxes recorded per role; role ``i``'s next one goes to row ``count[i] % L``."""
+        self._seen = [False] * len(ROLES)
+        """Host mirror of ``count > 0`` for eager code, which decides without reading the device."""
 
-    def scale(self, role: str, fmt: F.Format) -> torch.Tensor | None:
-        """The dequantizing scale for ``role`` from its history, or None before its first amax."""
-        i = ROLES.index(role)
-        n = self.recorded[i]
-        if n == 0:
-            return None
+    def to(self, device: torch.device) -> None:
+        self.history, self.count = self.history.to(device), self.count.to(device)
+
+    @property
+    def recorded(self) -> list[int]:
+        """Amaxes recorded per role (reads the device)."""
+        return [int(v) for v in self.count.tolist()]
+
+    def _history_scale(self, i: int, fmt: F.Format) -> torch.Tensor:
         col = self.history[:, i]
         if self.config.algo == "max":
             amax = col.amax()
         else:
-            amax = col[(n - 1) % self.config.history_len]
+            amax = col[(self.count[i] - 1) % self.config.history_len]
         return amax_scale(amax * 2.0**self.config.margin, fmt).reshape(1, 1)
 
+    def scale(self, role: str, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The dequantizing scale for ``role`` from its history; before its first amax, None (the
+        cast then scales by its own amax). Compiled code cannot branch on the device's count: it
+        gets the history's scale, or before the first amax the current scale of ``x``, which the
+        compiler reduces inside the kernel that produced x."""
+        i = ROLES.index(role)
+        if torch.compiler.is_compiling() and x is not None:
+            current = amax_scale(x.detach().abs().amax().float(), fmt).reshape(1, 1)
+            return torch.where(self.count[i] > 0, self._history_scale(i, fmt), current)
+        if not self._seen[i]:
+            return None
+        return self._history_scale(i, fmt)
+
     def record(self, role: str, amax: torch.Tensor) -> None:
+        """Add ``amax`` (non-finite: 0) to ``role``'s history, with tensor operations only."""
         i = ROLES.index(role)
         amax = torch.where(torch.isfinite(amax), amax, 0.0).float().to(self.history.device)
-        self.history[self.recorded[i] % self.config.history_len, i] = amax
-        self.recorded[i] += 1
+        row = (self.count[i] % self.config.history_len).reshape(1)
+        self.history[row, i] = amax.reshape(1)
+        self.count[i:i + 1].add_(1)
+        if not torch.compiler.is_compiling():
+            self._seen[i] = True
 
     def to_tensor(self) -> torch.Tensor:
         header = torch.zeros(2, len(ROLES))
         header[0, 0], header[0, 1] = _VERSION, self.config.history_len
-        header[1] = torch.tensor(self.recorded, dtype=torch.float32)
+        header[1] = self.count.float().cpu()
         return torch.cat([header.to(self.history.device), self.history]).cpu()
 
     def load_tensor(self, t: torch.Tensor, where: str) -> None:
@@ -66,4 +93,6 @@ class DelayedState:
                           f"(history_len {self.config.history_len}); starting from current scaling", stacklevel=3)
             return
         self.history.copy_(t[2:].to(self.history.device))
-        self.recorded = [int(v) for v in t[1].tolist()]
+        counts = [int(v) for v in t[1].tolist()]
+        self.count.copy_(torch.tensor(counts, dtype=torch.int64))
+        self._seen = [n > 0 for n in counts]

@@ -38,10 +38,10 @@ def cast(x2: torch.Tensor, c: Cast, scale: torch.Tensor | None = None) -> Operan
     return K.quantize(x2, c.format, c.granularity, rounding=c.rounding, scale=scale)
 
 
-def _delayed_scale(c: Cast | None, state, role: str) -> torch.Tensor | None:
+def _delayed_scale(c: Cast | None, state, role: str, x: torch.Tensor) -> torch.Tensor | None:
     if c is None or state is None or c.scaling is not Scaling.DELAYED:
         return None
-    return state.scale(role, F.get(c.format))
+    return state.scale(role, F.get(c.format), x)
 
 
 def _fusable(c: Cast, c_t: Cast) -> bool:
@@ -57,7 +57,7 @@ def cast_pair(x2: torch.Tensor, c: Cast, c_t: Cast | None, state=None, role: str
     can. Delayed scales come from ``state``'s history before this tensor's amax is recorded (once,
     and only with ``record``: evaluation must not move the training scales)."""
     delayed = state is not None and any(k is not None and k.scaling is Scaling.DELAYED for k in (c, c_t))
-    scale, scale_t = _delayed_scale(c, state, role), _delayed_scale(c_t, state, role)
+    scale, scale_t = _delayed_scale(c, state, role, x2), _delayed_scale(c_t, state, role, x2)
     if c_t is None or not _fusable(c, c_t):
         a = cast(x2, c, scale)
         b = cast(x2.t(), c_t, scale_t) if c_t is not None else None
@@ -172,7 +172,7 @@ def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: 
     out_dtype = output_dtype(x)
     defer = need_dgrad and layer.defers_weight_t(recipe)
     # taken before this forward records the weight's amax, as the forward's own cast takes it
-    scale_t = _delayed_scale(recipe.dgrad.rhs, layer.delayed_state, "weight") if defer else None
+    scale_t = _delayed_scale(recipe.dgrad.rhs, layer.delayed_state, "weight", weight) if defer else None
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = input_casts(x, x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,

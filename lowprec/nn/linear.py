@@ -50,6 +50,8 @@ class Linear(nn.Linear):
         """How many :func:`cached_weight_casts` regions hold this layer (0: cast at every forward)."""
         self._recipe_facts: tuple | None = None
         self._warned: set[str] = set()
+        if self.recipe is not None and self.recipe.uses_delayed_scaling:
+            self._bind_delayed(self.recipe)
         self.register_state_dict_post_hook(_drop_empty_extra_state)
 
     @classmethod
@@ -79,14 +81,22 @@ class Linear(nn.Linear):
         if reason is not None:
             self._warn_once(reason)
             return nnf.linear(x, self.weight, self.bias)
-        if delayed and (self.delayed_state is None or
-                                            self.delayed_state.config != recipe.delayed):
-            self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
+        if delayed:
+            self._bind_delayed(recipe)
         params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return LinearFunction.apply(x, self.weight, self.bias, recipe, self)
         # inference: no transposed casts, and the delayed-scaling history is left as training made it
         return fprop(x, self.weight, self.bias, recipe, self, False, False, record=False)[0]
+
+    def _bind_delayed(self, recipe: R.Recipe) -> None:
+        """A delayed-scaling state for ``recipe`` on the weight's device. Made when the layer gets its
+        recipe, so a compiled forward finds it (creating it inside a graph would end the graph)."""
+        state = self.delayed_state
+        if state is None or state.config != recipe.delayed:
+            self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
+        elif state.history.device != self.weight.device:  # the module moved since
+            state.to(self.weight.device)
 
     def _facts(self, recipe: R.Recipe) -> tuple[torch.dtype | None, str | None, bool]:
         """(unscaled dtype, why this layer runs in high precision, delayed scaling?) for ``recipe``,

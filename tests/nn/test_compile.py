@@ -44,3 +44,24 @@ def test_everything_but_the_autocast_lookup_compiles_with_fullgraph(recipe, monk
     # isolates the one graph break above: with the context lookup replaced, the rest is one graph
     monkeypatch.setattr(linear_module, "resolve", lambda bound: bound)
     _compiled_matches_eager(recipe)
+
+
+def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step():
+    # the amax histories are tensors recorded by tensor operations, forward and backward, so the
+    # compiled layer neither breaks its graph nor recompiles as the history fills
+    torch._dynamo.reset()
+    eager, comp = make_linear("fp8-delayed", 64, 32), make_linear("fp8-delayed", 64, 32)
+    compiled = torch.compile(comp, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        x, dy = randn(16, 64, seed=10 + step, scale=step + 1.0), randn(16, 32, seed=20 + step)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ye = eager(xe)
+        ye.backward(dy)
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            yc = compiled(xc)
+        yc.backward(dy)
+        torch.testing.assert_close(yc, ye, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(comp.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
+        assert torch.equal(comp.delayed_state.history, eager.delayed_state.history), f"step {step}"
+        assert comp.delayed_state.recorded == eager.delayed_state.recorded == [step + 1] * 3
