@@ -103,6 +103,34 @@ def to_codes(v, nan_sign, rnd, EXP: tl.constexpr, MAN: tl.constexpr, SPECIAL: tl
 
 
 @triton.jit
+def e2m1_codes(v, rnd, STOCH: tl.constexpr):
+    """E2M1 codes (int32) of finite float32 ``v``, saturating at 6: :func:`to_codes`'s result for
+    E2M1, found by comparing ``|v|`` with the format's eight grid points instead of rounding on
+    integers (a third of the instructions; FP4 has no conversion instruction before sm100).
+
+    Nearest: the code is the number of rounding thresholds below ``|v|``, each tie going to the even
+    code (``>`` where the lower neighbour's code is even, ``>=`` where the upper one's is). Stochastic:
+    the floor's code is the number of grid points at or below ``|v|``, and it rounds up exactly when
+    ``rnd`` is below the exact fraction of the step (to_codes's rule)."""
+    a = tl.abs(v)
+    if STOCH:
+        fl = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+              + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+              + (a >= 6.0).to(tl.int32))
+        f = fl.to(tl.float32)
+        lo = tl.where(fl < 4, f * 0.5, tl.where(fl < 6, f - 2.0, tl.where(fl == 6, 4.0, 6.0)))
+        inv_step = tl.where(fl < 4, 2.0, tl.where(fl < 6, 1.0, 0.5))  # steps are 0.5, 1 and 2
+        frac = (a - lo) * inv_step  # exact: a - lo is, and the step is a power of two
+        mag = fl + ((rnd < frac) & (fl < 7)).to(tl.int32)
+    else:
+        mag = ((a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+               + (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+               + (a > 5.0).to(tl.int32))
+    sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+    return mag | (sign << 3)
+
+
+@triton.jit
 def round_e4m3(s):
     """Finite ``s >= 0`` rounded to nearest E4M3, saturating at 448, as float32 (an NVFP4 block scale)."""
     binade, r = grid_round(s, s, -6, 3, False)

@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowprec.kernels.triton_numerics import abs_bits, nvfp4_global_scale, round_to_dtype, scale_from_amax, to_codes
+from lowprec.kernels.triton_numerics import (abs_bits, e2m1_codes, nvfp4_global_scale, round_to_dtype, scale_from_amax,
+                                             to_codes)
 
 MODE_LOCAL, MODE_TENSOR, MODE_LINES, MODE_GIVEN = 0, 1, 2, 3
 ROUND_NEAREST, ROUND_RAND, ROUND_PHILOX = 0, 1, 2
@@ -278,7 +279,10 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
             rnd = tl.rand(tl.load(seed_ptr), lin)
         else:
             rnd = scaled
-        codes = to_codes(scaled, nan_sign, rnd, EXP, MAN, SPECIAL, SAT, ROUND != 0)
+        if (EXP == 2) & (MAN == 1):
+            codes = e2m1_codes(scaled, rnd, ROUND != 0)
+        else:
+            codes = to_codes(scaled, nan_sign, rnd, EXP, MAN, SPECIAL, SAT, ROUND != 0)
     return tl.where(dead, 0, codes).to(tl.uint8)
 
 

@@ -37,6 +37,15 @@ def _codes_probe(v_ptr, r_ptr, out_ptr, n, EXP: tl.constexpr, MAN: tl.constexpr,
 
 
 @triton.jit
+def _e2m1_probe(v_ptr, r_ptr, out_ptr, n, STOCH: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(v_ptr + offs, mask=m, other=0.0)
+    r = tl.load(r_ptr + offs, mask=m, other=0.0)
+    tl.store(out_ptr + offs, N.e2m1_codes(v, r, STOCH), mask=m)
+
+
+@triton.jit
 def _scale_probe(a_ptr, out_ptr, g, n, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
                  BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
@@ -104,6 +113,31 @@ def test_stochastic_codes_equal_round_to_given_the_same_uniforms(fmt):
     rand = torch.rand(v.shape, generator=g)
     ref = F.codes_of(F.round_to(v, fmt, rounding="stochastic", rand=rand), fmt)
     assert torch.equal(_probe_codes(v, fmt, rand=rand).to(torch.uint8), ref)
+
+
+def _probe_e2m1(v: torch.Tensor, rand: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(v.numel(), dtype=torch.int32)
+    r = rand if rand is not None else torch.zeros_like(v)
+    _e2m1_probe[(1,)](v, r, out, v.numel(), STOCH=rand is not None, BLOCK=_block(v.numel()))
+    return out.to(torch.uint8)
+
+
+def test_e2m1_by_comparisons_equals_encode_at_every_tie_and_neighbour():
+    v = _grid_neighbourhood("e2m1")
+    v = torch.cat([v, torch.tensor([7.0, 8.0, 1e38, -3.4e38, 0.0, -0.0])])
+    assert torch.equal(_probe_e2m1(v), F.encode(v, "e2m1"))
+    assert torch.equal(_probe_e2m1(v), _probe_codes(v, "e2m1").to(torch.uint8))  # the general path
+
+
+def test_e2m1_stochastic_by_comparisons_equals_round_to_given_the_same_uniforms():
+    g = torch.Generator().manual_seed(2)
+    v = torch.cat([(torch.randn(20000, generator=g) * 3), _grid_neighbourhood("e2m1")]).float()
+    rand = torch.rand(v.shape, generator=g)
+    # uniforms on the decision boundary: equal to the fraction (stays down), zero, just below one
+    v[:6] = torch.tensor([0.3, 1.3, 2.5, 5.0, 0.5, 6.5])
+    rand[:6] = torch.tensor([0.6, 0.6, 0.5, 0.5, 0.0, 0.99999994])
+    ref = F.codes_of(F.round_to(v, "e2m1", rounding="stochastic", rand=rand), "e2m1")
+    assert torch.equal(_probe_e2m1(v, rand), ref)
 
 
 AMAXES = torch.tensor([0.0, 1e-45, 3e-43, 1e-40, 1.17e-38, 1e-30, 0.5, 1.0, 1.5, 448.0, 449.0, 6.0, 7.0,
