@@ -5,8 +5,8 @@
 the transposed copies a linear layer's GEMMs need), optionally with the 16-point random Hadamard
 transform on the transposed side and the amax recorded for delayed scaling.
 
-Stochastic rounding draws its uniform numbers from Philox (``tl.rand``) keyed by a seed drawn from
-``generator`` and each element's index in its 2-D view; given ``rand`` (the reference's argument)
+Stochastic rounding draws its uniform numbers from Philox (``tl.rand4x``, four numbers per draw for
+four neighbours) keyed by a seed drawn from ``generator`` and each element's position in its 2-D view; given ``rand`` (the reference's argument)
 the kernel uses those numbers instead and equals the reference bit for bit.
 """
 from __future__ import annotations

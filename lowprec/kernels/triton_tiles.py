@@ -246,6 +246,26 @@ def _hw_fp8(scaled, nan_sign, EXP: tl.constexpr, FIX: tl.constexpr):
 
 
 @triton.jit
+def _philox_uniforms(seed, offs_m, offs_k, M, K, TRANS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """(BM, BK) uniforms in [0, 1) for a side's stochastic rounding, one Philox draw per four
+    neighbours along the side's rows: element ``(r, c)`` of the side's view (x, or x.T for side B)
+    takes one of the four outputs of Philox(seed, r * ceil(cols / 4) + c // 4), each neighbour its
+    own. A draw yields four numbers, so this costs a quarter of one draw per element."""
+    if TRANS:  # rows of x.T run along k, its columns along m: groups of four along the tile's dim 0
+        q = tl.arange(0, BM // 4) + tl.program_id(0) * (BM // 4)
+        ctr = offs_k[None, :] * tl.cdiv(M, 4) + q[:, None]  # (BM/4, BK)
+        r0, r1, r2, r3 = tl.rand4x(seed, ctr)
+        u = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (BM/4, BK, 2, 2): [j, k, lane // 2, lane % 2]
+        u = tl.reshape(tl.permute(u, (0, 2, 3, 1)), (BM, BK))
+    else:
+        q = tl.arange(0, BK // 4) + tl.program_id(1) * (BK // 4)
+        ctr = offs_m[:, None] * tl.cdiv(K, 4) + q[None, :]  # (BM, BK/4)
+        r0, r1, r2, r3 = tl.rand4x(seed, ctr)
+        u = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BM, BK))
+    return u
+
+
+@triton.jit
 def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given_ptr, rand_ptr, seed_ptr,
                 scale_ptr, s_rows, s_cols, g_ptr,
                 EXP: tl.constexpr, MAN: tl.constexpr, SPECIAL: tl.constexpr, FMAX: tl.constexpr,
@@ -276,7 +296,7 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
         if ROUND == 1:
             rnd = tl.load(rand_ptr + lin, mask=in_view, other=0.0)
         elif ROUND == 2:
-            rnd = tl.rand(tl.load(seed_ptr), lin)
+            rnd = _philox_uniforms(tl.load(seed_ptr), offs_m, offs_k, M, K, TRANS, BM, BK)
         else:
             rnd = scaled
         if (EXP == 2) & (MAN == 1):

@@ -116,6 +116,27 @@ def test_philox_stochastic_rounding_is_unbiased_and_rounds_to_a_neighbour():
     assert not torch.equal(q.data, q2.data)  # a fresh seed per call
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "transposed side"])
+def test_philox_neighbours_take_different_numbers_from_one_draw(transposed):
+    # one Philox draw serves four neighbours along the side's rows: each must get its own number
+    x = torch.full((128, 256), 0.3)
+    x[::32, :] = 6.0
+    x[:, ::32] = 6.0  # a 6.0 in every 32-block either way: scale 1, 0.3 between 0 and 0.5
+    gen = torch.Generator().manual_seed(9)
+    if transposed:
+        _, q, _ = TQ.quantize_pair(x, "e2m1", mx(32, "floor"), "e2m1", mx(32, "floor"), rounding_t="stochastic",
+                                   generator=gen)
+        v, ref = q.dequantize(torch.float32), x.t()
+    else:
+        q = TQ.quantize(x, "e2m1", mx(32, "floor"), rounding="stochastic", generator=gen)
+        v, ref = q.dequantize(torch.float32), x
+    up = (v == 0.5)[ref != 6.0].view(-1, 4).float()  # groups of four neighbours along the rows
+    p = up.mean().item()
+    assert abs(p - 0.6) < 0.03  # unbiased: 0.3 rounds up to 0.5 with probability 0.6
+    same = ((up.sum(1) == 0) | (up.sum(1) == 4)).float().mean().item()
+    assert same < 0.25  # independent lanes: 0.6^4 + 0.4^4 = 0.155; one shared number would give 1
+
+
 def test_hadamard_side_equals_transform_then_reference_cast():
     g = torch.Generator().manual_seed(6)
     # Eighths of small integers: every partial sum is exact, so any summation order gives one answer.
