@@ -37,17 +37,25 @@ def supports(fmt, granularity: Granularity, rounding: str = "nearest") -> bool:
     return side(f, granularity, rounding, True, transposed=False, rows=1, cols=1) is not None
 
 
+_HMATS: dict[tuple[int, torch.device], torch.Tensor] = {}
+"""Hadamard matrices built so far, by (seed, device): a plain table compiled code reads (and
+guards on) without a break."""
+
+
 @torch.compiler.disable
-def _hadamard_matrix(seed: int, device: torch.device) -> torch.Tensor:
-    # Cached by hadamard_matrix, once per seed and device. Its random signs come from a CPU torch.Generator, which a
-    # compiled graph cannot hold: under torch.compile this call is the one graph break of the
-    # Hadamard path (none elsewhere).
-    return hadamard_matrix(HADAMARD_BLOCK, seed, device=device)
+def _build_hadamard(seed: int, device: torch.device) -> torch.Tensor:
+    # Its random signs come from a CPU torch.Generator, which a compiled graph cannot hold: built
+    # outside any graph (a break the first time a compiled graph meets a new seed), then looked up.
+    m = _HMATS[(seed, device)] = hadamard_matrix(HADAMARD_BLOCK, seed, device=device)
+    return m
 
 
 def _hmat(seed: int | None, device: torch.device) -> torch.Tensor | None:
     """The 16 x 16 matrix ``D H / 4`` (exact in every dtype), or None when no side uses it."""
-    return None if seed is None else _hadamard_matrix(seed, device)
+    if seed is None:
+        return None
+    m = _HMATS.get((seed, device))
+    return m if m is not None else _build_hadamard(seed, device)
 
 
 def _seeds(p: Plan, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:

@@ -222,3 +222,15 @@ def test_compiled_pair_with_traceable_amax_equals_the_reference(g):
     for a, b in zip(got, want):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.uint8 else a.view(torch.int32),
                            b.view(torch.uint8) if b.dtype == torch.uint8 else b.view(torch.int32))
+
+
+def test_hadamard_pair_compiles_into_one_graph_once_its_matrix_is_built():
+    x = special(32, 64, seed=11).float().nan_to_num(0.0, 0.0, 0.0)
+
+    def f(x):
+        q, q_t, _ = TQ.quantize_pair(x, "e2m1", nvfp4(16), "e2m1", nvfp4(16), hadamard_t=SEED)
+        return q_t.data, q_t.scale
+
+    eager = f(x)  # builds the matrix (outside any graph: its signs come from a CPU generator)
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
