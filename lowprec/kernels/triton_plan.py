@@ -135,6 +135,10 @@ class Plan:
     """Also reduce x's amax (delayed scaling records it)."""
     num_warps: int = 0
     """Warps per tile; 0 picks 32 elements per thread."""
+    tile_rows: int = 0
+    tile_cols: int = 0
+    """A tile shape to try instead of the default (0: default; each must be a multiple of every
+    LOCAL block's edge along it, and a power of two)."""
 
     @property
     def share(self) -> bool:
@@ -147,18 +151,29 @@ class Plan:
 
     @property
     def tile(self) -> tuple[int, int, int]:
-        """``(BM, BK, num_warps)``: 64 x 128 unless a block needs more (every LOCAL block divides the
-        tile, so no block straddles two programs)."""
-        bm, bk = 64, 128
-        for s in (self.a, self.b):
-            if s is not None and s.mode == T.MODE_LOCAL:
+        """``(BM, BK, num_warps)``: by the kind of cast (below), never smaller than a block (every
+        LOCAL block divides the tile, so no block straddles two programs)."""
+        sides = [s for s in (self.a, self.b) if s is not None]
+        random = any(s.rounding != T.ROUND_NEAREST or s.hadamard for s in sides)
+        if self.b is None and not random:  # one deterministic cast: 32 elements per thread
+            bm, bk, warps = 64, 128, 0
+        else:
+            # A pair (or a random, or transformed, cast) keeps more live values per element: 4 warps
+            # (64 elements per thread at 64 x 128), and small blocks (MX, NVFP4) take a short tile,
+            # random or transformed casts a narrow one; measured on the H200 (BENCHMARKS.md, run 4).
+            local = [s for s in sides if s.mode == T.MODE_LOCAL]
+            small = bool(local) and all(max(s.block) <= 32 for s in local)
+            bm, bk, warps = (32 if small else 64), (64 if random else 128), 4
+        bm, bk = self.tile_rows or bm, self.tile_cols or bk
+        for s in sides:
+            if s.mode == T.MODE_LOCAL:
                 bm, bk = max(bm, s.block[0]), max(bk, s.block[1])
-        return bm, bk, self.num_warps or max(4, min(16, bm * bk // (32 * 32)))
+        return bm, bk, self.num_warps or warps or max(4, min(16, bm * bk // (32 * 32)))
 
     def to_ints(self) -> list[int]:
         return [self.m, self.k, int(self.record), self.num_warps, *(self.a.to_ints() if self.a else _OFF),
-                *(self.b.to_ints() if self.b else _OFF)]
+                *(self.b.to_ints() if self.b else _OFF), self.tile_rows, self.tile_cols]
 
     @staticmethod
     def from_ints(v: list[int]) -> Plan:
-        return Plan(v[0], v[1], Side.from_ints(v[4:17]), Side.from_ints(v[17:30]), bool(v[2]), v[3])
+        return Plan(v[0], v[1], Side.from_ints(v[4:17]), Side.from_ints(v[17:30]), bool(v[2]), v[3], v[30], v[31])
