@@ -121,7 +121,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
         shape_reason = fallback_reason(lin.in_features, lin.out_features, recipe) if recipe.low_precision else None
         new = lin if isinstance(lin, Linear) else Linear.from_linear(lin, recipe)
         new.recipe, new.hp_reason = recipe, shape_reason
-        if recipe.uses_delayed_scaling:
+        if recipe.uses_delayed_scaling and shape_reason is None:
             new._bind_delayed(recipe)
         new.clear_cache()
         if new is not lin:

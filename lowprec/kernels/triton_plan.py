@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lowprec._checks import fail
+
 from lowprec import formats as F
 from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_tiles as T
@@ -102,7 +104,8 @@ def side(fmt: F.Format, g: Granularity, rounding: str, saturate: bool, *, transp
     br, bc = g.block_rows, g.block_cols
     rule = _RULES[g.rule]
     if given_scale is not None:
-        if (br, bc) != (None, None) or given_scale.numel() != 1:
+        # formats without inf/NaN: the reference zeroes a non-finite tensor under a given scale
+        if (br, bc) != (None, None) or given_scale.numel() != 1 or fmt.special is F.Special.NONE:
             return None
         mode = T.MODE_GIVEN
     elif (br, bc) == (None, None):
@@ -139,6 +142,12 @@ class Plan:
     tile_cols: int = 0
     """A tile shape to try instead of the default (0: default; each must be a multiple of every
     LOCAL block's edge along it, and a power of two)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tile_rows", "tile_cols"):
+            v = getattr(self, name)
+            if v and (v < 16 or v & (v - 1)):
+                fail(name, "0 (the default) or a power of two of at least 16", v)
 
     @property
     def share(self) -> bool:

@@ -255,7 +255,7 @@ def _philox_uniforms(seed, offs_m, offs_k, M, K, TRANS: tl.constexpr, BM: tl.con
         q = tl.arange(0, BM // 4) + tl.program_id(0) * (BM // 4)
         ctr = offs_k[None, :] * tl.cdiv(M, 4) + q[:, None]  # (BM/4, BK)
         r0, r1, r2, r3 = tl.rand4x(seed, ctr)
-        u = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (BM/4, BK, 2, 2): [j, k, lane // 2, lane % 2]
+        u = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (BM/4, BK, 2, 2): lanes 0..3 take r0, r2, r1, r3
         u = tl.reshape(tl.permute(u, (0, 2, 3, 1)), (BM, BK))
     else:
         q = tl.arange(0, BK // 4) + tl.program_id(1) * (BK // 4)

@@ -39,7 +39,10 @@ class DelayedState:
         """Host mirror of ``count > 0`` for eager code, which decides without reading the device."""
 
     def to(self, device: torch.device) -> None:
-        self.history, self.count = self.history.to(device), self.count.to(device)
+        if self.history.is_meta:  # made on a meta model: nothing to copy, start afresh
+            self.__init__(self.config, device)
+        else:
+            self.history, self.count = self.history.to(device), self.count.to(device)
 
     @property
     def recorded(self) -> list[int]:
@@ -51,7 +54,8 @@ class DelayedState:
         if self.config.algo == "max":
             amax = col.amax()
         else:
-            amax = col[(self.count[i] - 1) % self.config.history_len]
+            row = ((self.count[i] - 1) % self.config.history_len).reshape(1)
+            amax = col.index_select(0, row).reshape(())  # a tensor index: no host sync, no graph break
         return amax_scale(amax * 2.0**self.config.margin, fmt).reshape(1, 1)
 
     def scale(self, role: str, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -64,8 +68,17 @@ class DelayedState:
             current = amax_scale(x.detach().abs().amax().float(), fmt).reshape(1, 1)
             return torch.where(self.count[i] > 0, self._history_scale(i, fmt), current)
         if not self._seen[i]:
-            return None
+            # compiled code records without updating this mirror: ask the device, until it says yes
+            self._seen[i] = bool(self.count[i] > 0)
+            if not self._seen[i]:
+                return None
         return self._history_scale(i, fmt)
+
+    def last(self, role: str) -> torch.Tensor:
+        """The amax ``role`` recorded last (0 before any)."""
+        i = ROLES.index(role)
+        row = ((self.count[i] - 1) % self.config.history_len).reshape(1)
+        return self.history[:, i].index_select(0, row).reshape(())
 
     def record(self, role: str, amax: torch.Tensor) -> None:
         """Add ``amax`` (non-finite: 0) to ``role``'s history, with tensor operations only."""

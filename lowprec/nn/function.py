@@ -110,8 +110,8 @@ _LAST_INPUT = _LastInput()
 def input_casts(x: torch.Tensor, x2: torch.Tensor, c: Cast, c_t: Cast | None, state, record: bool):
     """``cast_pair`` of a layer's input ``x`` (``x2``: its 2-D view), shared with the previous layer
     when that one cast the same unchanged tensor the same way (see :class:`_LastInput`)."""
-    if torch.compiler.is_compiling() or not _LastInput.shareable(c, c_t):
-        return cast_pair(x2, c, c_t, state, "input", record)
+    if torch.compiler.is_compiling() or x.is_inference() or not _LastInput.shareable(c, c_t):
+        return cast_pair(x2, c, c_t, state, "input", record)  # inference tensors have no version
     key = (x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device, c, c_t)
     casts = _LAST_INPUT.get(x, key)
     if casts is None:
@@ -125,7 +125,8 @@ def transposed_cast(x2: torch.Tensor, c: Cast, c_t: Cast, scale_t: torch.Tensor 
     None) and no amax recorded; the same bits either way (every backend equals the reference). On
     Triton through the fused pass, which reads x2 row by row and writes the transposed cast."""
     if _fusable(c, c_t) and K.quantize_backend(x2, c.format, c.granularity, c.rounding) == "triton":
-        return K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding=c.rounding,
+        # side A's cast is thrown away: nearest, so it draws no random numbers
+        return K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding="nearest",
                            rounding_t=c_t.rounding, scale=scale_t,
                            hadamard_t=HADAMARD_SEED if c_t.hadamard else None)[1]
     return cast(x2.t(), c_t, scale_t)

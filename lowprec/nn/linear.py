@@ -50,8 +50,10 @@ class Linear(nn.Linear):
         """How many :func:`cached_weight_casts` regions hold this layer (0: cast at every forward)."""
         self._recipe_facts: tuple | None = None
         self._warned: set[str] = set()
-        if self.recipe is not None and self.recipe.uses_delayed_scaling:
-            self._bind_delayed(self.recipe)
+        r = self.recipe
+        if (r is not None and r.uses_delayed_scaling and not self.weight.is_meta
+                and fallback_reason(self.in_features, self.out_features, r) is None):
+            self._bind_delayed(r)
         self.register_state_dict_post_hook(_drop_empty_extra_state)
 
     @classmethod
@@ -130,13 +132,19 @@ class Linear(nn.Linear):
         caching = self._cache_depth > 0 and not torch.compiler.is_compiling()
         key = (weight._version, weight.data_ptr(), recipe) if caching else None
         cached = self._weight_cache
-        if caching and cached is not None and cached[0] == key and (cached[2] is not None or not need_transposed):
+        hit = (caching and cached is not None and cached[0] == key and (cached[2] is not None or not need_transposed)
+               and (cached[3] or not record))  # a training forward needs a cast whose amax was recorded
+        if hit:
+            if record and recipe.uses_delayed_scaling and self.delayed_state is not None:
+                # every forward records the weight's amax, cached or not (and compiled code, which
+                # holds no cache, does the same): the history spans the same steps either way
+                self.delayed_state.record("weight", self.delayed_state.last("weight"))
             return cached[1], cached[2]
         w = weight.detach()
         qw, qw_t = cast_pair(w, recipe.fprop.rhs, recipe.dgrad.rhs if need_transposed else None,
                              self.delayed_state, "weight", record)
         if caching:
-            self._weight_cache = (key, qw, qw_t)
+            self._weight_cache = (key, qw, qw_t, record)
         return qw, qw_t
 
     def defers_weight_t(self, recipe: R.Recipe) -> bool:
@@ -154,7 +162,9 @@ class Linear(nn.Linear):
     # ---- state ----------------------------------------------------------------------------
 
     def get_extra_state(self):
-        return self.delayed_state.to_tensor() if self.delayed_state is not None else None
+        state = self.delayed_state
+        # nothing recorded yet (a fresh layer): no entry, so the state_dict loads into nn.Linear
+        return state.to_tensor() if state is not None and any(state.recorded) else None
 
     def set_extra_state(self, state) -> None:
         if state is None:

@@ -234,3 +234,17 @@ def test_hadamard_pair_compiles_into_one_graph_once_its_matrix_is_built():
     eager = f(x)  # builds the matrix (outside any graph: its signs come from a CPU generator)
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+def test_a_plan_refuses_a_tile_that_is_not_a_power_of_two():
+    from lowprec.kernels.triton_plan import Plan
+
+    with pytest.raises(ValueError, match="tile_rows"):
+        Plan(64, 64, None, None, tile_rows=48)
+
+
+def test_fp4_with_a_given_scale_follows_the_reference_on_non_finite_input():
+    # E2M1 has no inf/NaN: under a given scale the reference zeroes such a tensor (NaN scale)
+    x = torch.tensor([[0.3, math.nan, 7.0, -0.2] * 8] * 4)
+    s = torch.tensor([[1.0]])
+    assert_same(TQ.quantize(x, "e2m1", tensorwise(), scale=s), quantize(x, "e2m1", tensorwise(), scale=s))

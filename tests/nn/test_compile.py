@@ -46,11 +46,20 @@ def test_everything_but_the_autocast_lookup_compiles_with_fullgraph(recipe, monk
     _compiled_matches_eager(recipe)
 
 
-def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step():
+def _delayed(algo: str):
+    from dataclasses import replace
+
+    from lowprec import recipes as R
+
+    return replace(R.fp8_delayed(), name=f"fp8-delayed-{algo}", delayed=R.DelayedScaling(history_len=4, algo=algo))
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step(algo):
     # the amax histories are tensors recorded by tensor operations, forward and backward, so the
     # compiled layer neither breaks its graph nor recompiles as the history fills
     torch._dynamo.reset()
-    eager, comp = make_linear("fp8-delayed", 64, 32), make_linear("fp8-delayed", 64, 32)
+    eager, comp = make_linear(_delayed(algo), 64, 32), make_linear(_delayed(algo), 64, 32)
     compiled = torch.compile(comp, fullgraph=True, backend="aot_eager")
     for step in range(3):
         x, dy = randn(16, 64, seed=10 + step, scale=step + 1.0), randn(16, 32, seed=20 + step)
@@ -65,3 +74,7 @@ def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step(
         torch.testing.assert_close(comp.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
         assert torch.equal(comp.delayed_state.history, eager.delayed_state.history), f"step {step}"
         assert comp.delayed_state.recorded == eager.delayed_state.recorded == [step + 1] * 3
+
+    # after compiled steps, an eager call reads the history compiled code recorded
+    x = randn(16, 64, seed=99)
+    assert torch.equal(comp(x), eager(x))

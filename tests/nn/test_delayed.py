@@ -7,11 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lowprec.nn import cached_weight_casts
+import lowprec
+
+from lowprec.nn import Linear, cached_weight_casts
 
 from lowprec import recipes as R
 from lowprec.nn.delayed import ROLES
-from tests.nn.common import GemmSpy, make_linear, randn
+from tests.nn.common import QuantizeSpy, GemmSpy, make_linear, randn
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
@@ -49,12 +51,27 @@ def test_each_role_records_its_own_amax_once_per_cast():
     assert state.history[:3, 1].tolist() == [w_amax] * 3
 
 
-def test_inside_cached_weight_casts_the_weight_records_once():
+def test_inside_cached_weight_casts_the_weight_is_cast_once_and_recorded_per_forward(monkeypatch):
+    # the same history as without the cache (and as compiled code, which holds no cache)
     lin = make_linear("fp8-delayed")
+    w_amax = lin.weight.abs().amax().item()
+    spy = QuantizeSpy(monkeypatch)
     with cached_weight_casts(lin):
         for i, (xa, dya) in enumerate([(4.0, 0.5), (8.0, 0.25), (2.0, 1.0)]):
             _step(lin, xa, dya, seed=i)
-    assert lin.delayed_state.recorded == [3, 1, 3]
+    assert spy.reads(lin.weight) == 1
+    assert lin.delayed_state.recorded == [3, 3, 3]
+    assert lin.delayed_state.history[:3, 1].tolist() == [w_amax] * 3
+
+
+def test_an_evaluation_fill_of_the_cache_is_not_reused_by_training():
+    lin = make_linear("fp8-delayed")
+    with cached_weight_casts(lin):
+        with torch.no_grad():
+            lin(randn(8, 128, seed=4))  # casts the weight without recording its amax
+        _step(lin, 4.0, 0.5, seed=5)
+    assert lin.delayed_state.recorded == [1, 1, 1]
+    assert lin.delayed_state.history[0, 1].item() == lin.weight.abs().amax().item()
 
 
 @pytest.mark.parametrize(("algo", "margin", "x_amaxes", "want"), [
@@ -146,3 +163,22 @@ def test_a_history_of_another_length_is_ignored_with_a_warning():
         dst.load_state_dict(src.state_dict())
     assert dst.delayed_state.recorded == [0, 0, 0]
     assert torch.equal(dst.weight, src.weight)
+
+
+def test_a_layer_made_on_the_meta_device_gets_its_state_on_the_real_one():
+    with torch.device("meta"):
+        lin = Linear(128, 256, recipe="fp8-delayed")
+    lin.to_empty(device="cpu")
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+        lin.bias.zero_()
+    _step(lin, 4.0, 0.5, seed=1)
+    assert lin.delayed_state.recorded == [1, 1, 1] and lin.delayed_state.history.device.type == "cpu"
+
+
+def test_a_fresh_delayed_model_has_plain_keys_and_fallback_layers_no_state():
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 100))
+    lowprec.convert(model, "fp8-delayed", lowprec.Policy(keep_head=False, keep_last_blocks=0))
+    assert model[2].hp_reason is not None and model[2].delayed_state is None  # 100 is not a multiple of 16
+    plain = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 100))
+    plain.load_state_dict(model.state_dict(), strict=True)

@@ -72,3 +72,14 @@ def test_the_casts_are_dropped_with_the_input():
     del x
     gc.collect()
     assert LF._LAST_INPUT.casts is None and LF._LAST_INPUT.key is None
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
+def test_inference_mode_tensors_are_cast_without_sharing(recipe):
+    layers = _three(recipe)
+    x = randn(16, 128, seed=5)
+    want = [lin(x) for lin in layers]
+    with torch.inference_mode():
+        xi = x.clone()  # an inference tensor: no version counter to key a shared cast on
+        got = [lin(xi) for lin in layers]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
