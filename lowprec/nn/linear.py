@@ -129,7 +129,7 @@ class Linear(nn.Linear):
         """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
         :func:`cached_weight_casts` taken from the cache until the weight changes. ``record``: add the
         weight's amax to the delayed-scaling history (training forwards, not evaluation)."""
-        caching = self._cache_depth > 0 and not torch.compiler.is_compiling()
+        caching = self._caching
         key = (weight._version, weight.data_ptr(), recipe) if caching else None
         cached = self._weight_cache
         hit = (caching and cached is not None and cached[0] == key and (cached[2] is not None or not need_transposed)
@@ -152,8 +152,12 @@ class Linear(nn.Linear):
         :func:`cached_weight_casts`, for a deterministic cast (see [Note: what backward keeps] in
         ``lowprec.nn.function``)."""
         c = recipe.dgrad.rhs
-        caching = self._cache_depth > 0 and not torch.compiler.is_compiling()
-        return not caching and c.quantized and c.rounding == "nearest"
+        return not self._caching and c.quantized and c.rounding == "nearest"
+
+    @property
+    def _caching(self) -> bool:
+        """Inside :func:`cached_weight_casts`, in eager code (a compiled graph holds no cache)."""
+        return self._cache_depth > 0 and not torch.compiler.is_compiling()
 
     def clear_cache(self) -> None:
         """Drop the cached weight casts (see :func:`cached_weight_casts`)."""
