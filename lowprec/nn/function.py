@@ -12,6 +12,7 @@ cast is kept instead, and a stochastically rounded weight cast is kept (a second
 """
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -76,10 +77,11 @@ class _LastInput:
     next (attention's q, k and v projections; the FFN's gate and up): they reuse its casts rather
     than cast it again, which spares the reads and keeps one saved copy where there were three.
 
-    One slot, so at most one input's casts are held beyond their use; the slot empties when its
-    input is freed. Only deterministic casts of one recipe's cast pair are shared (not delayed
-    scaling, whose scales are per layer, nor stochastic rounding). Under ``torch.compile`` the
-    compiler removes the repeated casts itself."""
+    One slot per thread, so at most one input's casts are held beyond their use; the slot empties
+    when its input is freed. A write the version counter does not see (through ``x.data``) between
+    two layers reading ``x`` is not noticed, as for the weight cache. Only deterministic casts are
+    shared (not delayed scaling, whose scales are per layer, nor stochastic rounding). Under
+    ``torch.compile`` the compiler removes the repeated casts itself."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
@@ -104,7 +106,15 @@ class _LastInput:
             self.key = self.ref = self.casts = None
 
 
-_LAST_INPUT = _LastInput()
+_SLOTS = threading.local()
+
+
+def _last_input() -> _LastInput:
+    """This thread's slot: threads (``nn.DataParallel`` replicas) never see each other's casts."""
+    slot = getattr(_SLOTS, "slot", None)
+    if slot is None:
+        slot = _SLOTS.slot = _LastInput()
+    return slot
 
 
 def input_casts(x: torch.Tensor, x2: torch.Tensor, c: Cast, c_t: Cast | None, state, record: bool):
@@ -113,10 +123,11 @@ def input_casts(x: torch.Tensor, x2: torch.Tensor, c: Cast, c_t: Cast | None, st
     if torch.compiler.is_compiling() or x.is_inference() or not _LastInput.shareable(c, c_t):
         return cast_pair(x2, c, c_t, state, "input", record)  # inference tensors have no version
     key = (x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device, c, c_t)
-    casts = _LAST_INPUT.get(x, key)
+    slot = _last_input()
+    casts = slot.get(x, key)
     if casts is None:
         casts = cast_pair(x2, c, c_t, state, "input", record)
-        _LAST_INPUT.put(x, key, casts)
+        slot.put(x, key, casts)
     return casts
 
 

@@ -68,10 +68,23 @@ def test_the_casts_are_dropped_with_the_input():
     lin = make_linear("fp8-current")
     x = randn(16, 128, seed=3)
     lin(x)
-    assert LF._LAST_INPUT.casts is not None
+    assert LF._last_input().casts is not None
     del x
     gc.collect()
-    assert LF._LAST_INPUT.casts is None and LF._LAST_INPUT.key is None
+    assert LF._last_input().casts is None and LF._last_input().key is None
+
+
+def test_threads_keep_their_own_slot():
+    import threading
+
+    lin = make_linear("fp8-current")
+    x = randn(16, 128, seed=3)
+    lin(x)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(LF._last_input().casts))
+    t.start()
+    t.join()
+    assert seen == [None] and LF._last_input().casts is not None
 
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
