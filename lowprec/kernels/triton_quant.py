@@ -6,8 +6,9 @@ the transposed copies a linear layer's GEMMs need), optionally with the 16-point
 transform on the transposed side and the amax recorded for delayed scaling.
 
 Stochastic rounding draws its uniform numbers from Philox (``tl.rand4x``, four numbers per draw for
-four neighbours) keyed by a seed drawn from ``generator`` and each element's position in its 2-D view; given ``rand`` (the reference's argument)
-the kernel uses those numbers instead and equals the reference bit for bit.
+four neighbours) keyed by a seed drawn from ``generator`` and each element's position in its 2-D
+view; given ``rand`` (the reference's argument) the kernel uses those numbers instead and equals the
+reference bit for bit.
 """
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ guards on) without a break."""
 def _build_hadamard(seed: int, device: torch.device) -> torch.Tensor:
     # Its random signs come from a CPU torch.Generator, which a compiled graph cannot hold: built
     # outside any graph (a break the first time a compiled graph meets a new seed), then looked up.
-    m = _HMATS[(seed, device)] = hadamard_matrix(HADAMARD_BLOCK, seed, device=device)
-    return m
+    _HMATS[(seed, device)] = hadamard_matrix(HADAMARD_BLOCK, seed, device=device)
+    return _HMATS[(seed, device)]
 
 
 def _hmat(seed: int | None, device: torch.device) -> torch.Tensor | None:

@@ -4,8 +4,9 @@
 A delayed scale is computed from amaxes seen before (``max`` of the history, or the most recent),
 times ``2^margin``, then the tensor is cast with it and its own amax is recorded. Until a role has a
 recorded amax it uses current scaling. The state is tensors only, recorded by tensor operations, so
-a compiled graph (forward and backward) holds it without a break or a recompilation per step. Non-finite amaxes are recorded as 0, so one bad step cannot
-poison the scales of the following ``history_len`` steps (the step itself is caught by the guard).
+a compiled graph (forward and backward) holds it without a break or a recompilation per step.
+Non-finite amaxes are recorded as 0, so one bad step cannot poison the scales of the following
+``history_len`` steps (the step itself is caught by the guard).
 
 The state travels in the module's ``state_dict`` as one float32 tensor (so that any checkpoint
 format holds it): row 0 is a header ``[version, history_len, 0]``, row 1 the number of amaxes
@@ -50,13 +51,12 @@ class DelayedState:
         return [int(v) for v in self.count.tolist()]
 
     def _history_scale(self, i: int, fmt: F.Format) -> torch.Tensor:
-        col = self.history[:, i]
-        if self.config.algo == "max":
-            amax = col.amax()
-        else:
-            row = ((self.count[i] - 1) % self.config.history_len).reshape(1)
-            amax = col.index_select(0, row).reshape(())  # a tensor index: no host sync, no graph break
+        amax = self.history[:, i].amax() if self.config.algo == "max" else self._last(i)
         return amax_scale(amax * 2.0**self.config.margin, fmt).reshape(1, 1)
+
+    def _last(self, i: int) -> torch.Tensor:
+        row = ((self.count[i] - 1) % self.config.history_len).reshape(1)
+        return self.history[:, i].index_select(0, row).reshape(())  # a tensor index: no host sync
 
     def scale(self, role: str, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """The dequantizing scale for ``role`` from its history; before its first amax, None (the
@@ -76,9 +76,7 @@ class DelayedState:
 
     def last(self, role: str) -> torch.Tensor:
         """The amax ``role`` recorded last (0 before any)."""
-        i = ROLES.index(role)
-        row = ((self.count[i] - 1) % self.config.history_len).reshape(1)
-        return self.history[:, i].index_select(0, row).reshape(())
+        return self._last(ROLES.index(role))
 
     def record(self, role: str, amax: torch.Tensor) -> None:
         """Add ``amax`` (non-finite: 0) to ``role``'s history, with tensor operations only."""
