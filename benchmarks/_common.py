@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout without install
 
-from lowprec._table import format_table  # noqa: E402
+from lowprec._table import format_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the benchmarks run; on a machine without CUDA only a dry run at tiny sizes makes sense."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-
 from _common import DEVICE, bench_ms, environment, print_table, sqnr, write_json
+
 from lowprec.kernels import capability, gemm_backend, quantize, scaled_mm
 from lowprec.quant import blockwise, mx, nvfp4, rowwise, tensorwise
 
@@ -47,7 +47,8 @@ def run_shape(m: int, k: int, n: int) -> list[dict]:
             y = scaled_mm(qa, qb, torch.bfloat16, fast_accum=fast, backend=be)
             ref = qa.dequantize(torch.float32) @ qb.dequantize(torch.float32).t()
             row["sqnr_db"] = sqnr(ref, y.float())
-            ms = bench_ms(lambda: scaled_mm(qa, qb, torch.bfloat16, fast_accum=fast, backend=be))
+            ms = bench_ms(lambda qa=qa, qb=qb, fast=fast, be=be:
+                          scaled_mm(qa, qb, torch.bfloat16, fast_accum=fast, backend=be))
             row.update(ms=ms, tflops=flops / ms / 1e9, vs_bf16=bf16_ms / ms)
         except Exception as e:  # a path the device refuses: recorded, not fatal
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -15,8 +15,8 @@ import time
 
 import torch
 import torch.nn as nn
-
 from _common import DEVICE, bench_ms, environment, print_table, write_json
+
 import lowprec
 from lowprec import Policy
 from lowprec.train.model import Block, FeedForward, ModelConfig, rope_tables

@@ -11,11 +11,10 @@ the measured device-to-device copy bandwidth, beside eager torch and ``torch.com
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
-
 from _common import DEVICE, bench_ms, copy_bandwidth, environment, print_table, same_quantized, write_json
+
 from lowprec import formats as F
 from lowprec.kernels import triton_quant as TQ
 from lowprec.kernels.triton_plan import Plan, side
@@ -33,7 +32,8 @@ CASES = [
     ("fp8 1x128", ("e4m3", blockwise(1, 128), "nearest"), None, False, False),
     ("fp8 1x128 +T", ("e4m3", blockwise(1, 128), "nearest"), ("e4m3", blockwise(1, 128), "nearest"), False, False),
     ("fp8 128x128", ("e4m3", blockwise(128, 128), "nearest"), None, False, False),
-    ("fp8 128x128 +T", ("e4m3", blockwise(128, 128), "nearest"), ("e4m3", blockwise(128, 128), "nearest"), False, False),
+    ("fp8 128x128 +T", ("e4m3", blockwise(128, 128), "nearest"), ("e4m3", blockwise(128, 128), "nearest"),
+     False, False),
     ("mxfp8 ceil", ("e4m3", mx(32, "ceil"), "nearest"), None, False, False),
     ("mxfp8 ceil +T", ("e4m3", mx(32, "ceil"), "nearest"), ("e4m3", mx(32, "ceil"), "nearest"), False, False),
     ("mxfp6 e3m2 floor", ("e3m2", mx(32, "floor"), "nearest"), None, False, False),
@@ -122,7 +122,7 @@ def time_case(x2, case, warps_list, graph: bool) -> dict:
     for w in warps_list:
         plan, scale = _plan(x2, case, w, rand=False)
         hm = TQ._hmat(SEED if case[3] else None, x2.device)
-        fn = lambda: TQ._run(x2, plan, hm, scale, None, None, None)  # noqa: E731
+        fn = lambda plan=plan, hm=hm, scale=scale: TQ._run(x2, plan, hm, scale, None, None, None)  # noqa: E731
         fn()
         if graph and DEVICE == "cuda":
             best[w] = float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
@@ -169,7 +169,8 @@ def main() -> None:
             res["eager_ms"] = time_case(x2, case, (0,), graph=False)[0]
         w, ms = min(times.items(), key=lambda kv: kv[1])
         gbs = _bytes(x2, case) / (ms * 1e-3) / 1e9
-        res.update({"ms_by_warps": times, "best_warps": w, "ms": ms, "GB/s": gbs, "pct_copy": 100 * gbs * 1e9 / copy_bw})
+        res.update({"ms_by_warps": times, "best_warps": w, "ms": ms, "GB/s": gbs,
+                    "pct_copy": 100 * gbs * 1e9 / copy_bw})
         results.append(res)
         exact = all(v for k, v in res.items() if k.startswith(("exact", "special_exact")))
         rows.append([name, "yes" if exact else "NO", f"{ms * 1e3:.0f}", f"{gbs:.0f}", f"{res['pct_copy']:.0f}%", w])

@@ -1,7 +1,8 @@
 """Plain-text and Markdown tables for the CLI and the reports."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def _cell(v: Any) -> str:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.nn as nn
 

@@ -76,7 +76,7 @@ def single_thread():
     torch.set_num_threads(before)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _data():
     return corpus_data(cap_bytes=1 << 20)
 
@@ -85,7 +85,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> torc
     return nnf.cross_entropy(model(tokens).reshape(-1, VOCAB), targets.reshape(-1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def final_loss(recipe: str) -> float:
     torch.manual_seed(0)
     model = TinyLM()

@@ -5,8 +5,9 @@ import contextlib
 import json
 import math
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import click
 
@@ -16,6 +17,7 @@ from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dt
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
+
 
 @dataclass(frozen=True, slots=True)
 class Defaults:

@@ -56,4 +56,5 @@ def quantize_pair(x: torch.Tensor, fmt, granularity: Granularity, fmt_t, granula
 
 from lowprec.kernels.fused import cast_pair  # noqa: E402  (fused builds on quantize above)
 
-__all__ = ["Capability", "capability", "gemm_backend", "cast_pair", "gemm_path", "quantize", "quantize_backend", "quantize_pair", "scaled_mm"]
+__all__ = ["Capability", "capability", "gemm_backend", "cast_pair", "gemm_path", "quantize", "quantize_backend",
+           "quantize_pair", "scaled_mm"]

@@ -40,7 +40,7 @@ def _triton_available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> Capability:
     if device.type != "cuda":
         return Capability(device.type, device.type, None, False, False, False, False)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from lowprec import kernels as K  # attribute lookups at call time: kernels/__init__ imports this module
 from lowprec import formats as F
+from lowprec import kernels as K  # attribute lookups at call time: kernels/__init__ imports this module
 from lowprec.quant import Granularity, QuantizedTensor, hadamard_padded
 
 HADAMARD_BLOCK = 16

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec._checks import fail
-
 from lowprec import formats as F
+from lowprec._checks import fail
 from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_tiles as T
 from lowprec.quant import Granularity, ScaleRule

@@ -12,7 +12,6 @@ reference bit for bit.
 """
 from __future__ import annotations
 
-
 import torch
 
 from lowprec import formats as F

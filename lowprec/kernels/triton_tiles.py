@@ -26,8 +26,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from lowprec.kernels.triton_numerics import (abs_bits, e2m1_codes, nvfp4_global_scale, round_to_dtype, scale_from_amax,
-                                             to_codes)
+from lowprec.kernels.triton_numerics import (
+    abs_bits,
+    e2m1_codes,
+    nvfp4_global_scale,
+    round_to_dtype,
+    scale_from_amax,
+    to_codes,
+)
 
 MODE_LOCAL, MODE_TENSOR, MODE_LINES, MODE_GIVEN = 0, 1, 2, 3
 ROUND_NEAREST, ROUND_RAND, ROUND_PHILOX = 0, 1, 2

@@ -10,8 +10,8 @@ Non-finite amaxes are recorded as 0, so one bad step cannot poison the scales of
 
 The state travels in the module's ``state_dict`` as one float32 tensor (so that any checkpoint
 format holds it): row 0 is a header ``[version, history_len, 0]``, row 1 the number of amaxes
-recorded per role, and rows ``2..`` the history, one column per role. It is never required: a missing or mismatched entry starts again
-from current scaling.
+recorded per role, and rows ``2..`` the history, one column per role. It is never required: a missing
+or mismatched entry starts again from current scaling.
 """
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as nnf
 
-from lowprec.autocast import resolve
 from lowprec import recipes as R
-from lowprec.nn.delayed import DelayedState
 from lowprec._checks import describe, fail
+from lowprec.autocast import resolve
+from lowprec.nn.delayed import DelayedState
 from lowprec.nn.function import LinearFunction, cast_pair, fprop, output_dtype
 
 
@@ -30,9 +30,10 @@ class Linear(nn.Linear):
     forward and backward GEMMs cast their operands as ``recipe`` says (None: plain high precision).
 
     The weight is cast at every forward and its cast dropped once the forward GEMM has run; backward
-    casts weight.T for the data-gradient GEMM itself, so no weight copy is kept between them. Inside :func:`lowprec.nn.cached_weight_casts` (gradient accumulation)
-    both casts are kept and reused until the weight changes. Delayed-scaling state, when the recipe
-    uses it, is saved in ``state_dict`` as versioned extra state; see ``lowprec.nn.delayed``.
+    casts weight.T for the data-gradient GEMM itself, so no weight copy is kept between them. Inside
+    :func:`lowprec.nn.cached_weight_casts` (gradient accumulation) both casts are kept and reused
+    until the weight changes. Delayed-scaling state, when the recipe uses it, is saved in
+    ``state_dict`` as versioned extra state; see ``lowprec.nn.delayed``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
@@ -57,7 +58,7 @@ class Linear(nn.Linear):
         self.register_state_dict_post_hook(_drop_empty_extra_state)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: str | R.Recipe | None) -> "Linear":
+    def from_linear(cls, linear: nn.Linear, recipe: str | R.Recipe | None) -> Linear:
         """A lowprec Linear sharing ``linear``'s parameters (so optimizers holding them still work)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)

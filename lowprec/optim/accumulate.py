@@ -14,7 +14,7 @@ gradients go back to plain ``param.grad``.
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

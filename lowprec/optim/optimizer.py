@@ -17,9 +17,10 @@ the inner optimizer uses. The base class's step hooks are not supported.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 

@@ -14,8 +14,9 @@ The random bits come from a seeded generator per device, saved in the optimizer'
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

@@ -37,7 +37,8 @@ class _Config:
 
 
 def _moe(c: _Config, n_layers: int) -> MoESpec | None:
-    n_experts = c.get_int("n_routed_experts", None) or c.get_int("num_local_experts", None) or c.get_int("num_experts", None)
+    n_experts = (c.get_int("n_routed_experts", None) or c.get_int("num_local_experts", None)
+                 or c.get_int("num_experts", None))
     if not n_experts:
         return None
     top_k = c.get_int("num_experts_per_tok")

@@ -4,7 +4,8 @@
 Per parameter held by a GPU: the BF16 weight (2 B), the recipe's low-precision copy of each
 quantized weight and its transposed copy (the upper bound: under gradient accumulation lowprec's
 Linear keeps both casts for the optimizer step so that micro-batches reuse them; without it only the
-transposed casts, saved for backward, stay and the forward ones live one layer at a time), the gradient (2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
+transposed casts, saved for backward, stay and the forward ones live one layer at a time), the gradient
+(2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
 the optimizer moments (8 B for AdamW, 2 B for 8-bit AdamW): 16 B per parameter for BF16 mixed
 precision with AdamW, as in the ZeRO paper (arXiv 1910.02054). ZeRO stage 1 shards master
 weights and moments over the data-parallel ranks, stage 2 also gradients, stage 3 also weights.
@@ -208,7 +209,8 @@ def _activations(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Trainin
         for group, per_token in block_bytes(m, moe, recipe, train.recompute).items():
             groups[group] = groups.get(group, 0.0) + per_token * counts[moe]
     where = f"{in_flight} micro-batch(es) x {train.tokens} tokens" + (f" / tp {par.tp}" if par.tp > 1 else "")
-    out = [Component(f"activations: {g}", b * scale, f"{count(b)} B/token summed over {sum(counts.values())} layers x {where}")
+    n = sum(counts.values())
+    out = [Component(f"activations: {g}", b * scale, f"{count(b)} B/token summed over {n} layers x {where}")
            for g, b in groups.items() if b]
     if train.recompute == "full" and sum(counts.values()):
         worst = max(sum(block_bytes(m, moe, recipe, "none").values()) for moe, n in counts.items() if n)

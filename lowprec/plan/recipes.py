@@ -132,7 +132,8 @@ class RecipeCost:
     read the BF16 weight."""
     weight_t: Storage | None = None
     """The transposed weight's cast for the data-gradient GEMM (``dgrad.rhs``), which lowprec's Linear
-    saves for backward (and, under gradient accumulation, keeps beside the forward copy for the step); None when not quantized."""
+    saves for backward (and, under gradient accumulation, keeps beside the forward copy for the step); None when
+    not quantized."""
     saved_input: Storage
     """How a converted linear saves its input for the weight-gradient GEMM (its ``wgrad.rhs`` cast)."""
     gemms: tuple[str, str, str]

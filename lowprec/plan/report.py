@@ -4,9 +4,9 @@ from __future__ import annotations
 from lowprec._table import format_table
 from lowprec.plan.gpus import GPUS
 from lowprec.plan.layers import count_params
-from lowprec.plan.units import GB
 from lowprec.plan.models import all_presets
 from lowprec.plan.planner import Plan
+from lowprec.plan.units import GB
 
 
 def _gb(nbytes: float) -> float:

@@ -9,8 +9,13 @@
 
 See ``docs/training.md``.
 """
-from lowprec.train.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint,
-                                      save_checkpoint)
+from lowprec.train.checkpoint import (
+                                      CheckpointError,
+                                      latest_checkpoint,
+                                      list_checkpoints,
+                                      load_checkpoint,
+                                      save_checkpoint,
+)
 from lowprec.train.compare import compare, parse_recipes
 from lowprec.train.config import TrainConfig
 from lowprec.train.corpus import Corpus, build_corpus

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 import platform
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 

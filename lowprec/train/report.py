@@ -17,9 +17,10 @@ import base64
 import html
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from lowprec._checks import fail
 from lowprec._table import format_table

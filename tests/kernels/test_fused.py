@@ -9,10 +9,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowprec.kernels import quantize_pair  # noqa: E402
-from lowprec.kernels.fused import cast_pair  # noqa: E402
-from lowprec.quant import blockwise, hadamard, mx, nvfp4, quantize, tensorwise  # noqa: E402
-from tests.kernels.test_triton_quant import assert_same  # noqa: E402
+from lowprec.kernels import quantize_pair
+from lowprec.kernels.fused import cast_pair
+from lowprec.quant import blockwise, hadamard, mx, nvfp4, quantize, tensorwise
+from tests.kernels.test_triton_quant import assert_same
 
 
 @pytest.mark.parametrize("fmt,g", [("e4m3", tensorwise()), ("e4m3", blockwise(1, 128)), ("e4m3", mx(32, "ceil"))],

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from lowprec.kernels.triton_dequant import block_values_bf16  # noqa: E402
-from lowprec.quant import mx, nvfp4, quantize  # noqa: E402
+from lowprec.kernels.triton_dequant import block_values_bf16
+from lowprec.quant import mx, nvfp4, quantize
 
 
 @pytest.mark.parametrize("fmt,g", [("e4m3", mx(32, "ceil")), ("e5m2", mx(32, "floor")), ("e2m1", mx(32, "ceil")),

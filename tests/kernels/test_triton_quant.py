@@ -12,8 +12,8 @@ import torch.nn.functional as nnf
 
 pytest.importorskip("triton")
 
-from lowprec.kernels import triton_quant as TQ  # noqa: E402
-from lowprec.quant import blockwise, columnwise, hadamard, mx, nvfp4, quantize, rowwise, tensorwise  # noqa: E402
+from lowprec.kernels import triton_quant as TQ
+from lowprec.quant import blockwise, columnwise, hadamard, mx, nvfp4, quantize, rowwise, tensorwise
 
 SEED = 0x5EED
 

@@ -8,12 +8,10 @@ import pytest
 import torch
 
 import lowprec
-
-from lowprec.nn import Linear, cached_weight_casts
-
 from lowprec import recipes as R
+from lowprec.nn import Linear, cached_weight_casts
 from lowprec.nn.delayed import ROLES
-from tests.nn.common import QuantizeSpy, GemmSpy, make_linear, randn
+from tests.nn.common import GemmSpy, QuantizeSpy, make_linear, randn
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 

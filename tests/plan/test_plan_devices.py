@@ -24,7 +24,8 @@ def test_formats_by_compute_capability(sm, has, lacks):
 
 
 def test_formats_by_amd_architecture():
-    assert FP8 <= set(native_formats_for_arch("gfx942:sramecc+:xnack-")) and "mxfp4" not in native_formats_for_arch("gfx942")
+    assert FP8 <= set(native_formats_for_arch("gfx942:sramecc+:xnack-"))
+    assert "mxfp4" not in native_formats_for_arch("gfx942")
     mi355 = set(native_formats_for_arch("gfx950"))
     assert {"mxfp8", "mxfp6", "mxfp4"} <= mi355 and "nvfp4" not in mi355
     assert native_formats_for_arch("gfx1100") is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lowprec.plan.layers import count_params
-from lowprec.plan.models import PRESETS, MoESpec, ModelSpec, all_presets, get_model
+from lowprec.plan.models import PRESETS, ModelSpec, MoESpec, all_presets, get_model
 
 
 # Parameter counts as the model cards / safetensors indexes state them.

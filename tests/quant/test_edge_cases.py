@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lowprec.quant import blockwise, mx, nvfp4, quantize, rowwise, tensorwise
-from tests.quant._cases import BLOCK_CASES, BLOCK_IDS, CASE_IDS, CASES
 from tests.quant import _reference as R
+from tests.quant._cases import BLOCK_CASES, BLOCK_IDS, CASE_IDS, CASES
 from tests.quant._reference import Spec, codes_of, dequantize_ref, quantize_ref
 
 # The finite scale each rule gives an all-zero block: FP32 1, E8M0 2^-127, NVFP4 E4M3 0 (times g = 1).

@@ -18,6 +18,6 @@ def test_the_recipes_page_runs():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # emulation on the CPU is reported by a warning
         for i, block in enumerate(blocks):
-            exec(compile(block, f"{PAGE.name} block {i}", "exec"), namespace)  # noqa: S102
+            exec(compile(block, f"{PAGE.name} block {i}", "exec"), namespace)
     assert namespace["forward_only"].name == "fp8-forward-only"
     assert not torch.equal(namespace["reference"], namespace["trial"])

@@ -4,8 +4,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowprec.train.model import (PRESETS, Attention, ModelConfig, RMSNorm, Transformer, apply_rope, build_model,
-                                 preset, rope_tables)
+from lowprec.train.model import (
+    PRESETS,
+    Attention,
+    ModelConfig,
+    RMSNorm,
+    Transformer,
+    apply_rope,
+    build_model,
+    preset,
+    rope_tables,
+)
 
 TINY = PRESETS["tiny"]
 
