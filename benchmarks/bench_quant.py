@@ -17,6 +17,7 @@ from _common import DEVICE, bench_ms, copy_bandwidth, environment, print_table, 
 
 from lowprec import formats as F
 from lowprec.kernels import triton_quant as TQ
+from lowprec.kernels.route import CastSpec
 from lowprec.kernels.triton_plan import Plan, side
 from lowprec.quant import blockwise, hadamard, mx, nvfp4, quantize, rowwise, tensorwise
 
@@ -49,9 +50,10 @@ def _plan(x2, case, warps: int, rand: bool) -> tuple[Plan, torch.Tensor | None]:
     m, k = x2.shape
     finite_amax = float(torch.nan_to_num(x2.float(), 0.0, 0.0, 0.0).abs().amax())
     scale = torch.tensor(finite_amax / 2000.0, device=x2.device) if given else None  # some saturate
-    sa = side(F.get(a[0]), a[1], a[2], True, transposed=False, rows=m, cols=k, given_scale=scale, rand=rand)
-    sb = None if b is None else side(F.get(b[0]), b[1], b[2], True, transposed=True, rows=k, cols=m,
-                                     given_scale=scale, rand=rand, hadamard=had)
+    spec_a = CastSpec.of(a[0], a[1], a[2], delayed=given)
+    sa = side(spec_a, True, transposed=False, rows=m, cols=k, given_scale=scale, rand=rand)
+    spec_b = None if b is None else CastSpec.of(b[0], b[1], b[2], SEED if had else None, delayed=given)
+    sb = None if b is None else side(spec_b, True, transposed=True, rows=k, cols=m, given_scale=scale, rand=rand)
     return Plan(m, k, sa, sb, record=given, num_warps=warps), scale
 
 

@@ -12,8 +12,10 @@ from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec._table import format_table
 from lowprec.kernels import capability, gemm_path
-from lowprec.nn import Linear, fallback_reason
-from lowprec.policy import Policy, find_blocks, policy_reason
+from lowprec.nn import Linear
+from lowprec.nn.casts import InputShare
+from lowprec.nn.plan import layer_plan
+from lowprec.policy import Policy, find_blocks, policy_reason, share_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,12 @@ class ConversionReport:
     layers: list[LayerReport] = field(default_factory=list)
     gemm_paths: dict[str, str] = field(default_factory=dict)
     """``fprop``/``dgrad``/``wgrad`` -> ``cublas`` (native), ``emulated`` or ``hp`` on this device."""
+    small_elsewhere: list[str] = field(default_factory=list)
+    """Converted layers that would run in high precision on a device where the recipe runs natively
+    (too small to gain there: see ``Policy.skip_small``); empty where this device is such a one."""
+    min_features: int | None = None
+    shared_inputs: list[tuple[str, ...]] = field(default_factory=list)
+    """Groups of converted layers that read one input and share its casts (``Policy.share_inputs``)."""
 
     @property
     def converted(self) -> list[LayerReport]:
@@ -55,15 +63,28 @@ class ConversionReport:
         return (f"recipe {self.recipe.name}: {len(self.converted)} of {len(self.layers)} linears converted, "
                 f"{len(self.kept)} kept in high precision; GEMMs on {self.device}: {paths}")
 
+    def notes(self) -> list[str]:
+        """What the table alone does not say: layers whose precision depends on the device."""
+        out = []
+        if self.shared_inputs:
+            leaves = sorted({"/".join(n.rsplit(".", 1)[-1] for n in g) for g in self.shared_inputs})
+            out.append(f"{len(self.shared_inputs)} group(s) of layers share their input's casts ({', '.join(leaves)})")
+        if not self.small_elsewhere:
+            return out
+        return out + [f"{len(self.small_elsewhere)} converted linear(s) have a dimension under {self.min_features}: where "
+                f"{self.recipe.name} runs natively they stay in high precision, too small to gain "
+                "(Policy(skip_small=False) converts them there too)"]
+
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
-                "layers": [asdict(lr) for lr in self.layers]}
+                "layers": [asdict(lr) for lr in self.layers], "small_elsewhere": self.small_elsewhere,
+                "shared_inputs": [list(g) for g in self.shared_inputs]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     def __str__(self) -> str:
-        return self.summary() + "\n" + self.to_table()
+        return "\n".join([self.summary(), *self.notes(), self.to_table()])
 
 
 def recipe_paths(recipe: R.Recipe, device: torch.device | str | None = None) -> dict[str, str]:
@@ -105,41 +126,63 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     if not isinstance(policy, Policy):
         fail("policy", "a lowprec.Policy or None", describe(policy), TypeError)
     device = _model_device(model)
-    report = ConversionReport(recipe, str(device), gemm_paths=recipe_paths(recipe, device))
+    report = ConversionReport(recipe, str(device), gemm_paths=recipe_paths(recipe, device),
+                              min_features=policy.small_rule)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.modules()}
     blocks = find_blocks(model)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    converted: dict[str, Linear] = {}
     for name, lin in linears:
         reason = policy_reason(policy, name, lin, embeddings=embeddings, mha_children=mha, blocks=blocks,
                                last_fraction=recipe.hp_last_fraction)
         if reason is not None:
             if isinstance(lin, Linear):  # converted before: back to high precision
-                lin.recipe = None
+                lin.set_recipe(None)
             report.layers.append(LayerReport(name, lin.in_features, lin.out_features, False, reason))
             continue
-        shape_reason = fallback_reason(lin.in_features, lin.out_features, recipe) if recipe.low_precision else None
-        new = lin if isinstance(lin, Linear) else Linear.from_linear(lin, recipe)
-        new.recipe, new.hp_reason = recipe, shape_reason
-        if recipe.uses_delayed_scaling and shape_reason is None:
-            new._bind_delayed(recipe)
-        new.clear_cache()
+        new = lin if isinstance(lin, Linear) else Linear.from_linear(lin, None)
+        new.set_recipe(recipe, min_features=policy.small_rule)
         if new is not lin:
             _set_module(model, name, new)
-        what = recipe.name if shape_reason is None else f"high precision: {shape_reason}"
-        report.layers.append(LayerReport(name, lin.in_features, lin.out_features, shape_reason is None, what))
+        converted[name] = new
+        report.layers.append(_layer_report(name, new, recipe, device, policy))
+        if policy.small_rule is not None and recipe.low_precision and report.layers[-1].converted \
+                and min(new.in_features, new.out_features) < policy.small_rule:
+            report.small_elsewhere.append(name)
+    for group in share_groups(policy, list(converted)):
+        report.shared_inputs.append(group)
+        share = InputShare(group)
+        for name in group:
+            converted[name].state.share = share
     _warn(report)
     return report
 
 
+def _layer_report(name: str, lin: Linear, recipe: R.Recipe, device: torch.device, policy: Policy) -> LayerReport:
+    """What the layer does on ``device`` and, where the small-layer rule differs elsewhere, there."""
+    plan = layer_plan(recipe, device, lin.in_features, lin.out_features, None, policy.small_rule)
+    if plan.hp_reason is not None:
+        return LayerReport(name, lin.in_features, lin.out_features, False, f"high precision: {plan.hp_reason}")
+    return LayerReport(name, lin.in_features, lin.out_features, True, recipe.name)
+
+
 def _warn(report: ConversionReport) -> None:
-    shapes = [lr for lr in report.kept if lr.reason.startswith("high precision")]
+    def names(layers):
+        return ", ".join(lr.name for lr in layers[:5]) + (" ..." if len(layers) > 5 else "")
+
+    hp = [lr for lr in report.kept if lr.reason.startswith("high precision")]
+    small = [lr for lr in hp if "too small to gain" in lr.reason]
+    shapes = [lr for lr in hp if lr not in small]
     if shapes:
-        names = ", ".join(lr.name for lr in shapes[:5]) + (" ..." if len(shapes) > 5 else "")
         warnings.warn(f"lowprec: {len(shapes)} linear(s) run in high precision because the {report.recipe.name} "
-                      f"GEMMs cannot take their shape: {names} (see the conversion report)", stacklevel=3)
+                      f"GEMMs cannot take their shape: {names(shapes)} (see the conversion report)", stacklevel=3)
+    if small:
+        warnings.warn(f"lowprec: {len(small)} linear(s) run in high precision on {report.device}, too small to "
+                      f"gain from {report.recipe.name}: {names(small)} (see the conversion report; "
+                      "Policy(skip_small=False) converts them)", stacklevel=3)
     emulated = [g for g, p in report.gemm_paths.items() if p == "emulated"]
     if emulated and report.converted:
         warnings.warn(f"lowprec: {report.recipe.name} {'/'.join(emulated)} GEMMs are emulated on {report.device} "
-                      "(exact quantized values, high-precision GEMM): numerics as on native hardware, speed not",
+                      "(exact quantized values, high-precision GEMMs): the numerics of native hardware, not its speed",
                       stacklevel=3)

@@ -32,6 +32,27 @@ class Kind(enum.Enum):
     INT = "int"
 
 
+class Rounding(str, enum.Enum):
+    """How a value between two neighbours of a format is rounded. A ``str`` enum, so ``"nearest"`` is
+    accepted wherever a ``Rounding`` is; code that decides by it resolves the name once
+    (``Rounding(name)``) and compares members, never strings."""
+
+    NEAREST = "nearest"
+    """Round half to even."""
+    STOCHASTIC = "stochastic"
+    """Round away from zero with probability equal to the distance from the lower neighbour, over the
+    gap (unbiased)."""
+
+
+ROUNDINGS = tuple(r.value for r in Rounding)
+
+
+def as_rounding(rounding: str | Rounding, name: str = "rounding") -> Rounding:
+    """``rounding`` as a :class:`Rounding` member; an unknown name is an error naming ``name``."""
+    check_choice(name, rounding, ROUNDINGS)
+    return Rounding(rounding)
+
+
 class Special(enum.Enum):
     IEEE = "ieee"  # all-ones exponent: inf (mantissa 0), NaN (mantissa != 0)
     FN = "fn"  # only the all-ones code is NaN; no inf
@@ -175,7 +196,7 @@ def pow2(e: torch.Tensor, dtype: torch.dtype = torch.float32, lowest: int = -107
 def round_to(
     x: torch.Tensor,
     fmt: str | Format,
-    rounding: str = "nearest",
+    rounding: str | Rounding = Rounding.NEAREST,
     saturate: bool = True,
     generator: torch.Generator | None = None,
     rand: torch.Tensor | None = None,
@@ -196,7 +217,7 @@ def round_to(
     """
     f = get(fmt)
     x = check_tensor("x", x)
-    check_choice("rounding", rounding, ("nearest", "stochastic"))
+    stochastic = as_rounding(rounding) is Rounding.STOCHASTIC
     # float64 stays float64: going through float32 first would round twice (wrong ties) and turn
     # finite values beyond float32's range into inf before saturation could see them.
     x = x.double() if x.dtype == torch.float64 else x.float()
@@ -206,13 +227,13 @@ def round_to(
              "a tensor containing inf or NaN")
     if f.kind is Kind.EXPONENT and bool((x <= 0).any()):
         fail("x", "positive values (e8m0 has no sign and no zero)", "a tensor with values <= 0")
-    if rounding == "stochastic":
+    if stochastic:
         if rand is None:
             rand = torch.rand(x.shape, generator=generator, device=x.device)
         elif not isinstance(rand, torch.Tensor) or rand.shape != x.shape or rand.dtype != torch.float32:
             fail("rand", f"a float32 tensor of shape {tuple(x.shape)}", describe(rand),
                  ValueError if isinstance(rand, torch.Tensor) else TypeError)
-    y = round_unchecked(x, f, rand if rounding == "stochastic" else None, saturate=saturate)
+    y = round_unchecked(x, f, rand if stochastic else None, saturate=saturate)
     if not saturate and not f.has_nan and bool(torch.isnan(y).any()):  # x is finite here: NaN = overflow
         fail("x", f"values within [{f.lowest}, {f.max}] ({f.name} has no inf or NaN to overflow to)",
              "values beyond it with saturate=False")

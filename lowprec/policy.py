@@ -9,8 +9,13 @@ The default policy converts every ``nn.Linear`` the recipe's GEMMs can take, exc
 * linears inside ``nn.MultiheadAttention`` (it reads their weights directly, bypassing forward);
 * the first ``keep_first_blocks`` and last ``keep_last_blocks`` transformer blocks (the recipe's
   ``hp_last_fraction`` sets the default of the latter: NVFP4 keeps its last ~15% in BF16);
-* with ``skip_small``, layers whose GEMMs are too small to gain from low precision here.
+* layers too small to gain: where the recipe's GEMMs run natively (FP8 on Hopper), a linear with
+  a dimension under ``min_features`` runs in high precision, since its GEMM saves less time than its
+  casts cost (``skip_small``; on a device that emulates the recipe every layer takes it, so that a
+  recipe's numerics can be checked there whole).
 Embeddings, norms and attention's softmax are not linears and are never touched.
+
+Layers that read the same input (``share_inputs``: q/k/v, gate/up) share that input's casts.
 """
 from __future__ import annotations
 
@@ -44,11 +49,19 @@ class Policy:
     """Keep this many first transformer blocks in high precision."""
     keep_last_blocks: int | None = None
     """Keep this many last blocks in high precision (None: the recipe's ``hp_last_fraction``)."""
-    skip_small: bool = False
-    """Keep layers whose ``in_features * out_features`` is below ``min_size`` in high precision."""
-    min_size: int = 1024 * 1024
-    """With ``skip_small``: the smallest weight (elements) worth converting (about where FP8 GEMMs
-    and their casts start to beat BF16 on Hopper)."""
+    skip_small: bool | None = None
+    """Keep layers with a dimension under ``min_features`` in high precision: None (default) where the
+    recipe's GEMMs run natively, decided per device (so a model converted on the CPU and moved to a
+    GPU follows the GPU's rule); True everywhere; False never."""
+    min_features: int = 1024
+    """The smallest ``min(in_features, out_features)`` worth converting: on the H200 a whole training
+    step of a model of width 768 ran no faster in FP8 than in BF16, one of width 2048 ran 1.2-1.4x
+    faster (BENCHMARKS.md)."""
+    share_inputs: tuple[tuple[str, ...], ...] = (
+        ("wq", "wk", "wv"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"),
+        ("w1", "w3"), ("gate_proj", "up_proj"))
+    """Groups of sibling linears (leaf names under one parent) that read the same input: each group
+    casts it once per forward and shares the casts (deterministic, current-scaled casts only)."""
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):
@@ -59,6 +72,19 @@ class Policy:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 fail(name, "a non-negative int", describe(v))
+        if self.skip_small not in (None, True, False):
+            fail("skip_small", "None (where the recipe runs natively), True or False", describe(self.skip_small))
+        if isinstance(self.min_features, bool) or not isinstance(self.min_features, int) or self.min_features < 1:
+            fail("min_features", "a positive int", describe(self.min_features))
+        groups = self.share_inputs
+        if not isinstance(groups, tuple) or not all(
+                isinstance(g, tuple) and all(isinstance(n, str) for n in g) for g in groups):
+            fail("share_inputs", "a tuple of tuples of layer names", describe(groups))
+
+    @property
+    def small_rule(self) -> int | None:
+        """The ``min_features`` a layer applies per device (``skip_small`` None), else None."""
+        return self.min_features if self.skip_small is None else None
 
 
 def _matches(f: Filter, name: str, module: nn.Module) -> bool:
@@ -110,6 +136,22 @@ def policy_reason(policy: Policy, name: str, module: nn.Linear, *, embeddings: s
             return f"block {idx} of the first {policy.keep_first_blocks} (kept by policy)"
         if idx >= n - last:
             return f"block {idx} of the last {last} (kept by policy)"
-    if policy.skip_small and module.in_features * module.out_features < policy.min_size:
-        return f"too small to gain ({module.in_features}x{module.out_features} < policy.min_size)"
+    if policy.skip_small and min(module.in_features, module.out_features) < policy.min_features:
+        return f"too small to gain ({module.in_features}x{module.out_features}: a dimension under policy.min_features)"
     return None
+
+
+def share_groups(policy: Policy, names: list[str]) -> list[tuple[str, ...]]:
+    """The groups of ``names`` (converted linears) that share their input's casts: siblings under one
+    parent whose leaf names form one of ``policy.share_inputs``, two or more present."""
+    by_parent: dict[str, dict[str, str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        by_parent.setdefault(parent, {})[leaf] = name
+    out = []
+    for leaves in by_parent.values():
+        for group in policy.share_inputs:
+            present = tuple(leaves[n] for n in group if n in leaves)
+            if len(present) > 1:
+                out.append(present)
+    return out

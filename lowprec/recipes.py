@@ -30,6 +30,14 @@ from lowprec._checks import check_choice, describe, fail
 from lowprec.quant import Granularity, ScaleRule, blockwise, mx, nvfp4, rowwise, tensorwise
 
 
+class Role(enum.IntEnum):
+    """The three operands of a linear layer; the value indexes per-role state (amax histories)."""
+
+    INPUT = 0
+    WEIGHT = 1
+    GRAD_OUTPUT = 2
+
+
 class Scaling(enum.Enum):
     CURRENT = "current"
     """The scale is computed from the tensor being cast."""
@@ -47,8 +55,8 @@ class Cast:
     """Which elements share a scale; None for an unscaled cast (``"bf16"``, ``"fp16"``)."""
     scaling: Scaling = Scaling.CURRENT
     """Current or delayed scaling (delayed only for per-tensor FP32 scales)."""
-    rounding: str = "nearest"
-    """``"nearest"`` (half to even) or ``"stochastic"``."""
+    rounding: F.Rounding | str = F.Rounding.NEAREST
+    """``Rounding.NEAREST`` (half to even) or ``Rounding.STOCHASTIC`` (or their names)."""
     hadamard: bool = False
     """Apply the 16-point random Hadamard transform along the reduction dimension first (wgrad only)."""
 
@@ -63,7 +71,7 @@ class Cast:
             if self.granularity is not None and self.granularity.rule is not ScaleRule.AMAX \
                     and f.kind is not F.Kind.FLOAT:
                 fail("format", f"a floating-point format for {self.granularity} scales", repr(self.format))
-        check_choice("rounding", self.rounding, ("nearest", "stochastic"))
+        F.as_rounding(self.rounding)
         if not isinstance(self.scaling, Scaling):
             fail("scaling", "a lowprec.recipes.Scaling", describe(self.scaling), TypeError)
         if self.format is not None and self.granularity is None and F.get(self.format).bits <= 8:
@@ -71,8 +79,7 @@ class Cast:
         if self.hadamard and not self.quantized:
             fail("hadamard", "False for a cast that is not scaled (the transform must cancel in the GEMM)", True)
         if self.scaling is Scaling.DELAYED and (
-            self.granularity is None or self.granularity.rule is not ScaleRule.AMAX
-            or (self.granularity.block_rows, self.granularity.block_cols) != (None, None)
+            self.granularity is None or not self.granularity.per_tensor
         ):
             fail("scaling", "delayed scaling only with a tensorwise() granularity", str(self.granularity))
 
@@ -80,6 +87,10 @@ class Cast:
     def quantized(self) -> bool:
         """True when the operand goes onto a scaled low-precision grid."""
         return self.format is not None and self.granularity is not None
+
+    @property
+    def stochastic(self) -> bool:
+        return F.as_rounding(self.rounding) is F.Rounding.STOCHASTIC
 
     @property
     def block_cols(self) -> int | None:
@@ -91,7 +102,7 @@ class Cast:
         if self.granularity is None:
             return self.format
         extra = "".join([" delayed" if self.scaling is Scaling.DELAYED else "",
-                         " SR" if self.rounding == "stochastic" else "", " RHT" if self.hadamard else ""])
+                         " SR" if self.stochastic else "", " RHT" if self.hadamard else ""])
         return f"{self.format}/{self.granularity}{extra}"
 
 

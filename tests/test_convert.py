@@ -3,6 +3,7 @@ the report, re-conversion, and parameters shared with an optimizer made before c
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 
 import pytest
@@ -125,10 +126,44 @@ def test_include_and_exclude_take_globs_or_predicates():
     assert got["layers.1.down_proj"] == "excluded by policy.exclude" and got["layers.1.w1"] == "fp8-current"
 
 
-def test_skip_small_keeps_layers_below_min_size():
-    got = reasons(quiet_convert(Toy(), "fp8-current", Policy(skip_small=True, min_size=64 * 128 + 1)))
-    assert got["layers.0.w1"] == "too small to gain (64x128 < policy.min_size)"
+def test_skip_small_true_keeps_layers_with_a_dimension_under_min_features_everywhere():
+    got = reasons(quiet_convert(Toy(), "fp8-current", Policy(skip_small=True, min_features=65)))
+    assert got["layers.0.w1"] == "too small to gain (64x128: a dimension under policy.min_features)"
+    assert reasons(quiet_convert(Toy(), "fp8-current", Policy(skip_small=True, min_features=64)))[
+        "layers.0.w1"] == "fp8-current"
     assert reasons(quiet_convert(Toy(), "fp8-current", Policy(skip_small=True)))["layers.0.w1"].startswith("too small")
+
+
+def test_by_default_small_layers_convert_where_the_recipe_is_emulated_and_the_report_says_so():
+    report = quiet_convert(Toy(), "fp8-current")  # on the CPU every GEMM is emulated
+    got = reasons(report)
+    assert got["layers.0.w1"] == "fp8-current"
+    assert "layers.0.w1" in report.small_elsewhere and "have a dimension under 1024" in str(report)
+    assert not quiet_convert(Toy(), "fp8-current", Policy(skip_small=False)).small_elsewhere
+
+
+def test_the_small_layer_rule_is_taken_per_device_where_the_recipe_runs_natively():
+    from lowprec.kernels import capability
+    from lowprec.nn.plan import layer_plan
+
+    r = lowprec.recipes.get("fp8-current")
+    cpu = layer_plan(r, torch.device("cpu"), 768, 2048, None, 1024)
+    assert cpu.hp_reason is None and capability("cpu").fp8_gemm is False
+    # a device with FP8 GEMMs: the same layer stays in high precision, and says why
+    C = sys.modules["lowprec.kernels.capability"]  # the package exports a function of the same name
+
+    hopper = C.Capability("cuda", "H", (9, 0), True, True, False, False)
+    dev = torch.device("cuda", 7)
+    C._KNOWN[dev] = hopper
+    try:
+        plan = layer_plan(r, dev, 768, 2048, None, 1024)
+        assert plan.hp_reason.startswith("too small to gain on cuda (768x2048")
+        assert layer_plan(r, dev, 2048, 1024, None, 1024).hp_reason is None
+        assert layer_plan(r, dev, 768, 2048, None, None).hp_reason is None  # skip_small=False
+        assert layer_plan(lowprec.recipes.get("mxfp8"), dev, 768, 2048, None, 1024).hp_reason is None  # emulated
+    finally:
+        del C._KNOWN[dev]
+        layer_plan.cache_clear()
 
 
 def test_heads_and_routers_convert_when_the_policy_allows():

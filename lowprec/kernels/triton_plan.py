@@ -6,7 +6,7 @@ tile; it travels to the ``torch.library`` ops as a flat list of ints (ops take n
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,7 +14,8 @@ from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_tiles as T
-from lowprec.quant import Granularity, ScaleRule
+from lowprec.quant import Granularity, GranularityKind, ScaleRule
+from lowprec.quant.hadamard import RHT_BLOCK
 
 FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
 """Element formats the kernels write; a format's index is its code in a plan."""
@@ -85,7 +86,9 @@ class Side:
         return {f"{k}_{suffix}": v for k, v in args.items()}
 
 
-_OFF = [0] * 13
+SIDE_INTS = 13
+"""Length of :meth:`Side.to_ints`: a present flag, then the fields in order, tuples flattened."""
+_OFF = [0] * SIDE_INTS
 
 
 def off_args(suffix: str) -> dict:
@@ -94,36 +97,53 @@ def off_args(suffix: str) -> dict:
     return {f"{k}_{suffix}": v for k, v in args.items()}
 
 
-def side(fmt: F.Format, g: Granularity, rounding: str, saturate: bool, *, transposed: bool, rows: int,
-         cols: int, given_scale: torch.Tensor | None = None, rand: bool = False, hadamard: bool = False) -> Side | None:
-    """The side casting a ``rows x cols`` view (x for side A; x.T, so ``rows = K``, for side B) as
-    ``fmt``/``g``, or None where the kernels do not cover the cast (the reference runs instead)."""
+_MODES = {GranularityKind.TENSOR: T.MODE_TENSOR, GranularityKind.ROW: T.MODE_LINES}
+"""Kernel modes of the granularities whose scales span a whole line; every other kind is LOCAL."""
+
+
+def _mode(g: Granularity, given: bool) -> int | None:
+    if given:
+        return T.MODE_GIVEN if g.per_tensor else None
+    mode = _MODES.get(g.kind, T.MODE_LOCAL)
+    if mode == T.MODE_LOCAL and not (_pow2(g.block_rows) and _pow2(g.block_cols)):
+        return None  # a column scale, or a block a tile cannot hold
+    return mode
+
+
+def covers(spec, saturate: bool = True) -> bool:
+    """Whether the kernels cover a cast (a ``lowprec.kernels.route.CastSpec``), for any shape: the one
+    statement of what they do, which :func:`lowprec.kernels.route.route` asks before choosing them."""
+    fmt, g = spec.fmt, spec.granularity
     if fmt.name not in FORMATS or (not saturate and fmt.special is F.Special.NONE):
-        return None
+        return False
+    # formats without inf/NaN: the reference zeroes a non-finite tensor under a given scale
+    if spec.delayed and fmt.special is F.Special.NONE:
+        return False
+    mode = _mode(g, spec.delayed)
+    if mode is None:
+        return False
+    return spec.hadamard_seed is None or (mode == T.MODE_LOCAL and g.block_cols % RHT_BLOCK == 0)
+
+
+def side(spec, saturate: bool, *, transposed: bool, rows: int, cols: int,
+         given_scale: torch.Tensor | None = None, rand: bool = False) -> Side:
+    """The side casting a ``rows x cols`` view (x for side A; x.T, so ``rows = K``, for side B) as
+    ``spec`` (a ``CastSpec``) says; the kernels must cover it (:func:`covers`)."""
+    given = given_scale is not None
+    if not covers(spec if spec.delayed == given else replace(spec, delayed=given), saturate) or (
+            given and given_scale.numel() != 1):
+        fail("spec", "a cast the Triton kernels cover (see triton_plan.covers)", f"{spec} with scale {given_scale}")
+    fmt, g, hadamard = spec.fmt, spec.granularity, spec.hadamard_seed is not None
     br, bc = g.block_rows, g.block_cols
     rule = _RULES[g.rule]
-    if given_scale is not None:
-        # formats without inf/NaN: the reference zeroes a non-finite tensor under a given scale
-        if (br, bc) != (None, None) or given_scale.numel() != 1 or fmt.special is F.Special.NONE:
-            return None
-        mode = T.MODE_GIVEN
-    elif (br, bc) == (None, None):
-        mode = T.MODE_TENSOR
-    elif (br, bc) == (1, None):
-        mode = T.MODE_LINES
-    elif _pow2(br) and _pow2(bc):
-        mode = T.MODE_LOCAL
-    else:
-        return None
-    if hadamard and (mode != T.MODE_LOCAL or bc % 16):
-        return None
+    mode = _mode(g, given)
     ebr, ebc = br or rows, bc or cols
     out_shape = (_roundup(rows, ebr), _roundup(cols, ebc))
     scale_shape = (out_shape[0] // ebr, out_shape[1] // ebc)
     block = (br, bc) if mode == T.MODE_LOCAL else (1, 1)
     if transposed:
         block = block[::-1]
-    rnd = T.ROUND_NEAREST if rounding == "nearest" else (T.ROUND_RAND if rand else T.ROUND_PHILOX)
+    rnd = T.ROUND_NEAREST if not spec.stochastic else (T.ROUND_RAND if rand else T.ROUND_PHILOX)
     return Side(FORMATS.index(fmt.name), mode, rule, block, rnd, hadamard, saturate, out_shape, scale_shape)
 
 
@@ -179,9 +199,16 @@ class Plan:
         return bm, bk, self.num_warps or warps or max(4, min(16, bm * bk // (32 * 32)))
 
     def to_ints(self) -> list[int]:
+        """``[m, k, record, num_warps, *side A, *side B, tile_rows, tile_cols]`` (sides :data:`SIDE_INTS` long)."""
         return [self.m, self.k, int(self.record), self.num_warps, *(self.a.to_ints() if self.a else _OFF),
                 *(self.b.to_ints() if self.b else _OFF), self.tile_rows, self.tile_cols]
 
     @staticmethod
     def from_ints(v: list[int]) -> Plan:
-        return Plan(v[0], v[1], Side.from_ints(v[4:17]), Side.from_ints(v[17:30]), bool(v[2]), v[3], v[30], v[31])
+        a, b, tail = _HEAD, _HEAD + SIDE_INTS, _HEAD + 2 * SIDE_INTS
+        return Plan(v[0], v[1], Side.from_ints(v[a:b]), Side.from_ints(v[b:tail]), bool(v[2]), v[3], v[tail],
+                    v[tail + 1])
+
+
+_HEAD = 4
+"""Ints before side A in :meth:`Plan.to_ints`: m, k, record, num_warps."""

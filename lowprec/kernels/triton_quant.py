@@ -1,9 +1,10 @@
 """Triton quantization: ``lowprec.quant.quantize`` bit for bit, in one or two passes over the tensor.
 
-``supports`` says which casts the kernels cover; ``quantize`` is the reference's signature;
-``quantize_pair`` casts ``x`` along K and ``x.T`` along M from one read of ``x`` (the row-major and
-the transposed copies a linear layer's GEMMs need), optionally with the 16-point random Hadamard
-transform on the transposed side and the amax recorded for delayed scaling.
+``cast`` casts ``x`` along K and ``x.T`` along M (either or both) from one read of ``x`` (the row-major
+and the transposed copies a linear layer's GEMMs need), optionally with the 16-point random Hadamard
+transform on a side and the amax recorded for delayed scaling; ``quantize`` and ``quantize_pair`` are
+the same with the reference's arguments. Which casts the kernels cover is said once, by
+``triton_plan.covers``; the route (``lowprec.kernels.route``) asks it before choosing them.
 
 Stochastic rounding draws its uniform numbers from Philox (``tl.rand4x``, four numbers per draw for
 four neighbours) keyed by a seed drawn from ``generator`` and each element's position in its 2-D
@@ -12,29 +13,22 @@ reference bit for bit.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from lowprec import formats as F
+from lowprec._checks import describe, fail
+from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_ops as ops
 from lowprec.kernels import triton_tiles as T
+from lowprec.kernels.route import CastSpec
 from lowprec.kernels.triton_plan import Plan, Side, side
 from lowprec.quant import Granularity, QuantizedTensor, hadamard_matrix
 from lowprec.quant import quantize as _reference
+from lowprec.quant.hadamard import RHT_BLOCK
 from lowprec.quant.quantize import _check_args, as_2d
 
-HADAMARD_BLOCK = 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def supports(fmt, granularity: Granularity, rounding: str = "nearest") -> bool:
-    """Whether the kernels cover this cast (any shape; saturating; computed scales)."""
-    try:
-        f = F.get(fmt)
-    except (TypeError, ValueError):
-        return False
-    if not isinstance(granularity, Granularity) or rounding not in ("nearest", "stochastic"):
-        return False
-    return side(f, granularity, rounding, True, transposed=False, rows=1, cols=1) is not None
 
 
 _HMATS: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -46,7 +40,7 @@ guards on) without a break."""
 def _build_hadamard(seed: int, device: torch.device) -> torch.Tensor:
     # Its random signs come from a CPU torch.Generator, which a compiled graph cannot hold: built
     # outside any graph (a break the first time a compiled graph meets a new seed), then looked up.
-    _HMATS[(seed, device)] = hadamard_matrix(HADAMARD_BLOCK, seed, device=device)
+    _HMATS[(seed, device)] = hadamard_matrix(RHT_BLOCK, seed, device=device)
     return _HMATS[(seed, device)]
 
 
@@ -112,26 +106,55 @@ def _run(x2, plan: Plan, hmat, given, rand_a, rand_b, generator):
     return ops.cast(args[0], ints, *args[1:])
 
 
-def _result(s: Side, data, scale, g, fmt, gran, shape, dtype, given) -> QuantizedTensor:
+def _result(s: Side, data, scale, g, spec: CastSpec, shape, dtype, given) -> QuantizedTensor:
     if s.mode == T.MODE_GIVEN:  # the reference keeps the given scale, broadcast to the block grid
         scale = torch.broadcast_to(given.float(), s.scale_shape)
-    return QuantizedTensor(data, scale, fmt, gran, shape, dtype, g if s.rule == 3 else None)
+    global_scale = g if s.rule == N.RULE_NVFP4 else None
+    return QuantizedTensor(data, scale, spec.fmt, spec.granularity, shape, dtype, global_scale)
+
+
+def cast(
+    x2: torch.Tensor, a: CastSpec | None, b: CastSpec | None, *, saturate: bool = True,
+    scale: torch.Tensor | None = None, generator: torch.Generator | None = None,
+    rand: torch.Tensor | None = None, rand_t: torch.Tensor | None = None, record_amax: bool = False,
+) -> tuple[QuantizedTensor | None, QuantizedTensor | None, torch.Tensor | None]:
+    """``(x2 cast as a, x2.T [Hadamard-transformed] cast as b, amax of x2 or None)`` from one read of the
+    non-empty 2-D ``x2``; a side that is None is not made. The kernels must cover both sides
+    (:func:`lowprec.kernels.triton_plan.covers`; :func:`lowprec.kernels.route.route` checks).
+
+    ``scale`` (delayed scaling) applies to both sides. A Hadamard side's shape is the padded one."""
+    dtype = x2.dtype
+    x2 = _prepare(x2)
+    m, k = x2.shape
+    pa = None if a is None else side(a, saturate, transposed=False, rows=m, cols=k, given_scale=scale,
+                                     rand=rand is not None)
+    pb = None if b is None else side(b, saturate, transposed=True, rows=k, cols=m, given_scale=scale,
+                                     rand=rand_t is not None)
+    seed = next((s.hadamard_seed for s in (a, b) if s is not None and s.hadamard_seed is not None), None)
+    plan = Plan(m, k, pa, pb, record=record_amax)
+    out = _run(x2, plan, _hmat(seed, x2.device), scale, _rand2(rand), _rand2(rand_t), generator)
+    q = None if a is None else _result(pa, out[0], out[1], out[2], a, x2.shape, dtype, scale)
+    q_t = None
+    if b is not None:
+        shape_t = (k, -(-m // RHT_BLOCK) * RHT_BLOCK) if b.hadamard_seed is not None else (k, m)
+        scale_t = out[1] if plan.share else out[4]  # shared: the kernel wrote one scale, for both
+        q_t = _result(pb, out[3], scale_t, out[5], b, torch.Size(shape_t), dtype, scale)
+    amax = out[6].view(torch.float32)[0] if record_amax else None
+    return q, q_t, amax
 
 
 def quantize(
     x: torch.Tensor, fmt, granularity: Granularity, *, rounding: str = "nearest", saturate: bool = True,
     scale: torch.Tensor | None = None, generator: torch.Generator | None = None, rand: torch.Tensor | None = None,
 ) -> QuantizedTensor:
-    """``lowprec.quant.quantize`` through the Triton kernels (the reference where they do not apply)."""
+    """``lowprec.quant.quantize`` through the kernels, which must cover the cast (an empty tensor, which
+    no kernel needs to touch, goes to the reference)."""
     f, g = _check_args(x, fmt, granularity, rounding, scale, rand)
-    x2 = _prepare(x)
-    m, k = x2.shape
-    a = None if m * k == 0 else side(f, g, rounding, saturate, transposed=False, rows=m, cols=k,
-                                     given_scale=scale, rand=rand is not None)
-    if a is None:
+    if x.numel() == 0:
         return _reference(x, f, g, rounding=rounding, saturate=saturate, scale=scale, rand=rand, generator=generator)
-    out = _run(x2, Plan(m, k, a, None), _hmat(None, x.device), scale, _rand2(rand), None, generator)
-    return _result(a, out[0], out[1], out[2], f, g, x.shape, x.dtype, scale)
+    spec = CastSpec.of(f, g, rounding, delayed=scale is not None)
+    q = cast(as_2d(x), spec, None, saturate=saturate, scale=scale, generator=generator, rand=rand)[0]
+    return replace(q, shape=x.shape)
 
 
 def quantize_pair(
@@ -140,30 +163,14 @@ def quantize_pair(
     scale: torch.Tensor | None = None, generator: torch.Generator | None = None,
     rand: torch.Tensor | None = None, rand_t: torch.Tensor | None = None,
     hadamard_t: int | None = None, record_amax: bool = False,
-) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor | None] | None:
-    """``(quantize(x2, ...), quantize(x2.T [Hadamard-transformed], ...), amax of x2 or None)`` from one
-    read of the 2-D ``x2``, or None where the kernels cannot do both sides in one pass.
-
-    ``scale`` (delayed scaling) applies to both sides. ``hadamard_t``: the seed of the random
-    Hadamard transform applied to ``x2.T`` along its last dimension (zero-padded to 16), as
-    ``lowprec.quant.hadamard``; that side's shape is then the padded one."""
+) -> tuple[QuantizedTensor, QuantizedTensor, torch.Tensor | None]:
+    """:func:`cast` of the 2-D ``x2`` with both sides given by name (``hadamard_t``: the transposed side's
+    Hadamard seed)."""
     f, g = _check_args(x2, fmt, granularity, rounding, scale, rand)
     f_t, g_t = _check_args(x2.t(), fmt_t, granularity_t, rounding_t, scale, rand_t)
-    dtype = x2.dtype
-    x2 = _prepare(x2)
-    m, k = x2.shape
-    if m * k == 0:
-        return None
-    a = side(f, g, rounding, saturate, transposed=False, rows=m, cols=k, given_scale=scale, rand=rand is not None)
-    b = side(f_t, g_t, rounding_t, saturate, transposed=True, rows=k, cols=m, given_scale=scale,
-             rand=rand_t is not None, hadamard=hadamard_t is not None)
-    if a is None or b is None:
-        return None
-    plan = Plan(m, k, a, b, record=record_amax)
-    out = _run(x2, plan, _hmat(hadamard_t, x2.device), scale, _rand2(rand), _rand2(rand_t), generator)
-    q = _result(a, out[0], out[1], out[2], f, g, x2.shape, dtype, scale)
-    shape_t = (k, -(-m // HADAMARD_BLOCK) * HADAMARD_BLOCK) if hadamard_t is not None else (k, m)
-    scale_t = out[1] if plan.share else out[4]  # shared: the kernel wrote one scale, for both
-    q_t = _result(b, out[3], scale_t, out[5], f_t, g_t, torch.Size(shape_t), dtype, scale)
-    amax = out[6].view(torch.float32)[0] if record_amax else None
-    return q, q_t, amax
+    if x2.numel() == 0:
+        fail("x2", "a non-empty tensor", describe(x2))
+    delayed = scale is not None
+    return cast(x2, CastSpec.of(f, g, rounding, delayed=delayed),
+                CastSpec.of(f_t, g_t, rounding_t, hadamard_t, delayed=delayed), saturate=saturate, scale=scale,
+                generator=generator, rand=rand, rand_t=rand_t, record_amax=record_amax)

@@ -21,9 +21,10 @@ import torch
 
 from lowprec import formats as F
 from lowprec.quant.scales import amax_scale
-from lowprec.recipes import DelayedScaling
+from lowprec.recipes import DelayedScaling, Role
 
-ROLES = ("input", "weight", "grad_output")
+ROLES = tuple(r.name.lower() for r in Role)
+"""The history's columns, in :class:`lowprec.recipes.Role` order."""
 _VERSION = 1
 
 
@@ -58,12 +59,12 @@ class DelayedState:
         row = ((self.count[i] - 1) % self.config.history_len).reshape(1)
         return self.history[:, i].index_select(0, row).reshape(())  # a tensor index: no host sync
 
-    def scale(self, role: str, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
+    def scale(self, role: Role, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """The dequantizing scale for ``role`` from its history; before its first amax, None (the
         cast then scales by its own amax). Compiled code cannot branch on the device's count: it
         gets the history's scale, or before the first amax the current scale of ``x``, which the
         compiler reduces inside the kernel that produced x."""
-        i = ROLES.index(role)
+        i = int(role)
         if torch.compiler.is_compiling() and x is not None:
             current = amax_scale(x.detach().abs().amax().float(), fmt).reshape(1, 1)
             return torch.where(self.count[i] > 0, self._history_scale(i, fmt), current)
@@ -74,13 +75,13 @@ class DelayedState:
                 return None
         return self._history_scale(i, fmt)
 
-    def last(self, role: str) -> torch.Tensor:
+    def last(self, role: Role) -> torch.Tensor:
         """The amax ``role`` recorded last (0 before any)."""
-        return self._last(ROLES.index(role))
+        return self._last(int(role))
 
-    def record(self, role: str, amax: torch.Tensor) -> None:
+    def record(self, role: Role, amax: torch.Tensor) -> None:
         """Add ``amax`` (non-finite: 0) to ``role``'s history, with tensor operations only."""
-        i = ROLES.index(role)
+        i = int(role)
         amax = torch.where(torch.isfinite(amax), amax, 0.0).float().to(self.history.device)
         row = (self.count[i] % self.config.history_len).reshape(1)
         self.history[row, i] = amax.reshape(1)

@@ -1,5 +1,9 @@
 """The autograd of a low-precision linear layer, with its three GEMMs written out.
 
+The function receives the layer's frozen :class:`~lowprec.nn.plan.LayerPlan` and its
+:class:`~lowprec.nn.casts.CastState`, never the module: what to cast, how, and on which backend was
+decided when the plan was built.
+
 [Note: what backward keeps]
 Forward casts the input twice from the one high-precision copy it reads: along K for fprop, and
 (transposed) along the tokens for wgrad. Only the second is saved for backward, so a converted
@@ -12,146 +16,23 @@ cast is kept instead, and a stochastically rounded weight cast is kept (a second
 """
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 
-from lowprec import formats as F
 from lowprec import kernels as K
-from lowprec.kernels.fused import HADAMARD_BLOCK
-from lowprec.quant import QuantizedTensor, hadamard_padded
-from lowprec.recipes import Cast, Gemm, Recipe, Scaling
-
-HADAMARD_SEED = 0x5EED
-Operand = QuantizedTensor | torch.Tensor  # a high-precision operand is a plain tensor
-
-
-def cast(x2: torch.Tensor, c: Cast, scale: torch.Tensor | None = None) -> Operand:
-    """One operand (a 2-D view, reduced over its last dimension) cast as ``c`` says; ``scale`` is the
-    delayed scale when ``c`` uses delayed scaling."""
-    if c.format is None:
-        return x2
-    if c.granularity is None:  # unscaled cast (bf16/fp16)
-        return x2.to(F.get(c.format).torch_dtype)
-    if c.hadamard:
-        x2 = hadamard_padded(x2, HADAMARD_BLOCK, HADAMARD_SEED)
-    return K.quantize(x2, c.format, c.granularity, rounding=c.rounding, scale=scale)
-
-
-def _delayed_scale(c: Cast | None, state, role: str, x: torch.Tensor) -> torch.Tensor | None:
-    if c is None or state is None or c.scaling is not Scaling.DELAYED:
-        return None
-    return state.scale(role, F.get(c.format), x)
-
-
-def _fusable(c: Cast, c_t: Cast) -> bool:
-    """Both casts from one read (``kernels.cast_pair``): quantized, the Hadamard transform on the
-    transposed side only, and one scale source (delayed scaling shares the scale, so one format)."""
-    return (c.quantized and c_t.quantized and not c.hadamard and c.scaling is c_t.scaling
-            and (c.scaling is not Scaling.DELAYED or c.format == c_t.format))
-
-
-def cast_pair(x2: torch.Tensor, c: Cast, c_t: Cast | None, state=None, role: str = "",
-              record: bool = True) -> tuple[Operand, Operand | None]:
-    """``x2`` cast as ``c`` and ``x2.T`` as ``c_t`` (None: not needed), reading x2 once where a kernel
-    can. Delayed scales come from ``state``'s history before this tensor's amax is recorded (once,
-    and only with ``record``: evaluation must not move the training scales)."""
-    delayed = state is not None and any(k is not None and k.scaling is Scaling.DELAYED for k in (c, c_t))
-    scale, scale_t = _delayed_scale(c, state, role, x2), _delayed_scale(c_t, state, role, x2)
-    if c_t is None or not _fusable(c, c_t):
-        a = cast(x2, c, scale)
-        b = cast(x2.t(), c_t, scale_t) if c_t is not None else None
-        amax = x2.detach().abs().amax() if delayed and record else None
-    else:
-        a, b, amax = K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding=c.rounding,
-                                 rounding_t=c_t.rounding, scale=scale, record_amax=delayed and record,
-                                 hadamard_t=HADAMARD_SEED if c_t.hadamard else None)
-    if amax is not None:
-        state.record(role, amax)
-    return a, b
-
-
-class _LastInput:
-    """The casts of the last input a converted layer cast, for the layers that read the same tensor
-    next (attention's q, k and v projections; the FFN's gate and up): they reuse its casts rather
-    than cast it again, which spares the reads and keeps one saved copy where there were three.
-
-    One slot per thread, so at most one input's casts are held beyond their use; the slot empties
-    when its input is freed. A write the version counter does not see (through ``x.data``) between
-    two layers reading ``x`` is not noticed, as for the weight cache. Only deterministic casts are
-    shared (not delayed scaling, whose scales are per layer, nor stochastic rounding). Under
-    ``torch.compile`` the compiler removes the repeated casts itself."""
-
-    def __init__(self) -> None:
-        self.key: tuple | None = None
-        self.ref: weakref.ref | None = None
-        self.casts: tuple | None = None
-
-    @staticmethod
-    def shareable(c: Cast, c_t: Cast | None) -> bool:
-        return all(k is None or (k.scaling is not Scaling.DELAYED and k.rounding == "nearest") for k in (c, c_t))
-
-    def get(self, x: torch.Tensor, key: tuple) -> tuple | None:
-        if self.key == key and self.ref is not None and self.ref() is x:
-            return self.casts
-        return None
-
-    def put(self, x: torch.Tensor, key: tuple, casts: tuple) -> None:
-        self.key, self.casts = key, casts
-        self.ref = weakref.ref(x, self._forget)
-
-    def _forget(self, ref: weakref.ref) -> None:
-        if self.ref is ref:
-            self.key = self.ref = self.casts = None
-
-
-_SLOTS = threading.local()
-
-
-def _last_input() -> _LastInput:
-    """This thread's slot: threads (``nn.DataParallel`` replicas) never see each other's casts."""
-    slot = getattr(_SLOTS, "slot", None)
-    if slot is None:
-        slot = _SLOTS.slot = _LastInput()
-    return slot
-
-
-def input_casts(x: torch.Tensor, x2: torch.Tensor, c: Cast, c_t: Cast | None, state, record: bool):
-    """``cast_pair`` of a layer's input ``x`` (``x2``: its 2-D view), shared with the previous layer
-    when that one cast the same unchanged tensor the same way (see :class:`_LastInput`)."""
-    if torch.compiler.is_compiling() or x.is_inference() or not _LastInput.shareable(c, c_t):
-        return cast_pair(x2, c, c_t, state, "input", record)  # inference tensors have no version
-    key = (x.data_ptr(), x._version, x.shape, x.stride(), x.dtype, x.device, c, c_t)
-    slot = _last_input()
-    casts = slot.get(x, key)
-    if casts is None:
-        casts = cast_pair(x2, c, c_t, state, "input", record)
-        slot.put(x, key, casts)
-    return casts
-
-
-def transposed_cast(x2: torch.Tensor, c: Cast, c_t: Cast, scale_t: torch.Tensor | None) -> Operand:
-    """The second result of ``cast_pair(x2, c, c_t)`` made again, with the given delayed scale (or
-    None) and no amax recorded; the same bits either way (every backend equals the reference). On
-    Triton through the fused pass, which reads x2 row by row and writes the transposed cast."""
-    if _fusable(c, c_t) and K.quantize_backend(x2, c.format, c.granularity, c.rounding) == "triton":
-        # side A's cast is thrown away: nearest, so it draws no random numbers
-        return K.cast_pair(x2, c.format, c.granularity, c_t.format, c_t.granularity, rounding="nearest",
-                           rounding_t=c_t.rounding, scale=scale_t,
-                           hadamard_t=HADAMARD_SEED if c_t.hadamard else None)[1]
-    return cast(x2.t(), c_t, scale_t)
+from lowprec.nn.casts import CastState, Operand, cast_operand, input_casts, weight_casts
+from lowprec.nn.plan import HP, GemmPlan, LayerPlan
+from lowprec.quant import QuantizedTensor
 
 
 def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:
     return op.dequantize(dtype) if isinstance(op, QuantizedTensor) else op.to(dtype)
 
 
-def gemm(a: Operand, b: Operand, g: Gemm, out_dtype: torch.dtype) -> torch.Tensor:
-    """``a (M, K) @ b (N, K).T`` on the low-precision path when both operands are quantized, else in
-    high precision (the wider of the operands' dtypes)."""
-    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
-        return K.scaled_mm(a, b, out_dtype, fast_accum=g.fast_accum)
+def gemm(a: Operand, b: Operand, g: GemmPlan, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a (M, K) @ b (N, K).T`` on the plan's path: the scaled GEMM when both operands are quantized,
+    else in high precision (the wider of the operands' dtypes)."""
+    if g.path != HP:
+        return K.scaled_mm(a, b, out_dtype, fast_accum=g.fast_accum, backend=g.path)
     dtypes = [op.dtype for op in (a, b) if isinstance(op, torch.Tensor)]
     dt = max(dtypes, key=lambda d: d.itemsize) if dtypes else out_dtype
     return (_hp(a, dt) @ _hp(b, dt).t()).to(out_dtype)
@@ -176,41 +57,50 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
-def fprop(x, weight, bias, recipe: Recipe, layer, need_dgrad: bool, need_wgrad: bool, record: bool = True):
+def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, need_wgrad: bool,
+          record: bool = True):
     """The forward GEMM; also what backward needs: (y, x.T cast or None, w.T cast or None, the delayed
-    scale to cast w.T with in backward or None). Where ``layer.defers_weight_t`` the w.T cast is
-    None and backward makes it (see [Note: what backward keeps]). ``record``: add the amaxes to the
-    delayed-scaling history (training, not evaluation)."""
+    scale to cast w.T with in backward or None). Where backward recasts weight.T the w.T cast is None
+    (see [Note: what backward keeps]). ``record``: add the amaxes to the delayed-scaling history
+    (training, not evaluation)."""
     out_dtype = output_dtype(x)
-    defer = need_dgrad and layer.defers_weight_t(recipe)
-    # taken before this forward records the weight's amax, as the forward's own cast takes it
-    scale_t = _delayed_scale(recipe.dgrad.rhs, layer.delayed_state, "weight", weight) if defer else None
+    recast = need_dgrad and plan.recast_weight_t and not state.caching
+    w_op = plan.weight
+    scale_t = None
+    if recast and state.delayed is not None and w_op.transposed is not None and w_op.transposed.transposed.delayed:
+        # taken before this forward records the weight's amax, as the forward's own cast takes it
+        scale_t = state.delayed.scale(w_op.role, w_op.transposed.transposed.fmt, weight)
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        qx, qx_t = input_casts(x, x2, recipe.fprop.lhs, recipe.wgrad.rhs if need_wgrad else None,
-                               layer.delayed_state, record)
-        qw, qw_t = layer.weight_casts(weight, recipe, need_dgrad and not defer, record)
-        y = gemm(qx, qw, recipe.fprop, out_dtype)  # (M, N)
+        qx, qx_t = input_casts(x, x2, plan.input, need_wgrad, state, record)
+        qw, qw_t = weight_casts(weight, w_op, state, need_dgrad and not recast, record)
+        y = gemm(qx, qw, plan.fprop, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
     return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t
 
 
+def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None) -> Operand:
+    """weight.T's cast made again in backward, with forward's delayed scale and no amax recorded: the
+    same bits as forward would have made (every backend equals the reference)."""
+    route = plan.weight.transposed
+    return K.cast(weight, route, scale_t=scale_t).transposed
+
+
 class LinearFunction(torch.autograd.Function):
-    """``y = x @ w.T + b`` with every GEMM operand cast as ``recipe`` says (see [Note: the three GEMMs]
-    in ``lowprec.recipes``). ``layer`` gives the weight casts (cached per optimizer step) and the
-    delayed-scaling state."""
+    """``y = x @ w.T + b`` with every GEMM operand cast as ``plan`` says (see [Note: the three GEMMs]
+    in ``lowprec.recipes``); ``state`` holds the weight cache and the delayed-scaling history."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, recipe: Recipe, layer):
+    def forward(ctx, x, weight, bias, plan: LayerPlan, state: CastState):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        y, qx_t, qw_t, scale_t = fprop(x, weight, bias, recipe, layer, need_dgrad, need_wgrad)
+        y, qx_t, qw_t, scale_t = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad)
         x_saved, x_meta = _save(qx_t)
         w_saved, w_meta = _save(qw_t)
-        deferred = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
-        ctx.save_for_backward(*x_saved, *w_saved, weight if deferred else None, scale_t)
+        recast = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
+        ctx.save_for_backward(*x_saved, *w_saved, weight if recast else None, scale_t)
         ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        ctx.recipe, ctx.layer = recipe, layer
+        ctx.plan, ctx.state = plan, state
         return y
 
     @staticmethod
@@ -219,22 +109,19 @@ class LinearFunction(torch.autograd.Function):
         saved = ctx.saved_tensors
         qx_t, qw_t = _restore(saved[:3], x_meta), _restore(saved[3:6], w_meta)
         weight, scale_t = saved[6:8]
-        r: Recipe = ctx.recipe
+        plan: LayerPlan = ctx.plan
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             if weight is not None:
-                qw_t = transposed_cast(weight.detach(), r.fprop.rhs, r.dgrad.rhs, scale_t)
+                qw_t = _weight_t(weight.detach(), plan, scale_t)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
-            state = ctx.layer.delayed_state
+            if need_dgrad or need_wgrad:  # a frozen input (the first layer) needs only wgrad's operand
+                qdy, qdy_t = cast_operand(dy2, plan.grad_output, need_dgrad, need_wgrad, ctx.state.delayed, True)
             if need_dgrad:
-                qdy, qdy_t = cast_pair(dy2, r.dgrad.lhs, r.wgrad.lhs if need_wgrad else None, state, "grad_output")
-            else:  # a frozen input (the first layer): only the weight gradient's operand
-                qdy, qdy_t = None, cast_pair(dy2.t(), r.wgrad.lhs, None, state, "grad_output")[0]
-            if need_dgrad:
-                dx = gemm(qdy, qw_t, r.dgrad, x_dtype).view(x_shape)  # (M, K)
+                dx = gemm(qdy, qw_t, plan.dgrad, x_dtype).view(x_shape)  # (M, K)
             if need_wgrad:
-                dw = gemm(qdy_t, qx_t, r.wgrad, w_dtype)  # (N, K)
+                dw = gemm(qdy_t, qx_t, plan.wgrad, w_dtype)  # (N, K)
             if b_dtype is not None and need_bias:
                 db = dy2.sum(0).to(b_dtype)
         return dx, dw, db, None, None

@@ -12,25 +12,20 @@ import torch.nn.functional as nnf
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.autocast import resolve
+from lowprec.nn.casts import CastState, InputShare
 from lowprec.nn.delayed import DelayedState
-from lowprec.nn.function import LinearFunction, cast_pair, fprop, output_dtype
-
-
-def fallback_reason(in_features: int, out_features: int, recipe: R.Recipe) -> str | None:
-    """Why a layer of this shape cannot take the recipe's low-precision GEMMs, or None."""
-    m = recipe.required_multiple()
-    bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features)) if v % m]
-    if bad:
-        return f"{' and '.join(bad)} not a multiple of {m} ({recipe.name})"
-    return None
+from lowprec.nn.function import LinearFunction, fprop, output_dtype
+from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan
 
 
 class Linear(nn.Linear):
     """``torch.nn.Linear`` with the same parameters, ``state_dict`` keys and initialisation, whose
     forward and backward GEMMs cast their operands as ``recipe`` says (None: plain high precision).
 
-    The weight is cast at every forward and its cast dropped once the forward GEMM has run; backward
-    casts weight.T for the data-gradient GEMM itself, so no weight copy is kept between them. Inside
+    What the layer does with its recipe on its device is a frozen :class:`~lowprec.nn.plan.LayerPlan`,
+    made when the layer gets the recipe or moves (see [Note: the layer plan]). The weight is cast at
+    every forward and its cast dropped once the forward GEMM has run; backward casts weight.T for the
+    data-gradient GEMM itself, so no weight copy is kept between them. Inside
     :func:`lowprec.nn.cached_weight_casts` (gradient accumulation) both casts are kept and reused
     until the weight changes. Delayed-scaling state, when the recipe uses it, is saved in
     ``state_dict`` as versioned extra state; see ``lowprec.nn.delayed``.
@@ -42,19 +37,15 @@ class Linear(nn.Linear):
         self._init_lowprec(recipe)
 
     def _init_lowprec(self, recipe) -> None:
-        self.recipe: R.Recipe | None = R.get(recipe) if recipe is not None else None
-        self.hp_reason: str | None = None
-        """Why this layer runs in high precision although it has a recipe (set by ``convert``)."""
-        self.delayed_state: DelayedState | None = None
-        self._weight_cache: tuple | None = None
-        self._cache_depth = 0
-        """How many :func:`cached_weight_casts` regions hold this layer (0: cast at every forward)."""
-        self._recipe_facts: tuple | None = None
+        self.state = CastState()
+        self._plan: LayerPlan | None = None
         self._warned: set[str] = set()
-        r = self.recipe
-        if (r is not None and r.uses_delayed_scaling and not self.weight.is_meta
-                and fallback_reason(self.in_features, self.out_features, r) is None):
-            self._bind_delayed(r)
+        self.policy_reason: str | None = None
+        """Why the conversion policy keeps this layer in high precision although it has a recipe."""
+        self.min_features: int | None = None
+        """Where the recipe runs natively, a layer with a dimension under this stays in high precision
+        (set by ``convert`` from the policy; see :func:`lowprec.nn.plan.small_reason`)."""
+        self.set_recipe(R.get(recipe) if recipe is not None else None)
         self.register_state_dict_post_hook(_drop_empty_extra_state)
 
     @classmethod
@@ -68,7 +59,67 @@ class Linear(nn.Linear):
         new.train(linear.training)
         return new
 
-    # ---- forward ------------------------------------------------------------------------
+    # ---- the recipe and its plan --------------------------------------------------------------
+
+    def set_recipe(self, recipe: R.Recipe | None, *, policy_reason: str | None = None,
+                   min_features: int | None = None, share: InputShare | None = None) -> None:
+        """Bind ``recipe`` (None: high precision), with the policy's decisions; makes the plan for the
+        weight's device and the delayed-scaling state it needs, outside any compiled graph."""
+        self.recipe: R.Recipe | None = recipe
+        self.policy_reason, self.min_features = policy_reason, min_features
+        self.state.share = share
+        self.clear_cache()
+        self._plan = None
+        if recipe is not None and not self.weight.is_meta:
+            self._prepare(recipe)
+
+    @property
+    def delayed_state(self) -> DelayedState | None:
+        return self.state.delayed
+
+    @property
+    def hp_reason(self) -> str | None:
+        """Why the layer runs its bound recipe in high precision on its device (None: it does not)."""
+        plan = self.plan()
+        return plan.hp_reason if plan is not None else None
+
+    def plan(self, recipe: R.Recipe | None = None) -> LayerPlan | None:
+        """The plan for ``recipe`` (default: the bound one) on the weight's device."""
+        recipe = recipe if recipe is not None else self.recipe
+        if recipe is None:
+            return None
+        memo = self._plan
+        # compiled code compares by value: dynamo does not keep a frozen dataclass's identity
+        same = memo is not None and (memo.recipe == recipe if torch.compiler.is_compiling() else memo.recipe is recipe)
+        if same and memo.device == self.weight.device:
+            return memo
+        plan = layer_plan(recipe, self.weight.device, self.in_features, self.out_features, self.policy_reason,
+                          self.min_features)
+        if not torch.compiler.is_compiling():
+            self._plan = plan
+        return plan
+
+    def _prepare(self, recipe: R.Recipe) -> LayerPlan:
+        """The plan, and a delayed-scaling state for it on the weight's device: made before a compiled
+        forward needs them (creating them inside a graph would end the graph)."""
+        plan = self.plan(recipe)
+        if plan.delayed:
+            state = self.state.delayed
+            if state is None or state.config != recipe.delayed:
+                self.state.delayed = DelayedState(recipe.delayed, self.weight.device)
+            elif state.history.device != self.weight.device:  # the module moved since
+                state.to(self.weight.device)
+        return plan
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .cuda(), .half(), to_empty(): the plan and the delayed state follow the weight, now
+        # rather than at the first (perhaps compiled) forward on the new device
+        out = super()._apply(fn, recurse)
+        if getattr(self, "recipe", None) is not None and not self.weight.is_meta:
+            self._prepare(self.recipe)
+        return out
+
+    # ---- forward --------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
@@ -78,40 +129,19 @@ class Linear(nn.Linear):
         recipe = resolve(self.recipe)
         if recipe is None or x.numel() == 0:
             return nnf.linear(x, self.weight, self.bias)
-        hp_dtype, reason, delayed = self._facts(recipe)
-        if hp_dtype is not None:
-            return self._unscaled(x, hp_dtype)
-        if reason is not None:
-            self._warn_once(reason)
+        plan = self.plan(recipe)
+        if plan.hp_dtype is not None:
+            return self._unscaled(x, plan.hp_dtype)
+        if plan.hp_reason is not None:
+            self._warn_once(plan.hp_reason)
             return nnf.linear(x, self.weight, self.bias)
-        if delayed:
-            self._bind_delayed(recipe)
+        if plan.delayed:
+            self._prepare(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
         params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return LinearFunction.apply(x, self.weight, self.bias, recipe, self)
+            return LinearFunction.apply(x, self.weight, self.bias, plan, self.state)
         # inference: no transposed casts, and the delayed-scaling history is left as training made it
-        return fprop(x, self.weight, self.bias, recipe, self, False, False, record=False)[0]
-
-    def _bind_delayed(self, recipe: R.Recipe) -> None:
-        """A delayed-scaling state for ``recipe`` on the weight's device. Made when the layer gets its
-        recipe, so a compiled forward finds it (creating it inside a graph would end the graph)."""
-        state = self.delayed_state
-        if state is None or state.config != recipe.delayed:
-            self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
-        elif state.history.device != self.weight.device:  # the module moved since
-            state.to(self.weight.device)
-
-    def _facts(self, recipe: R.Recipe) -> tuple[torch.dtype | None, str | None, bool]:
-        """(unscaled dtype, why this layer runs in high precision, delayed scaling?) for ``recipe``,
-        derived once per recipe object rather than on every forward."""
-        memo = self._recipe_facts
-        if memo is not None and memo[0] is recipe and memo[1] == self.hp_reason:
-            return memo[2]
-        reason = self.hp_reason or fallback_reason(self.in_features, self.out_features, recipe)
-        facts = (recipe.hp_dtype, reason, recipe.uses_delayed_scaling)
-        if not torch.compiler.is_compiling():
-            self._recipe_facts = (recipe, self.hp_reason, facts)
-        return facts
+        return fprop(x, self.weight, self.bias, plan, self.state, False, False, record=False)[0]
 
     def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""
@@ -126,48 +156,14 @@ class Linear(nn.Linear):
             warnings.warn(f"lowprec: a Linear({self.in_features}, {self.out_features}) runs in high "
                           f"precision: {reason}", stacklevel=3)
 
-    def weight_casts(self, weight: torch.Tensor, recipe: R.Recipe, need_transposed: bool, record: bool = True):
-        """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
-        :func:`cached_weight_casts` taken from the cache until the weight changes. ``record``: add the
-        weight's amax to the delayed-scaling history (training forwards, not evaluation)."""
-        caching = self._caching
-        key = (weight._version, weight.data_ptr(), recipe) if caching else None
-        cached = self._weight_cache
-        hit = (caching and cached is not None and cached[0] == key and (cached[2] is not None or not need_transposed)
-               and (cached[3] or not record))  # a training forward needs a cast whose amax was recorded
-        if hit:
-            if record and recipe.uses_delayed_scaling and self.delayed_state is not None:
-                # every forward records the weight's amax, cached or not (and compiled code, which
-                # holds no cache, does the same): the history spans the same steps either way
-                self.delayed_state.record("weight", self.delayed_state.last("weight"))
-            return cached[1], cached[2]
-        w = weight.detach()
-        qw, qw_t = cast_pair(w, recipe.fprop.rhs, recipe.dgrad.rhs if need_transposed else None,
-                             self.delayed_state, "weight", record)
-        if caching:
-            self._weight_cache = (key, qw, qw_t, record)
-        return qw, qw_t
-
-    def defers_weight_t(self, recipe: R.Recipe) -> bool:
-        """Whether backward casts weight.T itself rather than keeping forward's cast: outside
-        :func:`cached_weight_casts`, for a deterministic cast (see [Note: what backward keeps] in
-        ``lowprec.nn.function``)."""
-        c = recipe.dgrad.rhs
-        return not self._caching and c.quantized and c.rounding == "nearest"
-
-    @property
-    def _caching(self) -> bool:
-        """Inside :func:`cached_weight_casts`, in eager code (a compiled graph holds no cache)."""
-        return self._cache_depth > 0 and not torch.compiler.is_compiling()
-
     def clear_cache(self) -> None:
         """Drop the cached weight casts (see :func:`cached_weight_casts`)."""
-        self._weight_cache = None
+        self.state.weight_cache = None
 
     # ---- state ----------------------------------------------------------------------------
 
     def get_extra_state(self):
-        state = self.delayed_state
+        state = self.state.delayed
         # nothing recorded yet (a fresh layer): no entry, so the state_dict loads into nn.Linear
         return state.to_tensor() if state is not None and any(state.recorded) else None
 
@@ -177,8 +173,8 @@ class Linear(nn.Linear):
         recipe = self.recipe
         if recipe is None or not recipe.uses_delayed_scaling:
             return  # saved under a delayed recipe, loaded under another: nothing to restore
-        self.delayed_state = DelayedState(recipe.delayed, self.weight.device)
-        self.delayed_state.load_tensor(state, f"Linear({self.in_features}, {self.out_features})")
+        self.state.delayed = DelayedState(recipe.delayed, self.weight.device)
+        self.state.delayed.load_tensor(state, f"Linear({self.in_features}, {self.out_features})")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -187,7 +183,7 @@ class Linear(nn.Linear):
         key = prefix + "_extra_state"
         if key in missing_keys:  # never required: a missing history starts from current scaling
             missing_keys.remove(key)
-        self._weight_cache = None
+        self.clear_cache()
 
     def extra_repr(self) -> str:
         r = self.recipe.name if self.recipe is not None else None
@@ -207,14 +203,14 @@ def cached_weight_casts(model: nn.Module) -> Iterator[nn.Module]:
     Outside any region a layer casts at every forward and keeps only what backward needs."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     for m in layers:
-        m._cache_depth += 1
+        m.state.cache_depth += 1
     try:
         yield model
     finally:
         for m in layers:
-            m._cache_depth -= 1
-            if m._cache_depth == 0:
-                m._weight_cache = None
+            m.state.cache_depth -= 1
+            if m.state.cache_depth == 0:
+                m.clear_cache()
 
 
 def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
@@ -223,3 +219,6 @@ def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
     key = prefix + "_extra_state"
     if key in state_dict and state_dict[key] is None:
         del state_dict[key]
+
+
+__all__ = ["Linear", "cached_weight_casts", "fallback_reason"]

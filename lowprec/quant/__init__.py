@@ -1,6 +1,7 @@
 """Scaling granularities, ``QuantizedTensor``, quantize / dequantize, the Hadamard transform."""
 from lowprec.quant.granularity import (
     Granularity,
+    GranularityKind,
     ScaleRule,
     blockwise,
     columnwise,
@@ -14,7 +15,7 @@ from lowprec.quant.quantize import dequantize, error_bound, fake_quantize, quant
 from lowprec.quant.tensor import QuantizedTensor
 
 __all__ = [
-    "Granularity", "ScaleRule", "QuantizedTensor", "blockwise", "columnwise", "dequantize", "error_bound",
-    "fake_quantize", "hadamard", "hadamard_matrix", "hadamard_padded", "mx", "nvfp4", "quantize", "rowwise",
-    "tensorwise",
+    "Granularity", "GranularityKind", "ScaleRule", "QuantizedTensor", "blockwise", "columnwise", "dequantize",
+    "error_bound", "fake_quantize", "hadamard", "hadamard_matrix", "hadamard_padded", "mx", "nvfp4", "quantize",
+    "rowwise", "tensorwise",
 ]

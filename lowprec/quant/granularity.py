@@ -50,6 +50,23 @@ class ScaleRule(enum.Enum):
         return {"amax": "fp32", "floor": "e8m0", "ceil": "e8m0", "nvfp4": "e4m3"}[self.value]
 
 
+class GranularityKind(enum.Enum):
+    """The shape of a granularity's blocks, as code decides by it (a GEMM path, a kernel mode)."""
+
+    TENSOR = "tensor"
+    """One scale for the whole tensor."""
+    ROW = "row"
+    """One scale per row of the 2-D view (along the whole reduction dimension)."""
+    COLUMN = "column"
+    """One scale per column."""
+    BLOCK = "block"
+    """FP32 scales per ``block_rows x block_cols`` tile (``1 x 128``, ``128 x 128``, ...)."""
+    MX = "mx"
+    """E8M0 scales per ``1 x block_cols`` block (OCP MX)."""
+    NVFP4 = "nvfp4"
+    """E4M3 scales per block times an FP32 global scale."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Granularity:
     """Which elements share a scale (see [Note: the 2-D view]). Use the constructors below."""
@@ -77,18 +94,33 @@ class Granularity:
     def scale_format(self) -> str:
         return self.rule.scale_format
 
+    @property
+    def kind(self) -> GranularityKind:
+        if self.rule in (ScaleRule.FLOOR, ScaleRule.CEIL):
+            return GranularityKind.MX
+        if self.rule is ScaleRule.NVFP4:
+            return GranularityKind.NVFP4
+        lines = {(None, None): GranularityKind.TENSOR, (1, None): GranularityKind.ROW,
+                 (None, 1): GranularityKind.COLUMN}
+        return lines.get((self.block_rows, self.block_cols), GranularityKind.BLOCK)
+
+    @property
+    def per_tensor(self) -> bool:
+        """One FP32 scale for the whole tensor."""
+        return self.kind is GranularityKind.TENSOR
+
     def blocks(self, rows: int, cols: int) -> tuple[int, int]:
         """Block shape for a 2-D view of ``rows x cols`` elements."""
         # at least 1: an empty dimension still needs a block size to divide by
         return (self.block_rows or max(rows, 1), self.block_cols or max(cols, 1))
 
     def __str__(self) -> str:
-        r, c = self.block_rows, self.block_cols
-        if self.rule in (ScaleRule.FLOOR, ScaleRule.CEIL):
+        r, c, kind = self.block_rows, self.block_cols, self.kind
+        if kind is GranularityKind.MX:
             return f"mx{c}-{self.rule.value}"
-        if self.rule is ScaleRule.NVFP4:
+        if kind is GranularityKind.NVFP4:
             return f"nvfp4-{r}x{c}" if r != 1 else f"nvfp4-{c}"
-        return {(None, None): "tensor", (1, None): "row", (None, 1): "column"}.get((r, c), f"block{r}x{c}")
+        return f"block{r}x{c}" if kind is GranularityKind.BLOCK else kind.value
 
 
 def tensorwise() -> Granularity:

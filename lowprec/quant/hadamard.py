@@ -16,6 +16,11 @@ import torch.nn.functional as nnf
 
 from lowprec._checks import check_tensor, describe, fail
 
+RHT_BLOCK = 16
+"""The block of the random Hadamard transform the recipes apply (NVFP4's weight-gradient operands)."""
+RHT_SEED = 0x5EED
+"""The seed of its random signs: both operands of a GEMM must use the same transform."""
+
 
 def hadamard_matrix(block: int, seed: int | None = None, device=None, dtype=torch.float32) -> torch.Tensor:
     """The orthonormal ``block x block`` matrix ``D H / sqrt(block)`` (cached: do not modify it)."""

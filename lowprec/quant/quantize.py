@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as nnf
 
 from lowprec import formats as F
-from lowprec._checks import check_choice, check_same_device, check_tensor, describe, fail
+from lowprec._checks import check_same_device, check_tensor, describe, fail
 from lowprec.quant import scales as S
 from lowprec.quant.granularity import Granularity, ScaleRule
 from lowprec.quant.tensor import QuantizedTensor, store
@@ -48,7 +48,7 @@ def _check_args(x, fmt, granularity, rounding, scale, rand) -> tuple[F.Format, G
     f = F.get(fmt)
     if not isinstance(granularity, Granularity):
         fail("granularity", "a lowprec.quant.Granularity (tensorwise(), mx(32), ...)", describe(granularity), TypeError)
-    check_choice("rounding", rounding, ("nearest", "stochastic"))
+    F.as_rounding(rounding)
     if f.kind is F.Kind.EXPONENT:
         fail("fmt", "an element format (e8m0 is a scale format)", f.name)
     if granularity.rule is not ScaleRule.AMAX and f.kind is not F.Kind.FLOAT:
@@ -68,7 +68,7 @@ def quantize(
     fmt: str | F.Format,
     granularity: Granularity,
     *,
-    rounding: str = "nearest",
+    rounding: str | F.Rounding = F.Rounding.NEAREST,
     saturate: bool = True,
     scale: torch.Tensor | None = None,
     rand: torch.Tensor | None = None,
@@ -105,7 +105,7 @@ def quantize(
     dead = ~torch.isfinite(eff_full) | (eff_full == 0)
     scaled = torch.where(dead, 0.0, blocks / torch.where(dead, 1.0, eff_full)).view(mp, kp)
     r = None
-    if rounding == "stochastic":
+    if F.as_rounding(rounding) is F.Rounding.STOCHASTIC:
         r = rand if rand is not None else torch.rand(x.shape, generator=generator, device=x.device)
         r = pad_to_blocks(as_2d(r.float()), br, bc)
     if saturate:  # no host sync: a GEMM operand's cast must not stall the GPU or break a graph

@@ -12,7 +12,10 @@ import torch.nn.functional as nnf
 
 pytest.importorskip("triton")
 
+import lowprec.kernels as K
 from lowprec.kernels import triton_quant as TQ
+from lowprec.kernels.route import CastSpec
+from lowprec.kernels.triton_plan import covers
 from lowprec.quant import blockwise, columnwise, hadamard, mx, nvfp4, quantize, rowwise, tensorwise
 
 SEED = 0x5EED
@@ -153,17 +156,28 @@ def test_hadamard_side_equals_transform_then_reference_cast():
     ("e4m3", blockwise(256, 256), {}), ("e2m1", mx(32, "ceil"), {"saturate": False}),
     ("e4m3", rowwise(), {"scale": torch.full((7, 1), 0.5)}),
 ], ids=str)
-def test_casts_the_kernels_do_not_cover_run_the_reference(fmt, g, kw):
+def test_casts_the_kernels_do_not_cover_are_refused_by_them_and_routed_to_the_reference(fmt, g, kw):
     x = torch.randn(7, 64)  # ceil scales: nothing overflows, so the reference returns instead of raising
-    assert not (TQ.supports(fmt, g) and not kw)
-    assert_same(TQ.quantize(x, fmt, g, **kw), quantize(x, fmt, g, **kw))
+    spec = CastSpec.of(fmt, g, delayed="scale" in kw)
+    assert not (covers(spec, kw.get("saturate", True)) and "scale" not in kw)
+    with pytest.raises(ValueError, match="a cast the Triton kernels cover"):
+        TQ.quantize(x, fmt, g, **kw)
+    # lowprec.kernels.quantize follows the route: the reference (forcing Triton is an error)
+    assert_same(K.quantize(x, fmt, g, **kw), quantize(x, fmt, g, **kw))
+    if kw.get("saturate", True):
+        with pytest.raises(ValueError, match="backend: expected 'torch' for"):
+            K.quantize(x, fmt, g, backend="triton", **kw)
 
 
-def test_supports_the_recipe_casts():
+def test_the_kernels_cover_the_recipe_casts():
     for fmt, g in CASTS:
-        assert TQ.supports(fmt, g) and TQ.supports(fmt, g, "stochastic")
-    assert not TQ.supports("e4m3", tensorwise(), "truncate")
-    assert not TQ.supports("nope", tensorwise())
+        assert covers(CastSpec.of(fmt, g)) and covers(CastSpec.of(fmt, g, "stochastic"))
+    assert covers(CastSpec.of("e4m3", tensorwise(), delayed=True))
+    assert not covers(CastSpec.of("e2m1", tensorwise(), delayed=True))  # FP4 with a given scale
+    assert covers(CastSpec.of("e2m1", nvfp4(16), hadamard_seed=SEED))
+    assert not covers(CastSpec.of("e4m3", rowwise(), hadamard_seed=SEED))
+    with pytest.raises(ValueError, match="rounding: expected one of 'nearest', 'stochastic', got 'truncate'"):
+        CastSpec.of("e4m3", tensorwise(), "truncate")
 
 
 def test_bad_input_is_refused_with_the_reference_message():
@@ -189,7 +203,6 @@ def test_custom_ops_compile_into_one_graph():
 def test_traceable_amax_equals_the_amax_kernel(g):
     # under torch.compile per-tensor and per-line amaxes come from torch reductions the compiler can
     # fuse into x's producer; they must give the kernel's bits (NaN: any NaN, the scale is NaN either way)
-    from lowprec import formats as F
     from lowprec.kernels import triton_ops as ops
     from lowprec.kernels.triton_plan import Plan, side
 
@@ -198,9 +211,9 @@ def test_traceable_amax_equals_the_amax_kernel(g):
 
     for x in (special(96, 160, seed=3), special(64, 128, dtype=torch.float32, seed=4).nan_to_num(0.0)):
         m, k = x.shape
-        f = F.get("e4m3")
-        a = side(f, g, "nearest", True, transposed=False, rows=m, cols=k)
-        b = side(f, g, "nearest", True, transposed=True, rows=k, cols=m)
+        spec = CastSpec.of("e4m3", g)
+        a = side(spec, True, transposed=False, rows=m, cols=k)
+        b = side(spec, True, transposed=True, rows=k, cols=m)
         plan = Plan(m, k, a, b)
         kernel = ops.amax(x, tuple(plan.to_ints()), None)
         traced = TQ._traceable_amax(x, a, False), TQ._traceable_amax(x, b, True)
@@ -247,4 +260,5 @@ def test_fp4_with_a_given_scale_follows_the_reference_on_non_finite_input():
     # E2M1 has no inf/NaN: under a given scale the reference zeroes such a tensor (NaN scale)
     x = torch.tensor([[0.3, math.nan, 7.0, -0.2] * 8] * 4)
     s = torch.tensor([[1.0]])
-    assert_same(TQ.quantize(x, "e2m1", tensorwise(), scale=s), quantize(x, "e2m1", tensorwise(), scale=s))
+    assert not covers(CastSpec.of("e2m1", tensorwise(), delayed=True))
+    assert_same(K.quantize(x, "e2m1", tensorwise(), scale=s), quantize(x, "e2m1", tensorwise(), scale=s))

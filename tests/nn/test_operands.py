@@ -13,7 +13,8 @@ import torch
 
 from lowprec import quant
 from lowprec import recipes as R
-from lowprec.nn.function import HADAMARD_BLOCK, HADAMARD_SEED
+from lowprec.quant.hadamard import RHT_BLOCK as HADAMARD_BLOCK
+from lowprec.quant.hadamard import RHT_SEED as HADAMARD_SEED
 from tests.nn.common import LOW_PRECISION, GemmSpy, QuantizeSpy, assert_same_quantized, make_linear, randn
 
 M, K, N = 48, 128, 256  # tokens (2 x 24), in, out: all different, K and N multiples of 128

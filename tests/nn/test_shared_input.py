@@ -1,18 +1,26 @@
 """Layers reading the same input (q, k and v; gate and up) share its casts: the input is read once,
-the results equal separate casts bit for bit, and nothing outlives the input."""
+the results equal separate casts bit for bit, and nothing outlives the input. The groups are made
+explicitly, by ``convert`` from the policy or by hand with an ``InputShare``."""
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
-from lowprec.nn import function as LF
+import lowprec
+from lowprec.nn import InputShare
+from lowprec.train.model import ModelConfig, build_model
 from tests.nn.common import QuantizeSpy, make_linear, randn
 
 
-def _three(recipe):
-    return [make_linear(recipe, seed=s) for s in range(3)]
+def _group(recipe, n=3):
+    layers = [make_linear(recipe, seed=s) for s in range(n)]
+    share = InputShare(tuple(f"l{i}" for i in range(n)))
+    for lin in layers:
+        lin.state.share = share
+    return layers, share
 
 
 def _run(layers, x):
@@ -22,17 +30,16 @@ def _run(layers, x):
 
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8"])
-def test_siblings_cast_the_input_once_and_match_separate_casts(recipe, monkeypatch):
+def test_a_group_casts_the_input_once_and_matches_separate_casts(recipe, monkeypatch):
     spy = QuantizeSpy(monkeypatch)
     x = randn(32, 128, seed=1).requires_grad_()
-    first = make_linear(recipe, seed=9)
-    first(x)
+    alone = make_linear(recipe, seed=9)  # no group: its own casts
+    alone(x)
     once = spy.reads(x)
-    layers = _three(recipe)
+    layers, _ = _group(recipe)
     outs = _run(layers, x)
-    assert spy.reads(x) == once  # the three layers took the first one's casts
-    # reference: each layer on its own copy of the input, so nothing is shared
-    ref_layers = _three(recipe)
+    assert spy.reads(x) == 2 * once  # the group cast x once, the first layer of it
+    ref_layers = [make_linear(recipe, seed=s) for s in range(3)]
     xs = [x.detach().clone().requires_grad_() for _ in range(3)]
     ref_outs = [lin(xi) for lin, xi in zip(ref_layers, xs)]
     sum(o.square().sum() for o in ref_outs).backward()
@@ -44,8 +51,18 @@ def test_siblings_cast_the_input_once_and_match_separate_casts(recipe, monkeypat
     torch.testing.assert_close(x.grad, sum(xi.grad for xi in xs), rtol=1e-6, atol=1e-6)
 
 
+def test_layers_outside_a_group_never_share(monkeypatch):
+    spy = QuantizeSpy(monkeypatch)
+    x = randn(32, 128, seed=1)
+    a, b = make_linear("fp8-current", seed=1), make_linear("fp8-current", seed=2)
+    a(x)
+    once = spy.reads(x)
+    b(x)
+    assert spy.reads(x) == 2 * once
+
+
 def test_an_inplace_change_of_the_input_is_cast_anew():
-    a, b = make_linear("fp8-current", seed=1), make_linear("fp8-current", seed=1)
+    (a, b), _ = _group("fp8-current", 2)
     x = randn(16, 128, seed=2)
     ya = a(x)
     x.mul_(4.0)
@@ -57,42 +74,66 @@ def test_an_inplace_change_of_the_input_is_cast_anew():
 def test_delayed_and_stochastic_casts_are_not_shared(recipe, monkeypatch):
     spy = QuantizeSpy(monkeypatch)
     x = randn(32, 128, seed=1).requires_grad_()
-    layers = _three(recipe)
+    layers, share = _group(recipe)
     layers[0](x)
     once = spy.reads(x)
     layers[1](x)
-    assert spy.reads(x) == 2 * once
+    assert spy.reads(x) == 2 * once and not share.holding
 
 
 def test_the_casts_are_dropped_with_the_input():
-    lin = make_linear("fp8-current")
+    (lin,), share = _group("fp8-current", 1)
     x = randn(16, 128, seed=3)
     lin(x)
-    assert LF._last_input().casts is not None
+    assert share.holding
     del x
     gc.collect()
-    assert LF._last_input().casts is None and LF._last_input().key is None
+    assert not share.holding
 
 
-def test_threads_keep_their_own_slot():
-    import threading
-
-    lin = make_linear("fp8-current")
+def test_another_thread_with_another_input_never_takes_these_casts():
+    (a, b), share = _group("fp8-current", 2)
     x = randn(16, 128, seed=3)
-    lin(x)
-    seen = []
-    t = threading.Thread(target=lambda: seen.append(LF._last_input().casts))
+    a(x)
+    got = []
+    t = threading.Thread(target=lambda: got.append(b(randn(16, 128, seed=4))))
     t.start()
     t.join()
-    assert seen == [None] and LF._last_input().casts is not None
+    assert torch.equal(got[0], make_linear("fp8-current", seed=1)(randn(16, 128, seed=4)))
 
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
 def test_inference_mode_tensors_are_cast_without_sharing(recipe):
-    layers = _three(recipe)
+    layers, share = _group(recipe)
     x = randn(16, 128, seed=5)
     want = [lin(x) for lin in layers]
     with torch.inference_mode():
         xi = x.clone()  # an inference tensor: no version counter to key a shared cast on
         got = [lin(xi) for lin in layers]
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_convert_groups_qkv_and_gate_up_and_reports_them(monkeypatch):
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    report = lowprec.convert(model, "fp8-current")
+    attn, ffn = model.layers[0].attention, model.layers[0].feed_forward
+    assert attn.wq.state.share is attn.wk.state.share is attn.wv.state.share is not None
+    assert ffn.w1.state.share is ffn.w3.state.share is not None and ffn.w2.state.share is None
+    assert attn.wo.state.share is None and attn.wq.state.share is not model.layers[1].attention.wq.state.share
+    assert ("layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv") in report.shared_inputs
+    assert "4 group(s) of layers share their input's casts (w1/w3, wq/wk/wv)" in str(report)
+    alone = build_model(cfg, seed=0)
+    assert not lowprec.convert(alone, "fp8-current", lowprec.Policy(share_inputs=())).shared_inputs
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    calls = []
+    for m in (model, alone):
+        spy = QuantizeSpy(monkeypatch)
+        out = m(tokens)
+        out.sum().backward()
+        calls.append(len(spy.calls))
+        monkeypatch.undo()
+    # per block, wk, wv and w3 take the group's cast of their input (one per-tensor cast serves both sides)
+    assert calls[1] - calls[0] == 2 * 3
+    for p, q in zip(model.parameters(), alone.parameters()):
+        assert torch.equal(p.grad, q.grad)

@@ -33,7 +33,7 @@ def test_weight_is_cast_once_per_step_across_micro_batches(recipe, monkeypatch):
             for micro in range(MICRO_BATCHES):
                 _micro_batch(lin, seed=10 * step + micro)
                 assert spy.reads(lin.weight) == per_step * (step + 1), f"step {step}, micro-batch {micro}"
-        assert lin._weight_cache is None  # dropped on leaving the region
+        assert lin.state.weight_cache is None  # dropped on leaving the region
         opt.step()
         opt.zero_grad()
 
@@ -46,7 +46,7 @@ def test_outside_the_region_every_forward_casts_and_nothing_is_kept(recipe, monk
         _micro_batch(lin, seed=micro)
         # forward casts the weight for its GEMM, backward casts weight.T for the data gradient
         assert spy.reads(lin.weight) == 2 * (micro + 1)
-        assert lin._weight_cache is None
+        assert lin.state.weight_cache is None
 
 
 def test_regions_nest_and_the_cache_lives_until_the_outer_one_ends():
@@ -54,8 +54,8 @@ def test_regions_nest_and_the_cache_lives_until_the_outer_one_ends():
     with cached_weight_casts(lin):
         with cached_weight_casts(lin):
             _micro_batch(lin, seed=1)
-        assert lin._weight_cache is not None
-    assert lin._weight_cache is None and lin._cache_depth == 0
+        assert lin.state.weight_cache is not None
+    assert lin.state.weight_cache is None and lin.state.cache_depth == 0
 
 
 @pytest.mark.parametrize("recipe", ["fp8-rowwise", "fp8-delayed", "fp8-blockwise", "nvfp4"])

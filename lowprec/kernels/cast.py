@@ -1,0 +1,55 @@
+"""``cast``: one operand's casts along a route, the one entry the layers above call.
+
+A route (``lowprec.kernels.route``) says which sides are made and how; ``cast`` follows it without
+asking the device again. On the Triton backend the kernels read the operand once for every side
+(and the amax delayed scaling records); on the reference backend the sides are cast one after the
+other, through ``lowprec.kernels.quantize``, with the same values.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from lowprec import kernels as K  # attribute lookups at call time: kernels/__init__ imports this module
+from lowprec.kernels.route import Backend, CastRoute, CastSpec, Pairing
+from lowprec.quant import QuantizedTensor, hadamard_padded
+from lowprec.quant.hadamard import RHT_BLOCK
+
+
+class Casts(NamedTuple):
+    """What :func:`cast` made: the sides a route asked for (None otherwise) and the recorded amax."""
+
+    along_k: QuantizedTensor | None
+    transposed: QuantizedTensor | None
+    amax: torch.Tensor | None
+
+
+def _one(x: torch.Tensor, spec: CastSpec, backend: Backend, scale, generator) -> QuantizedTensor:
+    if spec.hadamard_seed is not None:
+        x = hadamard_padded(x, RHT_BLOCK, spec.hadamard_seed)
+    return K.quantize(x, spec.fmt, spec.granularity, rounding=spec.rounding, scale=scale, generator=generator,
+                      backend=backend.value)
+
+
+def cast(x2: torch.Tensor, route: CastRoute, *, scale_k: torch.Tensor | None = None,
+         scale_t: torch.Tensor | None = None, record_amax: bool = False,
+         generator: torch.Generator | None = None) -> Casts:
+    """``x2 (M, K)`` cast as ``route.along_k`` and ``x2.T`` as ``route.transposed``; ``scale_k`` /
+    ``scale_t`` are the sides' delayed scales (None: current scaling); ``record_amax`` also returns
+    ``x2.abs().amax()`` (NaN if x2 holds one) for the amax history."""
+    a, b = route.along_k, route.transposed
+    if route.pairing is Pairing.FUSED and x2.numel():
+        from lowprec.kernels import triton_quant
+
+        # one pass: a given scale serves every side (the route fused them only where they share it)
+        scale = scale_k if a is not None else scale_t
+        return Casts(*triton_quant.cast(x2, a, b, scale=scale, generator=generator, record_amax=record_amax))
+    amax = x2.detach().abs().amax().float() if record_amax else None
+    q = _one(x2, a, route.backend_k, scale_k, generator) if a is not None else None
+    if b is None:
+        return Casts(q, None, amax)
+    if route.pairing is Pairing.TRANSPOSED:  # the same scale: the transposed data is the cast
+        q_t = QuantizedTensor(q.data.t().contiguous(), q.scale, q.fmt, q.granularity, x2.t().shape, x2.dtype)
+        return Casts(q, q_t, amax)
+    return Casts(q, _one(x2.t(), b, route.backend_t, scale_t, generator), amax)

@@ -1,0 +1,164 @@
+"""Operand casts as a layer's plan says, with the state they read and keep.
+
+:func:`cast_operand` casts one operand along the routes of its :class:`~lowprec.nn.plan.OperandPlan`,
+taking delayed scales from the layer's amax history and recording its amax. The state a layer keeps
+between calls is a :class:`CastState`: the delayed-scaling history, the weight casts held inside
+:func:`lowprec.nn.cached_weight_casts` (a :class:`WeightCasts`), and the :class:`InputShare` of the
+layers that read the same input (``convert`` makes the groups: q/k/v, gate/up).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from lowprec import formats as F
+from lowprec import kernels as K
+from lowprec import recipes as R
+from lowprec.nn.delayed import DelayedState
+from lowprec.nn.plan import OperandPlan
+from lowprec.quant import QuantizedTensor
+
+Operand = QuantizedTensor | torch.Tensor
+"""A GEMM operand: quantized, or a plain high-precision tensor."""
+
+
+def _hp_side(x2: torch.Tensor, c: R.Cast) -> torch.Tensor:
+    """A side the recipe does not quantize: kept, or cast to its 16-bit format (bf16, fp16)."""
+    return x2 if c.format is None else x2.to(F.get(c.format).torch_dtype)
+
+
+def _scale(spec: K.CastSpec | None, role: R.Role, state: DelayedState | None, x2: torch.Tensor):
+    if spec is None or not spec.delayed or state is None:
+        return None
+    return state.scale(role, spec.fmt, x2)
+
+
+def cast_operand(x2: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, state: DelayedState | None,
+                 record: bool) -> tuple[Operand | None, Operand | None]:
+    """``(x2 cast along K or None, x2.T cast or None)``, the sides asked for, as ``op`` says. Delayed
+    scales come from ``state`` before this tensor's amax is recorded (once, and only with ``record``:
+    evaluation must not move the training scales)."""
+    route = op.both if need_k and need_t else op.along_k if need_k else op.transposed
+    k = t = None
+    if route is not None:
+        a, b = route.along_k, route.transposed
+        scale_k = _scale(a, op.role, state, x2)
+        # one format: one scale tensor, so a fused pass can serve both sides with it
+        scale_t = scale_k if b is not None and a is not None and b.fmt is a.fmt else _scale(b, op.role, state, x2)
+        recording = record and op.delayed and state is not None
+        k, t, amax = K.cast(x2, route, scale_k=scale_k, scale_t=scale_t, record_amax=recording)
+        if amax is not None:
+            state.record(op.role, amax)
+    if need_k and k is None:
+        k = _hp_side(x2, op.cast_k)
+    if need_t and t is None:
+        t = _hp_side(x2.t(), op.cast_t)
+    return k, t
+
+
+@dataclass(frozen=True, slots=True)
+class WeightCasts:
+    """A weight's casts kept inside :func:`lowprec.nn.cached_weight_casts`, for the version of the
+    weight they were made from."""
+
+    key: tuple
+    """(the weight's version counter, its storage address, the plan): a change to any recasts."""
+    fprop: Operand
+    dgrad: Operand | None
+    """weight.T's cast; None when the forward that made the entry did not need it."""
+    recorded: bool
+    """The weight's amax went into the delayed-scaling history when these were made."""
+
+
+class InputShare:
+    """The casts of the last input one layer of a group cast, for the other layers of the group that
+    read the same tensor next (attention's q, k and v projections; the FFN's gate and up): they reuse
+    its casts rather than cast it again, which spares the reads and keeps one saved copy where there
+    were three. ``lowprec.convert`` makes a group's share and gives it to each of its layers.
+
+    The entry holds the input weakly and is read and replaced as one tuple, so threads (``nn.DataParallel``
+    replicas) never take each other's casts. A write the version counter does not see (through
+    ``x.data``) between two layers reading ``x`` is not noticed, as for the weight cache."""
+
+    __slots__ = ("_entry", "names", "__weakref__")
+
+    def __init__(self, names: tuple[str, ...] = ()) -> None:
+        self._entry: tuple | None = None  # (weakref to the input, key, casts)
+        self.names = names
+        """The layers of the group, for reports."""
+
+    def get(self, x: torch.Tensor, key: tuple) -> tuple | None:
+        entry = self._entry
+        if entry is not None and entry[1] == key and entry[0]() is x:
+            return entry[2]
+        return None
+
+    def put(self, x: torch.Tensor, key: tuple, casts: tuple) -> None:
+        self._entry = (weakref.ref(x, self._forget), key, casts)
+
+    def _forget(self, ref: weakref.ref) -> None:
+        entry = self._entry
+        if entry is not None and entry[0] is ref:
+            self._entry = None
+
+    @property
+    def holding(self) -> bool:
+        return self._entry is not None
+
+
+class CastState:
+    """What a converted layer keeps between calls for its casts (the plan itself is frozen)."""
+
+    __slots__ = ("delayed", "weight_cache", "cache_depth", "share")
+
+    def __init__(self) -> None:
+        self.delayed: DelayedState | None = None
+        self.weight_cache: WeightCasts | None = None
+        self.cache_depth = 0
+        """How many :func:`lowprec.nn.cached_weight_casts` regions hold the layer (0: cast at every forward)."""
+        self.share: InputShare | None = None
+
+    @property
+    def caching(self) -> bool:
+        """Inside :func:`lowprec.nn.cached_weight_casts`, in eager code (a compiled graph holds no cache)."""
+        return self.cache_depth > 0 and not torch.compiler.is_compiling()
+
+
+def input_casts(x: torch.Tensor, x2: torch.Tensor, op: OperandPlan, need_t: bool, state: CastState,
+                record: bool) -> tuple[Operand, Operand | None]:
+    """:func:`cast_operand` of a layer's input ``x`` (``x2``: its 2-D view), taken from the group's
+    share when another layer cast the same unchanged tensor the same way (see :class:`InputShare`).
+    Under ``torch.compile`` the compiler removes repeated casts itself; inference tensors have no
+    version counter to key on."""
+    share = state.share
+    if share is None or not op.shareable or torch.compiler.is_compiling() or x.is_inference():
+        return cast_operand(x2, op, True, need_t, state.delayed, record)
+    key = (x._version, x.shape, x.stride(), x.dtype, x.device, op, need_t)
+    casts = share.get(x, key)
+    if casts is None:
+        casts = cast_operand(x2, op, True, need_t, state.delayed, record)
+        share.put(x, key, casts)
+    return casts
+
+
+def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t: bool,
+                 record: bool) -> tuple[Operand, Operand | None]:
+    """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
+    :func:`lowprec.nn.cached_weight_casts` taken from the cache until the weight changes. ``record``:
+    add the weight's amax to the delayed-scaling history (training forwards, not evaluation)."""
+    caching = state.caching
+    key = (weight._version, weight.data_ptr(), op) if caching else None
+    cached = state.weight_cache
+    if (caching and cached is not None and cached.key == key and (cached.dgrad is not None or not need_t)
+            and (cached.recorded or not record)):  # a training forward needs a cast whose amax was recorded
+        if record and op.delayed and state.delayed is not None:
+            # every forward records the weight's amax, cached or not (and compiled code, which holds
+            # no cache, does the same): the history spans the same steps either way
+            state.delayed.record(op.role, state.delayed.last(op.role))
+        return cached.fprop, cached.dgrad
+    qw, qw_t = cast_operand(weight.detach(), op, True, need_t, state.delayed, record)
+    if caching:
+        state.weight_cache = WeightCasts(key, qw, qw_t, record)
+    return qw, qw_t

@@ -1,0 +1,159 @@
+"""The operand-cast plan: what a layer does with its recipe on its device, decided once.
+
+[Note: the layer plan]
+A recipe says how each operand of each GEMM is cast; a :class:`LayerPlan` says how a layer of a
+given shape does it on a given device: for each operand (input, weight, grad_output) the routes of
+its casts (fused or separate, and on which backend: ``lowprec.kernels.route``), whether its scale is
+delayed, whether layers reading the same input may share its casts; for each GEMM its path (cuBLAS,
+emulated or high precision); and whether the layer runs in high precision at all, and why. Plans are
+frozen and built per (recipe, device, shape, policy) once, outside any compiled graph; the autograd
+function follows its plan and never looks at the module (see ``lowprec.nn.function``).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from lowprec import formats as F
+from lowprec import recipes as R
+from lowprec.kernels import CastRoute, CastSpec, capability, gemm_path, route
+from lowprec.quant.hadamard import RHT_SEED
+
+HP = "hp"
+"""The path of a GEMM whose operands are not both quantized: a high-precision matmul."""
+
+
+@dataclass(frozen=True, slots=True)
+class OperandPlan:
+    """How a layer casts one high-precision operand for the two GEMMs that read it: along K for one
+    (``along_k``) and transposed for the other (``transposed``)."""
+
+    role: R.Role
+    cast_k: R.Cast
+    cast_t: R.Cast
+    """The recipe's casts of the two sides (a side that is not quantized is kept or cast to a
+    16-bit dtype outside any route)."""
+    both: CastRoute | None
+    """The quantized sides when both GEMMs run (training); None when neither is quantized."""
+    along_k: CastRoute | None
+    """Only the cast along K (evaluation; a frozen input's backward needs no dgrad); None unless quantized."""
+    transposed: CastRoute | None
+    """Only the transposed cast (backward's weight.T; a frozen input's grad_output); None unless quantized."""
+    delayed: bool
+    """Some side takes its scale from the amax history of ``role``."""
+    shareable: bool
+    """Deterministic and not delayed: layers reading the same tensor may share these casts."""
+
+
+@dataclass(frozen=True, slots=True)
+class GemmPlan:
+    path: str
+    """``cublas`` (native), ``emulated`` (exact values, high-precision GEMM) or :data:`HP`."""
+    fast_accum: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """What a converted layer of one shape does with ``recipe`` on ``device`` (see [Note: the layer plan])."""
+
+    recipe: R.Recipe
+    device: torch.device
+    hp_reason: str | None
+    """Why the layer runs in high precision although it has a recipe; None when it runs the recipe."""
+    hp_dtype: torch.dtype | None
+    """For unscaled recipes (bf16, fp16): the dtype every operand is cast to."""
+    input: OperandPlan | None = None
+    weight: OperandPlan | None = None
+    grad_output: OperandPlan | None = None
+    fprop: GemmPlan | None = None
+    dgrad: GemmPlan | None = None
+    wgrad: GemmPlan | None = None
+    recast_weight_t: bool = False
+    """Backward casts weight.T again from the parameter rather than keep forward's cast (deterministic
+    casts only; see [Note: what backward keeps] in ``lowprec.nn.function``)."""
+
+    @property
+    def scaled(self) -> bool:
+        """The layer runs the recipe's scaled low-precision casts."""
+        return self.hp_reason is None and self.hp_dtype is None
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaled and any(op.delayed for op in (self.input, self.weight, self.grad_output))
+
+
+def _spec(c: R.Cast) -> CastSpec | None:
+    if not c.quantized:
+        return None
+    return CastSpec(F.get(c.format), c.granularity, F.as_rounding(c.rounding),
+                    RHT_SEED if c.hadamard else None, c.scaling is R.Scaling.DELAYED)
+
+
+@functools.lru_cache(maxsize=512)
+def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torch.device) -> OperandPlan:
+    """The routes of one operand's casts on ``device`` (shared by every layer with the same casts, so
+    that layers can compare them by identity)."""
+    a, b = _spec(along_k), _spec(transposed)
+    specs = [s for s in (a, b) if s is not None]
+    return OperandPlan(
+        role, along_k, transposed,
+        both=route(a, b, device) if specs else None,
+        along_k=route(a, None, device) if a is not None else None,
+        transposed=route(None, b, device) if b is not None else None,
+        delayed=any(s.delayed for s in specs),
+        shareable=all(not s.delayed and not s.stochastic for s in specs),
+    )
+
+
+def _gemm(g: R.Gemm, device: torch.device) -> GemmPlan:
+    if not g.low_precision:
+        return GemmPlan(HP, g.fast_accum)
+    return GemmPlan(gemm_path(g.lhs.format, g.lhs.granularity, g.rhs.format, g.rhs.granularity,
+                              capability(device)), g.fast_accum)
+
+
+def fallback_reason(in_features: int, out_features: int, recipe: R.Recipe) -> str | None:
+    """Why a layer of this shape cannot take the recipe's low-precision GEMMs, or None."""
+    m = recipe.required_multiple()
+    bad = [f"{n}={v}" for n, v in (("in_features", in_features), ("out_features", out_features)) if v % m]
+    if bad:
+        return f"{' and '.join(bad)} not a multiple of {m} ({recipe.name})"
+    return None
+
+
+def small_reason(in_features: int, out_features: int, min_features: int | None, device: torch.device,
+                 recipe: R.Recipe) -> str | None:
+    """Why a layer this small stays in high precision on ``device``: where the recipe's GEMMs run
+    natively, a GEMM with a dimension under ``min_features`` gains less than its casts cost. Elsewhere
+    (emulation) speed is not the question, and every layer takes the recipe. None: convert."""
+    if min_features is None or not recipe.low_precision:
+        return None
+    paths = [_gemm(getattr(recipe, g), device).path for g in ("fprop", "dgrad", "wgrad")]
+    if "cublas" not in paths or min(in_features, out_features) >= min_features:
+        return None
+    return (f"too small to gain on {device.type} ({in_features}x{out_features}: a dimension under "
+            f"{min_features}; Policy(min_features=None) converts it)")
+
+
+@functools.lru_cache(maxsize=1024)
+def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_features: int,
+               policy_reason: str | None = None, min_features: int | None = None) -> LayerPlan:
+    """The plan of a layer of this shape with ``recipe`` on ``device``; ``policy_reason``: why the
+    conversion keeps it in high precision (or None); ``min_features``: see :func:`small_reason`."""
+    device = torch.device(device)
+    reason = (policy_reason or fallback_reason(in_features, out_features, recipe)
+              or small_reason(in_features, out_features, min_features, device, recipe))
+    if reason is not None or recipe.hp_dtype is not None:
+        return LayerPlan(recipe, device, reason, recipe.hp_dtype if reason is None else None)
+    r = recipe
+    dgrad_w = r.dgrad.rhs
+    return LayerPlan(
+        recipe, device, None, None,
+        input=operand_plan(R.Role.INPUT, r.fprop.lhs, r.wgrad.rhs, device),
+        weight=operand_plan(R.Role.WEIGHT, r.fprop.rhs, r.dgrad.rhs, device),
+        grad_output=operand_plan(R.Role.GRAD_OUTPUT, r.dgrad.lhs, r.wgrad.lhs, device),
+        fprop=_gemm(r.fprop, device), dgrad=_gemm(r.dgrad, device), wgrad=_gemm(r.wgrad, device),
+        recast_weight_t=dgrad_w.quantized and not dgrad_w.stochastic,
+    )
