@@ -90,3 +90,17 @@ def test_info_lists_the_cpu_and_versions():
     data = json.loads(_run("info", "--json").output)
     assert data["devices"][0]["device"] == "cpu"
     assert {row["library"] for row in data["libraries"]} >= {"python", "torch", "numpy", "lowprec"}
+
+
+def test_info_describes_a_cuda_device_and_the_path_each_gemm_takes_there(fake_cuda):
+    fake_cuda(("NVIDIA H100 80GB HBM3", (9, 0), 85.0))
+    r = _run("info", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    gpu = data["devices"][1]
+    assert (gpu["device"], gpu["capability"], gpu["memory GB"]) == ("cuda:0", "sm90", 85.0)
+    assert gpu["native formats"].split() == ["fp16", "bf16", "tf32", "e4m3", "e5m2"]
+    paths = {(p["device"], p["recipe"]): (p["fprop"], p["dgrad"], p["wgrad"]) for p in data["recipe paths"]}
+    # Hopper: FP8 (per tensor, per row, DeepSeek blocks) on cuBLAS; MX and NVFP4 emulated; the CPU emulates all
+    assert paths["cuda:0", "fp8-blockwise"] == ("cublas",) * 3 and paths["cuda:0", "mxfp8"] == ("emulated",) * 3
+    assert paths["cpu", "fp8-current"] == ("emulated",) * 3 and paths["cuda:0", "bf16"] == ("hp",) * 3
