@@ -22,3 +22,31 @@ def sqnr_fixture():
 def sqnr_floors_fixture() -> dict[str, float]:
     """A copy of :data:`tests.helpers.SQNR_FLOORS`, so a test cannot change the shared one."""
     return dict(SQNR_FLOORS)
+
+
+@pytest.fixture(name="fake_cuda")
+def fake_cuda_fixture(monkeypatch):
+    """``fake_cuda((name, (major, minor), memory_gb), ...)`` makes torch report these CUDA devices, so
+    the device lookups (``lowprec.kernels.capability``, ``lowprec info``) run on a CPU-only machine."""
+    import importlib
+    from types import SimpleNamespace
+
+    cap = importlib.import_module("lowprec.kernels.capability")
+    cap._capability.cache_clear()
+
+    def install(*devices: tuple[str, tuple[int, int], float]) -> None:
+        props = [SimpleNamespace(name=name, major=sm[0], minor=sm[1], total_memory=int(gb * 1e9))
+                 for name, sm, gb in devices]
+        index = lambda d: d.index if isinstance(d, torch.device) else int(d)  # noqa: E731
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(props))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props[index(d)])
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: props[index(d)].name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability",
+                            lambda d: (props[index(d)].major, props[index(d)].minor))
+        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(cap, "_KNOWN", {})
+
+    yield install
+    cap._capability.cache_clear()  # the fake devices' capabilities must not outlive the test

@@ -34,6 +34,8 @@ def _show(table: Callable[[], str]) -> Callable:
 @click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel degree (MoE).")
 @click.option("--seq", type=int, default=4096, show_default=True, help="Sequence length.")
 @click.option("--micro-batch", type=int, default=1, show_default=True, help="Sequences per micro-batch.")
+@click.option("--grad-accum", type=int, default=1, show_default=True,
+              help="Micro-batches per optimizer step; above 1 every layer keeps its weight casts for the step.")
 @click.option("--recompute", default="none", show_default=True, help="none, selective or full.")
 @click.option("--optimizer", default="adamw", show_default=True, help="One of " + ", ".join(OPTIMIZERS) + ".")
 @click.option("--grad-dtype", default="bf16", show_default=True, help="One of " + ", ".join(GRAD_BYTES) + ".")
@@ -46,11 +48,11 @@ def _show(table: Callable[[], str]) -> Callable:
 @click.option("--list-models", is_flag=True, expose_value=False, is_eager=True, callback=_show(model_table),
               help="Print the model presets and exit.")
 def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp: int, pp: int, ep: int,
-             seq: int, micro_batch: int, recompute: str, optimizer: str, grad_dtype: str,
+             seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str, grad_dtype: str,
              tokens: float | None, mfu: float, price_per_gpu_hour: float | None, as_json: bool) -> None:
     """Memory per GPU by component, whether it fits, the fewest GPUs that fit, and time and cost."""
-    training = Training(seq=seq, micro_batch=micro_batch, recompute=recompute, optimizer=optimizer,
-                        grad_dtype=grad_dtype)
+    training = Training(seq=seq, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
+                        optimizer=optimizer, grad_dtype=grad_dtype)
     config = PlanConfig(model=model, recipe=recipe, gpu=gpu, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero,
                         training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
     result = plan(config)

@@ -1,10 +1,33 @@
-"""What a device runs natively, looked up at first use (never at import) and cached per device."""
+"""What a device runs natively: the one table of these facts.
+
+:func:`cuda_capability` maps a CUDA compute capability to what it runs, with no CUDA query, so the
+planner and ``lowprec info`` can ask about any sm, present or not; :func:`capability` looks up a
+present device at first use (never at import) and caches it per device.
+"""
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
 import torch
+
+from lowprec._checks import describe, fail
+
+_TENSOR_CORE_FORMATS: tuple[tuple[tuple[int, int], tuple[str, ...]], ...] = (
+    ((7, 0), ("fp16",)),  # Volta
+    ((8, 0), ("bf16", "tf32")),  # Ampere
+)
+"""High-precision formats a compute capability's tensor cores gain (each row includes those above)."""
+
+FP8_SM = (8, 9)
+"""FP8 tensor cores: Ada (sm89), Hopper (sm90) and later."""
+BLOCKWISE_FP8_MAJOR = 9
+"""``torch._scaled_mm`` runs DeepSeek-style 1x128 / 128x128 block-scaled FP8 on Hopper only."""
+MX_MAJOR = 10
+"""Block-scaled MX and NVFP4 tensor cores: Blackwell (sm100) and later."""
+
+FP8_FORMATS = ("e4m3", "e5m2")
+BLOCK_SCALED_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +47,33 @@ class Capability:
 
     @property
     def native_formats(self) -> tuple[str, ...]:
-        out = ["fp32", "tf32", "bf16", "fp16"] if self.sm else ["fp32", "bf16", "fp16"]
+        """Element formats the device's matrix units multiply natively (FP32, which every device
+        runs, is not listed): FP16 from sm70, BF16 and TF32 from sm80, then FP8 and the
+        block-scaled formats as the GEMM flags say. Nothing on a CPU: lowprec emulates every
+        low-precision format there."""
+        out = [f for need, formats in _TENSOR_CORE_FORMATS if self.sm and self.sm >= need for f in formats]
         if self.fp8_gemm:
-            out += ["e4m3", "e5m2"]
+            out += FP8_FORMATS
         if self.mx_gemm:
-            out += ["mxfp8", "mxfp6", "mxfp4", "nvfp4"]
+            out += BLOCK_SCALED_FORMATS
         return tuple(out)
+
+
+def cuda_capability(sm: tuple[int, int], *, name: str = "", triton: bool = False) -> Capability:
+    """What a CUDA device of compute capability ``sm`` (``(9, 0)`` for sm90) runs, from ``sm`` alone:
+    no CUDA query, so any sm can be asked about, present or not. ``triton``: whether Triton can run
+    here (a property of the installation, not of the sm)."""
+    ok = (isinstance(sm, tuple) and len(sm) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in sm))
+    if not ok:
+        fail("sm", "a compute capability (major, minor) of non-negative ints", describe(sm))
+    return Capability(
+        "cuda", name or f"sm{sm[0]}{sm[1]}", sm,
+        fp8_gemm=sm >= FP8_SM,
+        blockwise_fp8_gemm=sm[0] == BLOCKWISE_FP8_MAJOR,
+        mx_gemm=sm[0] >= MX_MAJOR,
+        triton=triton,
+    )
 
 
 def _triton_available() -> bool:
@@ -44,15 +88,8 @@ def _triton_available() -> bool:
 def _capability(device: torch.device) -> Capability:
     if device.type != "cuda":
         return Capability(device.type, device.type, None, False, False, False, False)
-    sm = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
-    return Capability(
-        "cuda", name, sm,
-        fp8_gemm=sm >= (8, 9),
-        blockwise_fp8_gemm=sm[0] == 9,
-        mx_gemm=sm[0] >= 10,
-        triton=_triton_available(),
-    )
+    return cuda_capability(torch.cuda.get_device_capability(device), name=torch.cuda.get_device_name(device),
+                           triton=_triton_available())
 
 
 _KNOWN: dict[torch.device, Capability] = {}

@@ -1,8 +1,9 @@
 """This machine: its devices, the element formats each runs natively, and library versions.
 
-Native formats of a CUDA device follow its compute capability (the same rule the accelerator
-table's NVIDIA rows obey); an AMD or Intel device is looked up by architecture in that table.
-A CPU runs none of them natively: lowprec emulates every low-precision format there.
+Native formats of a CUDA device are ``lowprec.kernels.capability``'s, the facts the kernels choose
+their backends by (and the accelerator table's NVIDIA rows are held to); an AMD or Intel device is
+looked up by architecture in that table. A CPU runs none of them natively: lowprec emulates every
+low-precision format there.
 """
 from __future__ import annotations
 
@@ -14,20 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec.plan.gpus import GPUS
-
-_SM_FORMATS: tuple[tuple[tuple[int, int], tuple[str, ...]], ...] = (
-    ((7, 0), ("fp16",)),
-    ((8, 0), ("bf16", "tf32")),
-    ((8, 9), ("e4m3", "e5m2")),  # Ada and Hopper
-    ((10, 0), ("mxfp8", "mxfp6", "mxfp4", "nvfp4")),  # Blackwell block-scaled tensor cores
-)
-"""Element formats a CUDA compute capability gains (each row includes the rows above it)."""
-
-
-def native_formats_for_capability(sm: tuple[int, int]) -> tuple[str, ...]:
-    """Element formats a CUDA device of compute capability ``sm`` multiplies natively."""
-    return tuple(f for need, formats in _SM_FORMATS if tuple(sm) >= need for f in formats)
+from lowprec.kernels.capability import capability
+from lowprec.plan.gpus import GPUS, arch_of_sm
 
 
 def native_formats_for_arch(arch: str) -> tuple[str, ...] | None:
@@ -55,18 +44,19 @@ def _cpu() -> Device:
     except (ValueError, OSError, AttributeError):  # not POSIX
         memory = None
     name = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    return Device(device="cpu", name=name, capability="-", memory_gb=memory, native=())
+    return Device(device="cpu", name=name, capability="-", memory_gb=memory,
+                  native=capability("cpu").native_formats)
 
 
 def _accelerator(i: int) -> Device:
     props = torch.cuda.get_device_properties(i)
     arch = getattr(props, "gcnArchName", "") if torch.version.hip else ""
     if arch:  # ROCm reports AMD devices through torch.cuda
-        capability, native = arch.split(":")[0], native_formats_for_arch(arch)
+        arch, native = arch.split(":")[0], native_formats_for_arch(arch)
     else:
-        capability = f"sm{props.major}{props.minor}"
-        native = native_formats_for_capability((props.major, props.minor))
-    return Device(device=f"cuda:{i}", name=props.name, capability=capability,
+        cap = capability(torch.device("cuda", i))
+        arch, native = arch_of_sm(cap.sm), cap.native_formats
+    return Device(device=f"cuda:{i}", name=props.name, capability=arch,
                   memory_gb=props.total_memory / 1e9, native=native)
 
 

@@ -7,13 +7,17 @@ a per-GPU figure divided out of a per-system one). Memory is the vendor's quoted
 [Note: native and emulated GEMMs]
 A row lists peaks only for the GEMM formats the accelerator runs natively. A format it lacks
 is emulated by lowprec (dequantize, then a BF16 GEMM), so it is planned at the BF16 peak: NVFP4
-on an H100 runs at H100 BF16 speed, FP8 on an A100 at A100 BF16 speed.
+on an H100 runs at H100 BF16 speed, FP8 on an A100 at A100 BF16 speed. Which formats an NVIDIA
+row runs natively is not the table's to say: it follows from the row's compute capability through
+``lowprec.kernels.capability`` (the facts the kernels pick their backends by), and a row whose
+peaks disagree is refused. Other vendors' rows say it by the peaks they list.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from lowprec._checks import check_choice, fail
+from lowprec.kernels.capability import cuda_capability
 
 GEMM_FORMATS = ("bf16", "fp16", "fp8", "mxfp8", "mxfp6", "mxfp4", "nvfp4")
 """GEMM formats a peak can be given for; ``fp8`` covers E4M3/E5M2 with per-tensor, row or block scales."""
@@ -26,6 +30,25 @@ ELEMENT_FORMATS: dict[str, tuple[str, ...]] = {
     "mxfp8": ("mxfp8",), "mxfp6": ("mxfp6",), "mxfp4": ("mxfp4",), "nvfp4": ("nvfp4",),
 }
 """The element formats a native GEMM format implies (as ``lowprec info`` names them)."""
+
+
+def arch_of_sm(sm: tuple[int, int]) -> str:
+    """The table's name of a CUDA compute capability: ``sm90`` for ``(9, 0)``, ``sm103`` for ``(10, 3)``."""
+    return f"sm{sm[0]}{sm[1]}"
+
+
+def sm_of_arch(arch: str) -> tuple[int, int] | None:
+    """The compute capability an ``sm`` arch names (the minor version is its last digit); None for
+    another vendor's architecture."""
+    digits = arch[2:]
+    if not arch.startswith("sm") or len(digits) < 2 or not digits.isdigit():
+        return None
+    return int(digits[:-1]), int(digits[-1])
+
+
+def gemms_of(elements: tuple[str, ...]) -> tuple[str, ...]:
+    """The GEMM formats whose element formats are all in ``elements``."""
+    return tuple(fmt for fmt in GEMM_FORMATS if set(ELEMENT_FORMATS[fmt]) <= set(elements))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,9 +76,17 @@ class GPU:
                 fail(f"{self.key}.peaks[{fmt}]", "a positive TFLOP/s", tflops)
         if EMULATION_FORMAT not in dict(self.peaks):
             fail(f"{self.key}.peaks", f"a {EMULATION_FORMAT} peak (the emulation fallback)", self.peaks)
+        listed = tuple(fmt for fmt, _ in self.peaks)
+        if set(listed) != set(self.native_gemms):
+            fail(f"{self.key}.peaks", f"peaks for the GEMM formats {self.arch} runs natively, "
+                 f"{', '.join(self.native_gemms)}", ", ".join(listed))
 
     @property
     def native_gemms(self) -> tuple[str, ...]:
+        """GEMM formats run natively: by the compute capability for a CUDA arch, else those with a peak."""
+        sm = sm_of_arch(self.arch)
+        if sm is not None:
+            return gemms_of(cuda_capability(sm).native_formats)
         return tuple(fmt for fmt, _ in self.peaks)
 
     @property
@@ -66,7 +97,7 @@ class GPU:
         """``(dense peak TFLOP/s, native)`` of a GEMM in ``fmt``; the BF16 peak where emulated."""
         check_choice("gemm format", fmt, GEMM_FORMATS)
         peaks = dict(self.peaks)
-        if fmt in peaks:
+        if fmt in self.native_gemms:
             return peaks[fmt], True
         return peaks[EMULATION_FORMAT], False
 

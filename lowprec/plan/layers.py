@@ -1,7 +1,7 @@
 """The linear layers of a decoder block and the parameter counts that follow from them.
 
 [Note: one list of linears]
-Every count the planner makes (parameters, the low-precision weight copy, the saved linear
+Every count the planner makes (parameters, the low-precision weight casts, the saved linear
 inputs, GEMM FLOPs, tensor- and expert-parallel splits) is read off one list of
 :class:`Linear` per block kind, so the counts cannot disagree with each other.
 """

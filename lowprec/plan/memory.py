@@ -1,14 +1,24 @@
 """Memory per GPU of training a model with a recipe, under ZeRO and tensor/pipeline/expert parallelism.
 
 [Note: the accounting]
-Per parameter held by a GPU: the BF16 weight (2 B), the recipe's low-precision copy of each
-quantized weight and its transposed copy (the upper bound: under gradient accumulation lowprec's
-Linear keeps both casts for the optimizer step so that micro-batches reuse them; without it only the
-transposed casts, saved for backward, stay and the forward ones live one layer at a time), the gradient
-(2 B in BF16 or 4 B in FP32), the FP32 master weight (4 B) and
-the optimizer moments (8 B for AdamW, 2 B for 8-bit AdamW): 16 B per parameter for BF16 mixed
-precision with AdamW, as in the ZeRO paper (arXiv 1910.02054). ZeRO stage 1 shards master
-weights and moments over the data-parallel ranks, stage 2 also gradients, stage 3 also weights.
+Per parameter held by a GPU: the BF16 weight (2 B), the gradient (2 B in BF16 or 4 B in FP32), the
+FP32 master weight (4 B) and the optimizer moments (8 B for AdamW, 2 B for 8-bit AdamW): 16 B per
+parameter for BF16 mixed precision with AdamW, as in the ZeRO paper (arXiv 1910.02054). ZeRO stage
+1 shards master weights and moments over the data-parallel ranks, stage 2 also gradients, stage 3
+also weights.
+
+[Note: the weight casts]
+What lowprec's Linear keeps of its weight's casts (see [Note: what backward keeps] in
+``lowprec.nn.function``) depends on gradient accumulation. Without it (``grad_accum`` 1) a layer
+casts its weight at every forward and drops the cast once the GEMM has run, and backward casts
+weight.T again from the parameter and drops that after the data-gradient GEMM: at most one layer's
+forward cast and one layer's transposed cast are alive at a time, a transient counted as the
+largest of each, not per parameter. With ``grad_accum`` > 1 the step runs inside
+``cached_weight_casts``, which keeps both casts of every layer from the first micro-batch to the
+optimizer step. A stochastically rounded weight.T cast is not made again (a second draw would
+differ): each forward saves its own for backward, one per micro-batch in flight, or under gradient
+accumulation the one cached cast. A layer casts the weight it computes with, gathered under ZeRO-3,
+so ZeRO shards none of these.
 
 Tensor parallelism (``tp``) splits every block linear and the vocabulary; norms and latent
 down-projections stay whole. Pipeline parallelism (``pp``) gives each stage a balanced share of
@@ -68,6 +78,10 @@ class Training:
     """Tokens per sequence."""
     micro_batch: int = 1
     """Sequences per micro-batch per data-parallel rank."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each data-parallel rank. Above 1 every layer keeps both of
+    its weight's casts for the step (``cached_weight_casts``, as ``lowprec train`` does); see
+    [Note: the weight casts]. A pipeline runs at least ``pp`` micro-batches per step whatever this says."""
     recompute: str = "none"
     """``none``, ``selective`` or ``full`` activation recomputation."""
     optimizer: str = "adamw"
@@ -81,6 +95,7 @@ class Training:
     def __post_init__(self) -> None:
         check_positive_int("seq", self.seq)
         check_positive_int("micro_batch", self.micro_batch)
+        check_positive_int("grad_accum", self.grad_accum)
         check_choice("recompute", self.recompute, RECOMPUTE)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("grad_dtype", self.grad_dtype, GRAD_BYTES)
@@ -123,12 +138,15 @@ class _Params:
     expert: float
     """Routed experts: ZeRO shards these over dp / ep."""
     quantized: float
-    lp_dense: float
-    """Bytes of the low-precision copies."""
-    lp_expert: float
-    lp_t_dense: float
-    """Bytes of the transposed low-precision copies (the data-gradient GEMM's weight operand)."""
-    lp_t_expert: float
+    """Parameters of the linears whose weight the recipe casts."""
+    lp: float
+    """Bytes of every layer's forward weight cast (``fprop.rhs``)."""
+    lp_t: float
+    """Bytes of every layer's transposed weight cast (``dgrad.rhs``)."""
+    lp_max: float
+    """Bytes of the largest single weight's forward cast."""
+    lp_t_max: float
+    """Bytes of the largest single weight's transposed cast."""
     largest_block: float
 
 
@@ -139,20 +157,30 @@ def stage_layers(m: ModelSpec, pp: int, stage: int) -> tuple[int, int]:
     return dense, hi - lo - dense
 
 
+def _casts(lin, recipe: RecipeCost, n: float) -> tuple[float, float]:
+    """Bytes of the forward and transposed casts of ``n`` elements of ``lin``'s weight."""
+    if not lin.quantized:
+        return 0.0, 0.0
+    lp = n * recipe.weight.bytes_per_element(lin.d_in, n) if recipe.weight else 0.0
+    lp_t = n * recipe.weight_t.bytes_per_element(lin.d_out, n) if recipe.weight_t else 0.0
+    return lp, lp_t
+
+
 def _block_params(m: ModelSpec, moe: bool, recipe: RecipeCost, tp: int, ep: int) -> _Params:
-    dense = expert = quant = lp_dense = lp_expert = lp_t_dense = lp_t_expert = 0.0
+    dense = expert = quant = lp = lp_t = lp_max = lp_t_max = 0.0
     for lin in block_linears(m, moe):
-        n = lin.numel / lin.shards(tp) / (ep if lin.expert else 1)
-        copied = recipe.weight is not None and lin.quantized
-        lp = n * recipe.weight.bytes_per_element(lin.d_in, n) if copied else 0.0
-        lp_t = n * recipe.weight_t.bytes_per_element(lin.d_out, n) if copied and recipe.weight_t else 0.0
-        quant += n if lp else 0.0
+        one = lin.d_in * lin.d_out / lin.shards(tp)  # one weight (one expert): what one Linear casts
+        n = one * lin.copies / (ep if lin.expert else 1)
+        fwd, t = _casts(lin, recipe, n)
+        one_fwd, one_t = _casts(lin, recipe, one)
+        quant += n if fwd or t else 0.0
+        lp, lp_t, lp_max, lp_t_max = lp + fwd, lp_t + t, max(lp_max, one_fwd), max(lp_t_max, one_t)
         if lin.expert:
-            expert, lp_expert, lp_t_expert = expert + n, lp_expert + lp, lp_t_expert + lp_t
+            expert += n
         else:
-            dense, lp_dense, lp_t_dense = dense + n, lp_dense + lp, lp_t_dense + lp_t
+            dense += n
     dense += block_norm_params(m)
-    return _Params(dense, expert, quant, lp_dense, lp_expert, lp_t_dense, lp_t_expert, dense + expert)
+    return _Params(dense, expert, quant, lp, lp_t, lp_max, lp_t_max, dense + expert)
 
 
 def _stage_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -> _Params:
@@ -163,9 +191,9 @@ def _stage_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -
     if stage == par.pp - 1:  # a tied head shares the embedding only when both sit on one stage
         extra += m.d_model + (table if not m.tied_embeddings or par.pp > 1 else 0.0)
     total = lambda f: sum(getattr(p, f) * n for p, n in blocks)  # noqa: E731
-    return _Params(total("dense") + extra, total("expert"), total("quantized"), total("lp_dense"),
-                   total("lp_expert"), total("lp_t_dense"), total("lp_t_expert"),
-                   max((p.largest_block for p, n in blocks if n), default=0.0))
+    largest = lambda f: max((getattr(p, f) for p, n in blocks if n), default=0.0)  # noqa: E731
+    return _Params(total("dense") + extra, total("expert"), total("quantized"), total("lp"), total("lp_t"),
+                   largest("lp_max"), largest("lp_t_max"), largest("largest_block"))
 
 
 def _sharded(name: str, per_param: float, p: _Params, par: Parallel, sharded: bool) -> Component:
@@ -177,21 +205,40 @@ def _sharded(name: str, per_param: float, p: _Params, par: Parallel, sharded: bo
     return Component(name, nbytes, formula)
 
 
-def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training) -> list[Component]:
+def _weight_casts(p: _Params, recipe: RecipeCost, par: Parallel, train: Training, stage: int) -> list[Component]:
+    """What lowprec's Linear keeps of its weight's casts; see [Note: the weight casts]."""
+    if recipe.weight is None and recipe.weight_t is None:
+        return [Component("low-precision weight copy", 0.0, "none: the GEMMs read the BF16 weights")]
+
+    def per_param(nbytes: float) -> str:
+        return f"{nbytes / p.quantized if p.quantized else 0.0:.4g} B x {count(p.quantized)} params"
+
+    fwd_name, t_name = f"low-precision weight copy ({recipe.name})", f"transposed weight copy ({recipe.name})"
+    if train.grad_accum > 1:
+        held = f", every layer's, held for the step of {train.grad_accum} micro-batches" + (
+            " (cast from the gathered weights: ZeRO-3 does not shard them)" if par.zero >= 3 else "")
+        return [Component(name, nbytes, per_param(nbytes) + held)
+                for name, nbytes, cast in ((fwd_name, p.lp, recipe.weight), (t_name, p.lp_t, recipe.weight_t)) if cast]
+    out, transient, parts = [], 0.0, []
+    if recipe.weight:
+        transient += p.lp_max
+        parts.append(f"the largest forward cast ({count(p.lp_max)} B)")
+    if recipe.weight_t_saved:
+        in_flight = par.pp - stage
+        out.append(Component(t_name, p.lp_t * in_flight, per_param(p.lp_t) + f" x {in_flight} micro-batch(es) "
+                             "in flight: stochastically rounded, so saved for backward"))
+    elif recipe.weight_t:
+        transient += p.lp_t_max
+        parts.append(f"the largest transposed cast ({count(p.lp_t_max)} B)")
+    if parts:
+        name = f"weight casts ({recipe.name}), one layer at a time"
+        out.insert(0, Component(name, transient, " + ".join(parts) + ", each dropped after its GEMM"))
+    return out
+
+
+def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training, stage: int) -> list[Component]:
     out = [_sharded("weights (bf16)", HP_BYTES, p, par, par.zero >= 3)]
-    if recipe.weight is not None:
-        div, div_e = (par.dp, par.dp // par.ep) if par.zero >= 3 else (1, 1)
-        nbytes = p.lp_dense / div + p.lp_expert / div_e
-        per = (p.lp_dense + p.lp_expert) / p.quantized if p.quantized else 0.0
-        formula = f"{per:.4g} B x {count(p.quantized)} quantized params" + (" (ZeRO-3 sharded)" if div > 1 else "")
-        out.append(Component(f"low-precision weight copy ({recipe.name})", nbytes, formula))
-        nbytes_t = p.lp_t_dense / div + p.lp_t_expert / div_e
-        per_t = (p.lp_t_dense + p.lp_t_expert) / p.quantized if p.quantized else 0.0
-        out.append(Component("transposed weight copy (saved for backward by lowprec's Linear)", nbytes_t,
-                             f"{per_t:.4g} B x {count(p.quantized)} quantized params"
-                             + (" (ZeRO-3 sharded)" if div > 1 else "")))
-    else:
-        out.append(Component("low-precision weight copy", 0.0, "none: the GEMMs read the BF16 weights"))
+    out += _weight_casts(p, recipe, par, train, stage)
     grad = GRAD_BYTES[train.grad_dtype]
     out.append(_sharded(f"gradients ({train.grad_dtype})", grad, p, par, par.zero >= 2))
     out.append(_sharded("master weights (fp32)", MASTER_BYTES, p, par, par.zero >= 1))
@@ -225,7 +272,7 @@ def _activations(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Trainin
 
 def stage_memory(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Training, stage: int) -> StageMemory:
     p = _stage_params(m, recipe, par, stage)
-    parts = _states(p, recipe, par, train) + _activations(m, recipe, par, train, stage)
+    parts = _states(p, recipe, par, train, stage) + _activations(m, recipe, par, train, stage)
     rest = sum(c.bytes for c in parts)
     gather = 2 * p.largest_block * HP_BYTES if par.zero == 3 else 0.0
     overhead = train.overhead_gb * GB + gather + train.fragmentation * rest

@@ -91,8 +91,9 @@ def plan(config: PlanConfig) -> Plan:
     par = Parallel(gpus=gpus, **layout)
     mem = memory_per_gpu(m, recipe, par, train)
     terms = flop_terms(m, recipe, gpu, train.seq, train.recompute)
-    # one optimizer step runs pp micro-batches per data-parallel rank: the fewest that fill a 1F1B pipeline
-    tokens_per_step = train.tokens * par.dp * par.pp
+    # one optimizer step runs grad_accum micro-batches per data-parallel rank, and at least the pp
+    # that fill a 1F1B pipeline
+    tokens_per_step = train.tokens * par.dp * max(train.grad_accum, par.pp)
     tp_out = throughput(terms, gpus=gpus, mfu=config.mfu, tokens_per_step=tokens_per_step,
                         tokens=config.tokens, price_per_gpu_hour=config.price_per_gpu_hour)
     return Plan(config=config, model=m, params=count_params(m), recipe=recipe, gpu=gpu, parallel=par,

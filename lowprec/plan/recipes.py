@@ -2,8 +2,11 @@
 
 The planner reads the same ``Recipe`` a converted layer runs, so a preset and a user-defined recipe
 are planned alike and the plan cannot drift from what training does. What a converted linear keeps
-(see [Note: what backward keeps] in ``lowprec.nn.function``): the weight's ``fprop.rhs`` cast, and
-the input's ``wgrad.rhs`` cast saved for the weight-gradient GEMM.
+(see [Note: what backward keeps] in ``lowprec.nn.function``): the input's ``wgrad.rhs`` cast, saved
+for the weight-gradient GEMM. Its weight's casts (``fprop.rhs``, and ``dgrad.rhs`` of weight.T) are
+made from the parameter when a GEMM needs them and dropped after it, except under gradient
+accumulation, which keeps both for the step, and for a stochastically rounded weight.T cast, which
+is saved for backward; ``lowprec.plan.memory`` counts them ([Note: the weight casts] there).
 
 [Note: bytes per element]
 An operand costs ``element bytes + scale bytes / elements per scale``. Element bytes are the format's
@@ -128,12 +131,13 @@ def gemm_format(g: R.Gemm) -> str:
 class RecipeCost:
     name: str
     weight: Storage | None
-    """The low-precision copy of each quantized weight (its ``fprop.rhs`` cast); None when the GEMMs
-    read the BF16 weight."""
+    """The weight's cast for the forward GEMM (``fprop.rhs``); None when the GEMMs read the BF16 weight."""
     weight_t: Storage | None = None
-    """The transposed weight's cast for the data-gradient GEMM (``dgrad.rhs``), which lowprec's Linear
-    saves for backward (and, under gradient accumulation, keeps beside the forward copy for the step); None when
-    not quantized."""
+    """The transposed weight's cast for the data-gradient GEMM (``dgrad.rhs``); None when not quantized."""
+    weight_t_saved: bool = False
+    """True when the Linear saves the weight.T cast from forward for backward: a stochastically
+    rounded cast, which a second draw would change. False when backward casts weight.T again from
+    the parameter and drops it after the GEMM."""
     saved_input: Storage
     """How a converted linear saves its input for the weight-gradient GEMM (its ``wgrad.rhs`` cast)."""
     gemms: tuple[str, str, str]
@@ -142,7 +146,7 @@ class RecipeCost:
 
     @property
     def quantizes(self) -> bool:
-        """True when the recipe keeps a low-precision weight copy or saves a quantized input."""
+        """True when the recipe casts the weight to low precision or saves a quantized input."""
         return self.weight is not None or self.saved_input.scaled
 
 
@@ -156,12 +160,15 @@ def cost_of(recipe: R.Recipe) -> RecipeCost:
     """What ``recipe`` stores and which GEMM formats it runs."""
     if not isinstance(recipe, R.Recipe):
         fail("recipe", "a lowprec.recipes.Recipe", describe(recipe), TypeError)
-    w = recipe.fprop.rhs
+    w, w_t = recipe.fprop.rhs, recipe.dgrad.rhs
+    t_quantized = recipe.low_precision and w_t.quantized
     return RecipeCost(
         name=recipe.name,
         # a weight cast that is not quantized is the BF16 weight itself: no copy
         weight=storage_of(w) if recipe.low_precision and w.quantized else None,
-        weight_t=storage_of(recipe.dgrad.rhs) if recipe.low_precision and recipe.dgrad.rhs.quantized else None,
+        weight_t=storage_of(w_t) if t_quantized else None,
+        # as lowprec.nn.Linear.defers_weight_t decides: only a round-to-nearest cast can be made again
+        weight_t_saved=t_quantized and w_t.rounding != "nearest",
         saved_input=storage_of(recipe.wgrad.rhs),
         gemms=(gemm_format(recipe.fprop), gemm_format(recipe.dgrad), gemm_format(recipe.wgrad)),
         note=_note(recipe),

@@ -23,8 +23,8 @@ def plan_to_dict(p: Plan) -> dict:
                    "note": p.recipe.note},
         "gpu": {"name": p.gpu.key, "memory_gb": p.gpu.memory_gb, "source": p.gpu.source, "note": p.gpu.note},
         "parallel": {"gpus": par.gpus, "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "zero": par.zero},
-        "training": {"seq": train.seq, "micro_batch": train.micro_batch, "recompute": train.recompute,
-                     "optimizer": train.optimizer, "grad_dtype": train.grad_dtype},
+        "training": {"seq": train.seq, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
+                     "recompute": train.recompute, "optimizer": train.optimizer, "grad_dtype": train.grad_dtype},
         "memory": {
             "stage": p.memory.stage,
             "components": [{"name": x.name, "bytes": x.bytes, "gb": _gb(x.bytes), "formula": x.formula}
@@ -72,7 +72,8 @@ def format_plan(p: Plan) -> str:
         f"{m.name} ({p.params.total / 1e9:.2f}B params, {p.params.active / 1e9:.2f}B active), recipe "
         f"{p.recipe.name}, {par.gpus} x {p.gpu.key} (tp {par.tp}, pp {par.pp}, ep {par.ep}, dp {par.dp}, "
         f"ZeRO-{par.zero})",
-        f"seq {train.seq} x micro-batch {train.micro_batch}, recompute {train.recompute}, "
+        f"seq {train.seq} x micro-batch {train.micro_batch}, grad accumulation {train.grad_accum}, "
+        f"recompute {train.recompute}, "
         f"optimizer {train.optimizer}, gradients {train.grad_dtype}",
         "",
         f"memory per GPU (pipeline stage {p.memory.stage}, the fullest; "

@@ -19,7 +19,7 @@ def test_plan_table_shows_components_fit_and_time():
     r = _run("plan", "--model", "llama-3-70b", "--recipe", "fp8-current", "--gpu", "h200", "--gpus", "64",
              "--tp", "8", "--zero", "3", "--tokens", "15e12", "--price-per-gpu-hour", "2.5")
     assert r.exit_code == 0, r.output
-    for text in ("weights (bf16)", "low-precision weight copy (fp8-current)", "master weights (fp32)",
+    for text in ("weights (bf16)", "weight casts (fp8-current), one layer at a time", "master weights (fp32)",
                  "optimizer moments (adamw)", "activations: attention", "overhead", "fits:",
                  "fewest GPUs that fit", "tokens/s on 64 GPUs", "days", "cost"):
         assert text in r.output
@@ -36,6 +36,20 @@ def test_plan_json_carries_formulas_and_matches_the_textbook():
     assert data["memory"]["fits"] is False and data["memory"]["fewest_gpus"] is None  # 1.1 TB, no sharding
     assert data["parallel"]["gpus"] == 1 and data["throughput"]["days"] is None
     assert {f["gemm"] for f in data["flops"]} == {"bf16"}
+
+
+def test_plan_with_grad_accumulation_holds_every_layers_weight_casts():
+    args = ("plan", "--model", "llama-2-7b", "--recipe", "fp8-current", "--gpus", "8", "--seq", "2048", "--json")
+    one = {c["name"]: c["bytes"] for c in json.loads(_run(*args).output)["memory"]["components"]}
+    data = json.loads(_run(*args, "--grad-accum", "4").output)
+    held = {c["name"]: c["bytes"] for c in data["memory"]["components"]}
+    # 32 layers of q, k, v, o (4096 x 4096) and gate, up, down (4096 x 11008): 1 byte each + one FP32
+    # scale per weight, forward and transposed; without accumulation only the largest weight's pair
+    numel = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert held["low-precision weight copy (fp8-current)"] == pytest.approx(numel + 4 * 32 * 7, rel=1e-12)
+    assert held["transposed weight copy (fp8-current)"] == pytest.approx(numel + 4 * 32 * 7, rel=1e-12)
+    assert one["weight casts (fp8-current), one layer at a time"] == pytest.approx(2 * (4096 * 11008 + 4), rel=1e-12)
+    assert data["training"]["grad_accum"] == 4 and data["throughput"]["tokens_per_step"] == 2048 * 8 * 4
 
 
 def test_plan_defaults_to_the_fewest_gpus_that_fit():
@@ -58,6 +72,7 @@ def test_plan_reads_a_hugging_face_config(tmp_path):
     (["--tokens", "-1"], "Error: tokens: expected a positive finite number, got -1.0"),
     (["--recipe", "fp3"], "Error: recipe: expected one of"),
     (["--recompute", "half"], "Error: recompute: expected one of 'none', 'selective', 'full', got 'half'"),
+    (["--grad-accum", "0"], "Error: grad_accum: expected a positive int, got 0"),
 ])
 def test_plan_bad_input_is_one_clear_line(args, message):
     base = {"--model": "llama-3-70b"}
@@ -90,3 +105,17 @@ def test_info_lists_the_cpu_and_versions():
     data = json.loads(_run("info", "--json").output)
     assert data["devices"][0]["device"] == "cpu"
     assert {row["library"] for row in data["libraries"]} >= {"python", "torch", "numpy", "lowprec"}
+
+
+def test_info_describes_a_cuda_device_and_the_path_each_gemm_takes_there(fake_cuda):
+    fake_cuda(("NVIDIA H100 80GB HBM3", (9, 0), 85.0))
+    r = _run("info", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    gpu = data["devices"][1]
+    assert (gpu["device"], gpu["capability"], gpu["memory GB"]) == ("cuda:0", "sm90", 85.0)
+    assert gpu["native formats"].split() == ["fp16", "bf16", "tf32", "e4m3", "e5m2"]
+    paths = {(p["device"], p["recipe"]): (p["fprop"], p["dgrad"], p["wgrad"]) for p in data["recipe paths"]}
+    # Hopper: FP8 (per tensor, per row, DeepSeek blocks) on cuBLAS; MX and NVFP4 emulated; the CPU emulates all
+    assert paths["cuda:0", "fp8-blockwise"] == ("cublas",) * 3 and paths["cuda:0", "mxfp8"] == ("emulated",) * 3
+    assert paths["cpu", "fp8-current"] == ("emulated",) * 3 and paths["cuda:0", "bf16"] == ("hp",) * 3

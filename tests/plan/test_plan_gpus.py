@@ -1,10 +1,9 @@
-"""The accelerator table: dense peaks, sources, native formats agree with the compute-capability rule."""
+"""The accelerator table: dense peaks, sources, NVIDIA rows' native formats from the compute capability."""
 from __future__ import annotations
 
 import pytest
 
-from lowprec.plan.devices import native_formats_for_capability
-from lowprec.plan.gpus import GPUS, get_gpu
+from lowprec.plan.gpus import GPU, GPUS, get_gpu, sm_of_arch
 
 # The vendors' headline figures are quoted with 2:4 sparsity; the table keeps dense peaks, half of these.
 SPARSE_TFLOPS = {
@@ -30,11 +29,39 @@ def test_every_row_names_its_source_and_has_sane_figures():
         assert peaks["bf16"] <= peaks.get("fp8", peaks["bf16"]) <= peaks.get("mxfp4", peaks.get("fp8", peaks["bf16"]))
 
 
-@pytest.mark.parametrize("key", [k for k, g in GPUS.items() if g.vendor == "NVIDIA"])
-def test_nvidia_rows_agree_with_the_compute_capability_rule(key):
-    g = GPUS[key]
-    sm = (int(g.arch[2:-1]), int(g.arch[-1]))
-    assert set(g.native_elements) == set(native_formats_for_capability(sm)) - {"tf32"}
+# What each NVIDIA row runs natively, by hand: Ampere BF16/FP16, Hopper adds FP8, Blackwell (sm100,
+# sm103) adds the block-scaled MX formats and NVFP4.
+HOPPER = {"bf16", "fp16", "fp8"}
+BLACKWELL = HOPPER | {"mxfp8", "mxfp6", "mxfp4", "nvfp4"}
+NVIDIA_NATIVE = {"a100": {"bf16", "fp16"}, "h100": HOPPER, "h200": HOPPER, "b200": BLACKWELL, "gb200": BLACKWELL,
+                 "b300": BLACKWELL}
+
+
+def test_nvidia_rows_run_what_their_compute_capability_runs():
+    assert {k for k, g in GPUS.items() if g.vendor == "NVIDIA"} == set(NVIDIA_NATIVE)
+    for key, native in NVIDIA_NATIVE.items():
+        assert set(GPUS[key].native_gemms) == native, key
+        assert all(GPUS[key].peak(fmt)[1] == (fmt in native) for fmt in BLACKWELL), key
+
+
+def _row(arch: str, **peaks) -> GPU:
+    return GPU(key="x", name="x", vendor="NVIDIA", arch=arch, memory_gb=80, hbm_tb_s=3, link_gb_s=900, link="l",
+               peaks=tuple(peaks.items()), source="s")
+
+
+def test_an_nvidia_row_whose_peaks_disagree_with_its_compute_capability_is_refused():
+    assert _row("sm90", bf16=1, fp16=1, fp8=2).native_gemms == ("bf16", "fp16", "fp8")
+    with pytest.raises(ValueError, match="x.peaks: expected peaks for the GEMM formats sm90 runs natively, "
+                                         "bf16, fp16, fp8, got bf16, fp16"):
+        _row("sm90", bf16=1, fp16=1)  # an FP8 peak missing: planned as emulated though sm90 runs it
+    with pytest.raises(ValueError, match="runs natively, bf16, fp16, got bf16, fp16, fp8"):
+        _row("sm80", bf16=1, fp16=1, fp8=2)  # FP8 claimed native on Ampere
+
+
+@pytest.mark.parametrize("arch, sm", [("sm80", (8, 0)), ("sm89", (8, 9)), ("sm100", (10, 0)), ("sm103", (10, 3)),
+                                      ("gfx942", None), ("gaudi3", None), ("sm", None), ("smx0", None)])
+def test_arch_names_read_as_compute_capabilities(arch, sm):
+    assert sm_of_arch(arch) == sm
 
 
 def test_emulated_formats_fall_back_to_bf16():

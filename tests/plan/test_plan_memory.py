@@ -27,14 +27,14 @@ def test_textbook_70b_bf16_fp8_and_optimizer_bytes():
     assert bf16["weights (bf16)"] == 2 * p  # 141 GB: "70B parameters take 140 GB in BF16"
     assert bf16["master weights (fp32)"] + bf16["optimizer moments (adamw)"] == 12 * p
     assert bf16["gradients (bf16)"] == 2 * p
-    fp8 = _parts("llama-3-70b", "fp8-current")["low-precision weight copy (fp8-current)"]
+    fp8 = _parts("llama-3-70b", "fp8-current", grad_accum=2)["low-precision weight copy (fp8-current)"]
     assert 68e9 < fp8 < 71e9  # "70 GB in FP8": the block linears, the BF16 embeddings and head excluded
     assert _parts("llama-3-70b", grad_dtype="fp32")["gradients (fp32)"] == 4 * p
     assert _parts("llama-3-70b", optimizer="adamw-8bit")["optimizer moments (adamw-8bit)"] == 2 * p
 
 
 def test_deepseek_v3_fp8_weights_about_671_gb():
-    fp8 = _parts("deepseek-v3", "fp8-blockwise")["low-precision weight copy (fp8-blockwise)"]
+    fp8 = _parts("deepseek-v3", "fp8-blockwise", grad_accum=2)["low-precision weight copy (fp8-blockwise)"]
     assert fp8 == pytest.approx(671e9, rel=0.005)
 
 
@@ -44,30 +44,71 @@ def _block_linears_by_hand_llama2() -> list[tuple[int, int]]:
     return [(d, d)] * 4 + [(d, f)] * 2 + [(f, d)]
 
 
-@pytest.mark.parametrize("recipe, per_element", [
-    ("mxfp8", lambda k, n: 1 + 1 / 32),
-    ("mxfp4", lambda k, n: 0.5 + 1 / 32),
-    # NVFP4 weights are quantized in 16x16 tiles (nvfp4(16, two_d=True)): one E4M3 scale per 256
-    ("nvfp4", lambda k, n: 0.5 + 1 / 256),
-    ("fp8-rowwise", lambda k, n: 1 + 4 / k),
-    ("fp8-current", lambda k, n: 1 + 4 / n),
-    ("fp8-blockwise", lambda k, n: 1 + 4 / (128 * 128)),
-])
-def test_low_precision_copy_bytes_per_recipe(recipe, per_element):
-    expected = 32 * sum(k * n * per_element(k, k * n) for k, n in _block_linears_by_hand_llama2())
-    got = _parts("llama-2-7b", recipe)[f"low-precision weight copy ({recipe})"]
-    assert got == pytest.approx(expected, rel=1e-12)
+# Bytes per element of a d_out x d_in weight's forward cast (reduced over k = d_in) and of its transposed
+# cast (reduced over n = d_out), by hand from each preset's fprop.rhs and dgrad.rhs; ``numel`` = k * n.
+WEIGHT_CASTS = {
+    "mxfp8": (lambda k, n: 1 + 1 / 32, lambda k, n: 1 + 1 / 32),
+    # FP4 forward weights; the data-gradient GEMM takes the weight as MXFP8
+    "mxfp4": (lambda k, n: 0.5 + 1 / 32, lambda k, n: 1 + 1 / 32),
+    # NVFP4 weights are quantized in 16x16 tiles (nvfp4(16, two_d=True)): one E4M3 scale per 256, both ways
+    "nvfp4": (lambda k, n: 0.5 + 1 / 256, lambda k, n: 0.5 + 1 / 256),
+    "fp8-rowwise": (lambda k, n: 1 + 4 / k, lambda k, n: 1 + 4 / n),
+    "fp8-current": (lambda k, n: 1 + 4 / (k * n), lambda k, n: 1 + 4 / (k * n)),
+    "fp8-blockwise": (lambda k, n: 1 + 4 / (128 * 128), lambda k, n: 1 + 4 / (128 * 128)),
+}
+
+
+@pytest.mark.parametrize("recipe", WEIGHT_CASTS)
+def test_under_grad_accumulation_both_casts_of_every_layer_are_held(recipe):
+    fwd, t = WEIGHT_CASTS[recipe]
+    parts = _parts("llama-2-7b", recipe, grad_accum=4)
+    layers = _block_linears_by_hand_llama2()
+    assert parts[f"low-precision weight copy ({recipe})"] == pytest.approx(
+        32 * sum(k * n * fwd(k, n) for k, n in layers), rel=1e-12)
+    assert parts[f"transposed weight copy ({recipe})"] == pytest.approx(
+        32 * sum(k * n * t(k, n) for k, n in layers), rel=1e-12)
+    assert not any(name.startswith("weight casts") for name in parts)
+
+
+@pytest.mark.parametrize("recipe", WEIGHT_CASTS)
+def test_without_grad_accumulation_one_layers_casts_are_alive_at_a_time(recipe):
+    # the largest Llama-2-7B linears (gate, up, down) are 4096 x 11008; down has k = 11008
+    fwd, t = WEIGHT_CASTS[recipe]
+    shapes = [(4096, 11008), (11008, 4096)]
+    expected = max(k * n * fwd(k, n) for k, n in shapes) + max(k * n * t(k, n) for k, n in shapes)
+    parts = _parts("llama-2-7b", recipe)
+    assert parts[f"weight casts ({recipe}), one layer at a time"] == pytest.approx(expected, rel=1e-12)
+    assert parts[f"weight casts ({recipe}), one layer at a time"] < 0.1e9  # not 32 layers' worth (GBs)
+    assert f"low-precision weight copy ({recipe})" not in parts and f"transposed weight copy ({recipe})" not in parts
+
+
+def test_the_transient_casts_are_one_tensor_parallel_shard_and_one_expert():
+    name = "weight casts (fp8-current), one layer at a time"
+    tp = _parts("llama-2-7b", "fp8-current", gpus=8, tp=8)[name]
+    assert tp == pytest.approx(2 * (4096 * 11008 / 8 + 4), rel=1e-12)
+    # Mixtral: an expert's 4096 x 14336 weight is the largest, whichever rank holds it and however many
+    moe = _parts("mixtral-8x7b", "fp8-current", gpus=8, ep=8)[name]
+    assert moe == pytest.approx(2 * (4096 * 14336 + 4), rel=1e-12)
+
+
+def test_bf16_keeps_no_weight_cast():
+    for grad_accum in (1, 4):
+        parts = _parts("llama-2-7b", "bf16", grad_accum=grad_accum)
+        assert parts["low-precision weight copy"] == 0
+        assert not any("cast" in name or "transposed" in name for name in parts)
 
 
 def test_zero_stages_shard_what_they_promise():
     p = count_params(PRESETS["llama-2-7b"]).total
-    names = ["weights (bf16)", "low-precision weight copy (mxfp8)", "gradients (bf16)", "master weights (fp32)",
-             "optimizer moments (adamw)"]
-    full = _parts("llama-2-7b", "mxfp8", gpus=8)
-    for zero, sharded in [(0, set()), (1, set(names[3:])), (2, set(names[2:])), (3, set(names))]:
-        parts = _parts("llama-2-7b", "mxfp8", gpus=8, zero=zero)
+    names = ["weights (bf16)", "gradients (bf16)", "master weights (fp32)", "optimizer moments (adamw)"]
+    full = _parts("llama-2-7b", "mxfp8", gpus=8, grad_accum=2)
+    for zero, sharded in [(0, set()), (1, set(names[2:])), (2, set(names[1:])), (3, set(names))]:
+        parts = _parts("llama-2-7b", "mxfp8", gpus=8, zero=zero, grad_accum=2)
         for name in names:
             assert parts[name] == pytest.approx(full[name] / (8 if name in sharded else 1)), (zero, name)
+        # a layer casts the weight it computes with, the gathered one under ZeRO-3: never sharded
+        for name in ("low-precision weight copy (mxfp8)", "transposed weight copy (mxfp8)"):
+            assert parts[name] == full[name] > 0, (zero, name)
     assert full["master weights (fp32)"] == 4 * p
 
 
@@ -187,16 +228,8 @@ def test_bad_layouts_are_refused(kwargs, match):
     (dict(recompute="some"), "recompute: expected one of 'none', 'selective', 'full', got 'some'"),
     (dict(seq=0), "seq: expected a positive int, got 0"),
     (dict(optimizer="sgd"), "optimizer: expected one of 'adamw', 'adamw-8bit', got 'sgd'"),
+    (dict(grad_accum=0), "grad_accum: expected a positive int, got 0"),
 ])
 def test_bad_training_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Training(**kwargs)
-
-
-@pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8", "nvfp4"])
-def test_the_transposed_weight_copy_is_counted_beside_the_forward_one(recipe):
-    # per-tensor, MX and 16x16 NVFP4 weight casts hold as many scales transposed as not: equal bytes
-    parts = _parts("llama-2-7b", recipe)
-    fwd = parts[f"low-precision weight copy ({recipe})"]
-    assert parts["transposed weight copy (saved for backward by lowprec's Linear)"] == pytest.approx(fwd, rel=1e-9)
-    assert "transposed weight copy (saved for backward by lowprec's Linear)" not in _parts("llama-2-7b", "bf16")

@@ -2,11 +2,13 @@
 real ``QuantizedTensor`` reports, GEMM formats of mixed operands, and a user-defined recipe planned."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lowprec import recipes as R
-from lowprec.plan.memory import Parallel, Training, memory_per_gpu
+from lowprec.plan.memory import Parallel, Training, memory_per_gpu, stage_memory
 from lowprec.plan.models import ModelSpec
 from lowprec.plan.planner import PlanConfig, plan
 from lowprec.plan.recipes import RECIPES, ROW, TENSOR, cost_of, gemm_format, get_recipe, storage_of
@@ -40,6 +42,8 @@ def test_every_preset_costs_what_its_casts_say(name):
     if weight is not None:
         assert cost.weight.bytes_per_element(K, K * N) == pytest.approx(weight, rel=1e-12)
     assert cost.saved_input.bytes_per_element(K, INF) == pytest.approx(saved, rel=1e-12)
+    # no preset rounds weight.T stochastically: backward casts it again rather than keep forward's
+    assert cost.weight_t_saved is False
     assert cost.note == " ".join(R.get(name).doc.split("\n\n")[0].split())
 
 
@@ -85,16 +89,28 @@ def _user_recipe() -> R.Recipe:
                     wgrad=R.Gemm(lhs=bwd, rhs=bwd))
 
 
+def _tiny_parts(cost, **train) -> dict[str, float]:
+    mem = memory_per_gpu(TINY, cost, Parallel(gpus=1), Training(seq=8, overhead_gb=0.0, fragmentation=0.0, **train))
+    return {c.name: c.bytes for c in mem.components}
+
+
+# TINY's linears, d_out x d_in: q 64x64, k 32x64, v 32x64, o 64x64, gate 128x64, up 128x64, down 64x128
+TINY_NUMEL = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3
+TINY_ROWS = 64 + 32 + 32 + 64 + 128 + 128 + 64  # their d_out: one row-wise scale per output row
+
+
 def test_a_user_recipe_plans_with_hand_computed_bytes():
     cost = cost_of(_user_recipe())
     assert cost.gemms == ("fp8",) * 3 and cost.note == _user_recipe().summary()
-    mem = memory_per_gpu(TINY, cost, Parallel(gpus=1), Training(seq=8, overhead_gb=0.0, fragmentation=0.0))
-    parts = {c.name: c.bytes for c in mem.components}
-    # Weight copy, rowwise E4M3: 1 byte per element + one FP32 scale per output row, for
-    # q 64x64, k 32x64, v 32x64, o 64x64, gate 128x64, up 128x64, down 64x128 (d_out x d_in), 2 layers.
-    numel = 64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3
-    rows = 64 + 32 + 32 + 64 + 128 + 128 + 64
-    assert parts["low-precision weight copy (rowwise-fwd-e5m2-bwd)"] == 2 * (numel + 4 * rows)
+    parts = _tiny_parts(cost)
+    # Without accumulation one layer's casts at a time, the largest: gate (or up) forward, rowwise
+    # E4M3, 8192 bytes + 128 FP32 row scales; down's transposed E5M2 per tensor, 8192 + one FP32 scale.
+    assert parts["weight casts (rowwise-fwd-e5m2-bwd), one layer at a time"] == (8192 + 4 * 128) + (8192 + 4)
+    # Under accumulation every layer's (2 layers): forward 1 byte per element + a scale per output
+    # row; transposed 1 byte per element + one scale per weight (7 per layer).
+    held = _tiny_parts(cost, grad_accum=3)
+    assert held["low-precision weight copy (rowwise-fwd-e5m2-bwd)"] == 2 * (TINY_NUMEL + 4 * TINY_ROWS)
+    assert held["transposed weight copy (rowwise-fwd-e5m2-bwd)"] == 2 * (TINY_NUMEL + 4 * 7)
     # Saved inputs, E5M2 per tensor: 1 byte per element per token (one scale per tensor is nothing per
     # token): q/k/v input 64 + a copy of the attention output 64; gate/up input 64 + down input 128.
     tokens = 8
@@ -102,6 +118,24 @@ def test_a_user_recipe_plans_with_hand_computed_bytes():
     mlp_core = (64 + 2 * 128) * 2
     assert parts["activations: attention"] == 2 * tokens * (attn_core + 64 + 64)
     assert parts["activations: mlp"] == 2 * tokens * (mlp_core + 64 + 128)
+
+
+def test_a_stochastically_rounded_weight_transpose_is_saved_per_micro_batch_in_flight():
+    c = R.Cast(format="e4m3", granularity=tensorwise())
+    sr = replace(c, rounding="stochastic")
+    recipe = R.Recipe(name="sr-dgrad", fprop=R.Gemm(lhs=c, rhs=c), dgrad=R.Gemm(lhs=c, rhs=sr),
+                      wgrad=R.Gemm(lhs=c, rhs=c))
+    cost = cost_of(recipe)
+    assert cost.weight_t_saved
+    one_layer = TINY_NUMEL + 4 * 7  # 1 byte per element + one FP32 scale per weight
+    for stage, in_flight in ((0, 2), (1, 1)):  # a 1F1B pipeline of 2 stages, one layer each
+        mem = stage_memory(TINY, cost, Parallel(gpus=2, pp=2), Training(seq=8, overhead_gb=0.0), stage)
+        parts = {x.name: x.bytes for x in mem.components}
+        assert parts["transposed weight copy (sr-dgrad)"] == in_flight * one_layer
+        # only the forward cast is transient: the largest, gate's 8192 bytes + one scale
+        assert parts["weight casts (sr-dgrad), one layer at a time"] == 8192 + 4
+    held = _tiny_parts(cost, grad_accum=2)  # the cached cast is saved once, whatever is in flight
+    assert held["transposed weight copy (sr-dgrad)"] == 2 * one_layer
 
 
 def test_plan_accepts_a_user_recipe_object():

@@ -40,6 +40,17 @@ def test_bf16_tokens_per_second_is_gpus_mfu_peak_over_flops():
     assert p.throughput.step_s == pytest.approx(4096 * 8 / tps)  # one micro-batch per rank
 
 
+@pytest.mark.parametrize("gpus, pp, grad_accum, micro_batches", [
+    (8, 1, 1, 1), (8, 1, 4, 4),
+    (8, 4, 1, 4),  # a 1F1B pipeline runs at least pp micro-batches per step
+    (8, 4, 2, 4), (8, 2, 6, 6),
+])
+def test_a_step_is_grad_accum_micro_batches_per_data_parallel_rank(gpus, pp, grad_accum, micro_batches):
+    p = plan(PlanConfig(model="llama-2-7b", gpu="h100", gpus=gpus, pp=pp,
+                        training=Training(seq=2048, micro_batch=2, grad_accum=grad_accum)))
+    assert p.throughput.tokens_per_step == 2048 * 2 * (gpus // pp) * micro_batches
+
+
 @pytest.mark.parametrize("recipe, gpu, expected", [
     ("nvfp4", "h100", [("nvfp4", 989, False)] * 3),  # emulated: dequantize, BF16 GEMM
     ("nvfp4", "b200", [("nvfp4", 9000, True)] * 3),
