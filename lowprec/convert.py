@@ -69,11 +69,11 @@ class ConversionReport:
         if self.shared_inputs:
             leaves = sorted({"/".join(n.rsplit(".", 1)[-1] for n in g) for g in self.shared_inputs})
             out.append(f"{len(self.shared_inputs)} group(s) of layers share their input's casts ({', '.join(leaves)})")
-        if not self.small_elsewhere:
-            return out
-        return out + [f"{len(self.small_elsewhere)} converted linear(s) have a dimension under {self.min_features}: where "
-                f"{self.recipe.name} runs natively they stay in high precision, too small to gain "
-                "(Policy(skip_small=False) converts them there too)"]
+        if self.small_elsewhere:
+            out.append(f"{len(self.small_elsewhere)} converted linear(s) have a dimension under {self.min_features}: "
+                       f"where {self.recipe.name} runs natively they stay in high precision, too small to gain "
+                       "(Policy(skip_small=False) converts them there too)")
+        return out
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
