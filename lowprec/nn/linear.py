@@ -133,7 +133,8 @@ class Linear(nn.Linear):
         if plan.hp_dtype is not None:
             return self._unscaled(x, plan.hp_dtype)
         if plan.hp_reason is not None:
-            self._warn_once(plan.hp_reason)
+            if not torch.compiler.is_compiling():  # a warning would end a graph; eager code said it
+                self._warn_once(plan.hp_reason)
             return nnf.linear(x, self.weight, self.bias)
         if plan.delayed:
             self._prepare(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
