@@ -121,7 +121,8 @@ def agree(values: Sequence[torch.Tensor | float], group: dist.ProcessGroup | Non
     if not values:
         fail("values", "at least one value", "an empty sequence")
     if device is None:
-        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None) or collective_device(group)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        device = tensors[0].device if tensors else collective_device(group)
     parts = [v.detach().reshape(()).to(device, torch.float32) if isinstance(v, torch.Tensor)
              else torch.tensor(float(v), device=device) for v in values]
     vec = torch.stack(parts)  # (n,)

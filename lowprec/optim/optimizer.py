@@ -54,13 +54,14 @@ class StepResult:
     reason: str | None
     """Why it was skipped: ``"non-finite loss"`` or ``"non-finite gradients"``; ``None`` when taken."""
     grad_norm: float
-    """L2 norm of the unscaled gradients before clipping; inf or NaN when they were not finite."""
+    """L2 norm of the unscaled gradients before clipping; inf or NaN when they were not finite. Under
+    data parallelism, the norm of the whole reduced gradient (all shards), the same on every rank."""
     loss_scale: float | None
     """The scale this step's gradients carried (``None`` without loss scaling)."""
     spike: bool
     """The loss was a spike against the running window (reported only; the step is still taken)."""
     loss: float | None = None
-    """The loss passed to ``step``, as a float."""
+    """The loss passed to ``step``, as a float; under data parallelism the mean of the ranks' losses."""
     clipped: bool = False
     """The gradients were scaled down to ``max_grad_norm``."""
 
@@ -120,6 +121,11 @@ class Optimizer(torch.optim.Optimizer):
         scale_config = LossScaleConfig.parse(loss_scale)
         self.group = data_parallel_group(data_parallel, group)
         """The data-parallel group the step agrees over; ``None`` in a single process."""
+        if stochastic_rounding and self.group is not None:
+            # widening param.data to float32 gives the parameter a new gradient accumulator, dropping the
+            # hooks DDP reduces through; FSDP2 owns param.data outright
+            fail("stochastic_rounding", "False under data parallelism (it swaps param.data for the step, which "
+                 "DDP and FSDP2 rely on); use master_weights=True", True)
         self.guard = StepGuard(max_grad_norm, spike_window, spike_factor)
         self.scaler = None if scale_config is None else LossScaler(scale_config)
         self._sr = StochasticRounding(seed) if stochastic_rounding else None
@@ -145,9 +151,7 @@ class Optimizer(torch.optim.Optimizer):
             if is_dtensor(p) and self.group is None and p.device_mesh.size() > 1:
                 fail("data_parallel", "True or None for DTensor (FSDP2) parameters sharded over several ranks",
                      "False")
-            if is_dtensor(p) and self._sr is not None:
-                fail("stochastic_rounding", "False for DTensor (FSDP2) parameters (it swaps param.data, "
-                     "which FSDP2 owns; use master_weights=True)", True)
+
             self._seen.add(id(p))
         self._grads.add(params)
         return {**group, "params": self._masters.add(params)}

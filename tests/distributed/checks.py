@@ -39,9 +39,9 @@ def check(fn):
 
 
 @contextmanager
-def counting_all_reduce() -> Iterator[list]:
-    """Counts the ``dist.all_reduce`` calls made inside the region (appends one entry per call)."""
-    calls: list = []
+def counting_all_reduce(calls: list | None = None) -> Iterator[list]:
+    """Counts the ``dist.all_reduce`` calls made inside the region: one entry appended to ``calls`` each."""
+    calls = [] if calls is None else calls
     real = dist.all_reduce
 
     def counted(*args, **kw):
@@ -110,16 +110,21 @@ def _micro_steps(ddp, opt, steps: range, rank: int, world: int, dtype) -> list:
 
 @check
 def ddp_bf16_masters(rank: int, world: int) -> dict:
-    """The reported bug: a converted BF16 MLP, masters on, DDP, gradient accumulation with no_sync."""
+    """The reported bug: a converted BF16 MLP, masters on, DDP, gradient accumulation with no_sync, in both
+    of DDP's gradient layouts; and stochastic rounding, which cannot work under DDP, refused."""
     out = {}
-    for as_view in (False, True):
+    for variant in ("copy", "bucket-view"):
         model = C.mlp("fp8-current", torch.bfloat16)
-        ddp = DDP(model, gradient_as_bucket_view=as_view)
-        opt = C.adamw(ddp.parameters(), master_weights=True, max_grad_norm=1.0)
+        ddp = DDP(model, gradient_as_bucket_view=variant == "bucket-view")
+        opt = C.adamw(ddp.parameters(), max_grad_norm=1.0)
         results = _micro_steps(ddp, opt, range(STEPS), rank, world, torch.bfloat16)
-        out[as_view] = {"norms": [r.grad_norm for r, _ in results], "collectives": [n for _, n in results],
+        out[variant] = {"norms": [r.grad_norm for r, _ in results], "collectives": [n for _, n in results],
                         "params": [p.detach().clone() for p in model.parameters()],
-                        "masters": [m.clone() for m in opt.master_weights]}
+                        "masters": [m for m in _plain(opt.master_weights) if m is not None]}
+    try:
+        C.adamw(C.mlp(None, torch.bfloat16).parameters(), master_weights=False, stochastic_rounding=True)
+    except ValueError as e:
+        out["refused"] = str(e)
     return out
 
 
@@ -164,11 +169,14 @@ def fsdp_train(rank: int, world: int) -> dict:
         model = _fsdp_mlp(recipe)
         state = register_fsdp(model, comm)
         opt = C.sgd(model.parameters(), master_weights=True)
-        results = C.train(model, opt, range(STEPS), rank, world, torch.bfloat16, before_step=sync_amaxes)
+        calls: list = []
+        results = C.train(model, opt, range(STEPS), rank, world, torch.bfloat16, before_step=sync_amaxes,
+                          around_step=lambda calls=calls: counting_all_reduce(calls))
         masters = [(type(m).__name__, str(m.placements), tuple(m.to_local().shape), m.dtype,
                     tuple(p.to_local().shape)) for p, m in zip(model.parameters(), opt.master_weights)]
         momentum = [type(v["momentum_buffer"]).__name__ for v in opt.state.values()]
         out[recipe, comm] = {"weights": C.flat_weights(model), "norms": [r.grad_norm for r in results],
+                             "collectives": len(calls),
                              "masters": masters, "momentum": momentum, "bytes": state.take() // STEPS}
     return out
 

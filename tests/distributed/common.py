@@ -1,6 +1,8 @@
 """Models, data and training steps shared by the distributed checks (workers) and tests (references)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import lowprec
@@ -49,8 +51,9 @@ def adamw(params, **kw) -> Optimizer:
 
 
 def train(model, opt: Optimizer, steps: range, rank: int = 0, world: int = 1, dtype=torch.float32,
-          before_step=None) -> list:
-    """Plain steps on this rank's share of each batch; ``before_step(model)`` runs after backward."""
+          before_step=None, around_step=contextlib.nullcontext) -> list:
+    """Plain steps on this rank's share of each batch; ``before_step(model)`` runs after backward,
+    ``opt.step`` inside a fresh ``around_step()`` context."""
     results = []
     for step in steps:
         opt.zero_grad()
@@ -59,7 +62,8 @@ def train(model, opt: Optimizer, steps: range, rank: int = 0, world: int = 1, dt
         opt.backward(loss)
         if before_step is not None:
             before_step(model)
-        results.append(opt.step(loss=loss))
+        with around_step():
+            results.append(opt.step(loss=loss))
     return results
 
 

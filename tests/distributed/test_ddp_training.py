@@ -54,16 +54,22 @@ def _reduced_first_gradient() -> list[torch.Tensor]:
     return [(a + b).float() for a, b in zip(*shares)]
 
 
-@pytest.mark.parametrize("bucket_view", [False, True])
-def test_bf16_masters_stay_identical_across_ranks(dist_results, bucket_view):
-    ranks = [r[bucket_view] for r in result(dist_results, "ddp_bf16_masters")]
+@pytest.mark.parametrize("variant", ["copy", "bucket-view"])
+def test_bf16_weights_stay_identical_across_ranks(dist_results, variant):
+    ranks = [r[variant] for r in result(dist_results, "ddp_bf16_masters")]
     for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
         assert a.dtype == torch.bfloat16 and torch.equal(C.bits(a), C.bits(b))
+    assert len(ranks[0]["masters"]) == 4
     for a, b in zip(ranks[0]["masters"], ranks[1]["masters"]):
         assert a.dtype == torch.float32 and torch.equal(C.bits(a), C.bits(b))
     # the optimizer saw the reduced float32-accumulated gradient: its norm, bit for bit
     assert ranks[0]["norms"][0] == ranks[1]["norms"][0] == grad_norm(_reduced_first_gradient()).item()
     assert ranks[0]["collectives"] == [1] * STEPS  # the step's decision took one all-reduce
+
+
+def test_stochastic_rounding_is_refused_under_data_parallelism(dist_results):
+    for r in result(dist_results, "ddp_bf16_masters"):
+        assert r["refused"].startswith("stochastic_rounding: expected False under data parallelism")
 
 
 def test_nan_on_one_rank_skips_the_step_on_all(dist_results):

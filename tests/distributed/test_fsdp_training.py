@@ -8,7 +8,7 @@ import torch
 from lowprec.optim import NONFINITE_GRADS
 from tests.distributed import common as C
 from tests.distributed import harness
-from tests.distributed.checks import RECIPES
+from tests.distributed.checks import RECIPES, STEPS
 from tests.distributed.common import one_process, tolerance
 from tests.distributed.harness import result
 
@@ -22,6 +22,7 @@ def test_fsdp_trains_like_one_process(dist_results, recipe, comm):
     ranks = [r[recipe, comm] for r in result(dist_results, "fsdp_train")]
     assert torch.equal(C.bits(ranks[0]["weights"]), C.bits(ranks[1]["weights"]))  # gathered: the same model
     assert ranks[0]["norms"] == ranks[1]["norms"]  # the global norm, not each shard's
+    assert ranks[0]["collectives"] == STEPS  # one all-reduce per step decides it
     # see [Note: how close a data-parallel run must be] in tests.distributed.common
     tol, update = tolerance(recipe, BF16, master_weights=True)
     assert tol < update / 4
