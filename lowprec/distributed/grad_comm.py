@@ -113,7 +113,8 @@ def ddp_comm_hook(state: GradCommState, bucket):  # unannotated: DDP checks anno
     """
     buf = bucket.buffer()
     buf.copy_(all_reduce_mean(buf, state))
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # a future holding CUDA tensors must name their devices (it then syncs streams for its waiters)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
     fut.set_result(buf)
     return fut
 
