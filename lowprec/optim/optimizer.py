@@ -151,7 +151,6 @@ class Optimizer(torch.optim.Optimizer):
             if is_dtensor(p) and self.group is None and p.device_mesh.size() > 1:
                 fail("data_parallel", "True or None for DTensor (FSDP2) parameters sharded over several ranks",
                      "False")
-
             self._seen.add(id(p))
         self._grads.add(params)
         return {**group, "params": self._masters.add(params)}

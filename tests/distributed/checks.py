@@ -206,6 +206,28 @@ def fsdp_nan_one_shard(rank: int, world: int) -> dict:
             "before": before, "after": after, "master_type": type(opt.master_weights[0]).__name__}
 
 
+@check
+def fsdp_micro_batches(rank: int, world: int) -> dict:
+    """Two micro-batches per step under FSDP2, each reduce-scattered (the float32 fold adds reduced shards)
+    or the first under ``set_requires_gradient_sync(False)`` (FSDP2 accumulates unsharded gradients)."""
+    out = {}
+    for mode in ("sync-each", "no-sync-first"):
+        model = _fsdp_mlp("fp8-current")
+        opt = C.adamw(model.parameters(), master_weights=True)
+        x, y = C.batch(0, rank, world, torch.bfloat16)
+        half = x.shape[0] // 2
+        for micro in range(2):
+            model.set_requires_gradient_sync(mode == "sync-each" or micro == 1)
+            rows = slice(micro * half, (micro + 1) * half)
+            opt.backward(C.mse(model, x[rows], y[rows]) / 2)
+        out[mode] = opt.step().grad_norm
+    try:
+        C.adamw(_fsdp_mlp(None).parameters(), data_parallel=False)
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
 def _comm_input(rank: int, n: int) -> torch.Tensor:
     """Rank ``rank``'s gradient bucket: n values whose magnitudes span 2^-12 .. 2^12 block to block."""
     g = torch.Generator().manual_seed(77 + rank)

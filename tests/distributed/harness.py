@@ -7,9 +7,7 @@ runs the checks in order, each returning a dict of plain values and tensors, and
 check that raises records its traceback instead (and the test reading it fails with it), so the
 ranks carry on with the next check. A collective left waiting by a rank that raised ends at the
 process group's timeout. The tests assert in the parent process, against references they compute
-there, never inside the workers. The results are kept in a file of the session's temporary
-directory, which every pytest-xdist worker shares: the first test to need them runs the spawn
-under a file lock, the others read the file.
+there, never inside the workers (``session.dist_results`` is the fixture that hands them out).
 """
 from __future__ import annotations
 
@@ -18,11 +16,9 @@ import time
 import traceback
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from filelock import FileLock
 
 WORLD = 2
 TIMEOUT_S = 90  # the whole spawn; one check takes a second or two
@@ -39,7 +35,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, names: list[str
     torch.set_num_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=COLLECTIVE_TIMEOUT)
-    results = {}
+    results: dict = {}
     try:
         for name in names:
             start = time.perf_counter()
@@ -80,17 +76,3 @@ def result(results: dict[str, list], name: str) -> list:
             raise r
     return per_rank
 
-
-@pytest.fixture(scope="session")
-def dist_results(tmp_path_factory) -> dict[str, list]:
-    """Every check's results on both ranks, from the session's one spawn. Test modules take it with
-    ``dist_results = harness.dist_results`` (no conftest: the directory's conftest is left to others)."""
-    from tests.distributed import checks
-
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    path = shared / "dist_results.pt"
-    with FileLock(str(path) + ".lock"):
-        if not path.is_file():
-            torch.save(run_checks(list(checks.CHECKS), str(shared / "dist_work")), path)
-    return torch.load(path, weights_only=False)

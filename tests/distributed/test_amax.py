@@ -6,11 +6,11 @@ import torch
 
 from lowprec.distributed import delayed_states, reduce_amax_histories, sync_amaxes
 from tests.distributed import common as C
-from tests.distributed import harness
+from tests.distributed import session
 from tests.distributed.checks import STEPS
 from tests.distributed.harness import result
 
-dist_results = harness.dist_results
+dist_results = session.dist_results
 
 
 def test_histories_agree_across_ranks_after_each_sync(dist_results):

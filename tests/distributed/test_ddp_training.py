@@ -10,12 +10,12 @@ import torch
 
 from lowprec.optim import NONFINITE_GRADS, NONFINITE_LOSS, grad_norm
 from tests.distributed import common as C
-from tests.distributed import harness
+from tests.distributed import session
 from tests.distributed.checks import RECIPES, STEPS
 from tests.distributed.common import one_process, tolerance
 from tests.distributed.harness import WORLD, result
 
-dist_results = harness.dist_results
+dist_results = session.dist_results
 
 warnings.filterwarnings("ignore", message="lowprec:")  # emulated GEMMs on CPU
 

@@ -11,12 +11,12 @@ import torch.nn.functional as nnf
 from lowprec.distributed import GradComm, GradCommState, fsdp_reduce_dtype
 from lowprec.quant import blockwise, error_bound, quantize
 from tests.distributed import common as C
-from tests.distributed import harness
+from tests.distributed import session
 from tests.distributed.checks import STEPS, _comm_input
 from tests.distributed.common import tolerance
 from tests.distributed.harness import WORLD, result
 
-dist_results = harness.dist_results
+dist_results = session.dist_results
 
 N = 1000  # the bucket of grad_comm_direct: not a multiple of 128 * WORLD
 BLOCK = 128
