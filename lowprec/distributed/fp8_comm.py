@@ -8,7 +8,8 @@ A reduce-scatter in FP8 cannot be left to the backend: NCCL and gloo would add F
 1. each rank views its flat input as ``W`` chunks (chunk ``j`` is rank ``j``'s shard), each padded
    to a multiple of 128, and quantizes it in 1x128 blocks (``lowprec.quant.blockwise(1, 128)``);
 2. one ``all_to_all_single`` sends chunk ``j`` -- FP8 codes and their float32 scales packed side by
-   side, 132 bytes per 128 values -- to rank ``j``;
+   side, 132 bytes per 128 values, as uint8 (gloo has no float8 dtype; it does have the all-to-all,
+   so the CPU runs the same path as NCCL) -- to rank ``j``;
 3. each rank dequantizes the ``W`` chunks it received and sums them in float32, rank order fixed.
 
 The all-gather that follows under DDP quantizes each rank's summed shard the same way and gathers

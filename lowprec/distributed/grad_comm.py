@@ -103,10 +103,11 @@ def all_reduce_mean(x: torch.Tensor, state: GradCommState) -> torch.Tensor:
     return out.view_as(x)
 
 
-def ddp_comm_hook(state: GradCommState, bucket):  # unannotated: DDP checks annotations by identity
-    # (bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]
-    """A DDP communication hook: the bucket's gradients become their mean over ranks, sent as
-    ``state.mode``. Register with :func:`register_ddp` (or ``ddp.register_comm_hook(state, ddp_comm_hook)``).
+def ddp_comm_hook(state: GradCommState, bucket):
+    """A DDP communication hook: the bucket's gradients (a ``dist.GradBucket``) become their mean over
+    ranks, sent as ``state.mode``; returns a ``torch.futures.Future`` of the bucket. Register with
+    :func:`register_ddp` (or ``ddp.register_comm_hook(state, ddp_comm_hook)``). Left unannotated: DDP
+    compares a hook's annotations with its own types, and postponed annotations are strings.
 
     The collectives are issued in order from the hook and the returned future is already complete:
     on GPUs they run on their streams in that order, on the CPU (gloo) they block as any gloo call.

@@ -6,9 +6,17 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as nnf
 
-from lowprec.distributed import GradComm, GradCommState, fsdp_reduce_dtype
+from lowprec.distributed import (
+    FSDPReduceScatter,
+    GradComm,
+    GradCommState,
+    fsdp_reduce_dtype,
+    register_ddp,
+    register_fsdp,
+)
 from lowprec.quant import blockwise, error_bound, quantize
 from tests.distributed import common as C
 from tests.distributed import session
@@ -135,3 +143,13 @@ def test_modes_parse_and_refuse_unknown_names():
     state = GradCommState(GradComm.FP8)
     state.bytes_sent, state.calls = 10, 2
     assert state.take() == 10 and state.bytes_sent == 0 and state.calls == 0
+
+
+def test_hooks_refuse_what_they_cannot_serve():
+    premul = dist._make_nccl_premul_sum(0.5)  # FSDP2's op for a custom gradient divide factor
+    with pytest.raises(ValueError, match="^op: expected ReduceOp.AVG or ReduceOp.SUM"):
+        FSDPReduceScatter(GradCommState(GradComm.FP8))(torch.empty(4), torch.empty(8), None, premul)
+    with pytest.raises(TypeError, match="^ddp_model: expected a torch.nn.parallel.DistributedDataParallel"):
+        register_ddp(C.mlp(None), "fp8")
+    with pytest.raises(ValueError, match="^model: expected a model with fully_shard applied"):
+        register_fsdp(C.mlp(None), "fp8")
