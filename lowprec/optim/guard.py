@@ -8,6 +8,23 @@ norm non-finite, so the norm alone tells whether the gradients are finite. (A no
 float32 from finite gradients, above about 1.8e19, counts as non-finite too: such a step is no
 better.) Clipping then follows ``torch.nn.utils.clip_grad_norm_``: gradients are multiplied by
 ``max_norm / (norm + 1e-6)`` when that is below one.
+
+[Note: one decision for all ranks]
+Under data parallelism the verdict must be the group's, or one rank steps while another skips and
+the replicas part for good (see [Note: ranks agree] in ``lowprec.distributed.agree``). The
+synchronisation above becomes one all-reduce (SUM) of four float32 numbers, then one host read:
+
+* the squared norm of this rank's *sharded* gradients (FSDP2's DTensor shards): summed over ranks,
+  the square of the norm of the whole gradient; inf or NaN on any rank stays so in the sum;
+* a flag, 1 when the norm of the *replicated* gradients (DDP's, equal on every rank once reduced)
+  is not finite here: replicated norms are not summed, which would count them once per rank;
+* this rank's loss and 1 (or 0 and 0 without a loss): their sums give the mean loss of the global
+  batch, NaN if any rank's loss is NaN.
+
+The global norm is ``hypot(sqrt(sharded sum), replicated norm)``, the same float on every rank, and
+equal to the single-process formula when nothing is sharded. Every rank then skips or steps,
+clips by the same factor, backs the loss scale off or not, and feeds the same mean loss to the
+spike detector: the guard's state stays identical across ranks.
 """
 from __future__ import annotations
 
@@ -19,6 +36,7 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
+from lowprec.distributed.agree import agree, collective_device
 from lowprec.optim.spike import SpikeDetector
 
 NONFINITE_LOSS = "non-finite loss"
@@ -40,6 +58,42 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     first = grads[0].device
     norms = [n.to(first) for gs in by_device(grads).values() for n in torch._foreach_norm(gs)]
     return torch.linalg.vector_norm(torch.stack(norms))  # ()
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squared per-tensor norms of ``grads`` (float32, on ``device``; 0 for none).
+
+    Squared in float32 like the norm itself, so it overflows where the norm stops being finite."""
+    if not grads:
+        return torch.zeros((), device=device)
+    norms = [n.to(device) for gs in by_device(grads).values() for n in torch._foreach_norm(gs)]
+    return torch.stack(norms).square().sum()  # ()
+
+
+def agreed_norm_and_loss(grads: list[torch.Tensor], sharded: list[bool], loss: Any,
+                         group) -> tuple[torch.Tensor, float, float | None]:
+    """The group's gradient norm (tensor and float) and mean loss, from one all-reduce and one host
+    read; ``grads`` are this rank's local tensors, ``sharded`` says which are shards of a larger
+    one. See [Note: one decision for all ranks]."""
+    if grads:
+        device = grads[0].device
+    elif isinstance(loss, torch.Tensor):
+        device = loss.device
+    else:
+        device = collective_device(group)
+    replicated = grad_norm([g for g, s in zip(grads, sharded) if not s]).to(device)  # ()
+    shard_sq = _sum_of_squares([g for g, s in zip(grads, sharded) if s], device)  # ()
+    if isinstance(loss, torch.Tensor):
+        loss_sum, count = loss.detach().reshape(()).float(), 1.0
+    else:
+        loss_sum, count = (0.0, 0.0) if loss is None else (float(loss), 1.0)
+    bad = (~torch.isfinite(replicated)).float()  # ()
+    total = agree([shard_sq, bad, loss_sum, count], group, device=device)  # (4,)
+    norm = torch.hypot(total[0].sqrt(), replicated)  # ()
+    norm_value, any_bad, loss_total, n_loss = torch.cat([norm.reshape(1), total[1:]]).tolist()  # the one sync
+    if any_bad > 0 and math.isfinite(norm_value):
+        norm_value = math.inf  # not finite on some rank: skip everywhere
+    return norm, norm_value, None if n_loss == 0 else loss_total / n_loss
 
 
 def _check_loss(loss: Any) -> None:
@@ -79,15 +133,26 @@ class StepGuard:
         self.skipped_steps = 0
         self.spike_count = 0
 
-    def inspect(self, grads: list[torch.Tensor], loss: Any) -> tuple[Verdict, torch.Tensor]:
-        """Judge a step from its unscaled ``grads`` and ``loss``; returns the verdict and the norm tensor."""
+    def inspect(self, grads: list[torch.Tensor], loss: Any, group=None,
+                sharded: list[bool] | None = None) -> tuple[Verdict, torch.Tensor]:
+        """Judge a step from its unscaled ``grads`` and ``loss``; returns the verdict and the norm tensor.
+
+        With a data-parallel ``group`` the verdict is the group's (``grads`` are this rank's local
+        tensors, ``sharded`` marks DTensor shards); see [Note: one decision for all ranks].
+        """
         _check_loss(loss)
+        if group is not None:
+            norm, norm_value, loss_value = agreed_norm_and_loss(grads, sharded or [False] * len(grads), loss, group)
+            return self._judge(norm_value, loss_value), norm
         norm = grad_norm(grads)  # ()
         if isinstance(loss, torch.Tensor):
             loss_t = loss.detach().reshape(()).float().to(norm.device)  # ()
             norm_value, loss_value = torch.stack([norm, loss_t]).tolist()  # the one sync
         else:
             norm_value, loss_value = norm.item(), None if loss is None else float(loss)
+        return self._judge(norm_value, loss_value), norm
+
+    def _judge(self, norm_value: float, loss_value: float | None) -> Verdict:
         grads_finite = math.isfinite(norm_value)
         reason = None
         if loss_value is not None and not math.isfinite(loss_value):
@@ -98,7 +163,7 @@ class StepGuard:
         self.steps += 1
         self.skipped_steps += reason is not None
         self.spike_count += spike
-        return Verdict(norm_value, loss_value, grads_finite, reason, spike), norm
+        return Verdict(norm_value, loss_value, grads_finite, reason, spike)
 
     @torch.no_grad()
     def clip_(self, grads: list[torch.Tensor], verdict: Verdict, norm: torch.Tensor) -> bool:

@@ -6,6 +6,9 @@ An optimizer update is often far smaller than the spacing of BF16 numbers around
 rounds away and the weight never moves. A float32 master copy takes the update instead; the
 model's low-precision weight is the master rounded to nearest after every step. The inner
 optimizer is built over the masters, so its state (moments) is float32 too.
+
+The master of an FSDP2 parameter (a DTensor shard) is a float32 DTensor with the same mesh and
+placements: each rank holds a float32 copy of its own shard only, and rounds it into that shard.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
+from lowprec.distributed.agree import local
 from lowprec.optim.accumulate import is_low_precision
 
 
@@ -30,6 +34,7 @@ class MasterWeights:
         """Adopt ``params``; returns what the inner optimizer should hold in their place."""
         for p in params:
             self.params.append(p)
+            # a DTensor's float() is a DTensor of the same placements: the master is sharded like p
             self.masters.append(p.detach().float().clone() if self.enabled and is_low_precision(p) else None)
         return [self.target(i) for i in range(len(self.params) - len(params), len(self.params))]
 
@@ -61,8 +66,8 @@ class MasterWeights:
         for p, m in zip(self.params, self.masters):
             if m is not None:
                 dst, src = groups[(p.device, p.dtype)]
-                dst.append(p)
-                src.append(m)
+                dst.append(local(p))  # in place into the shard FSDP2 all-gathers from
+                src.append(local(m))
         for dst, src in groups.values():
             torch._foreach_copy_(dst, src)
 

@@ -9,6 +9,15 @@ masters (``master``) or on widened parameters rounded back stochastically (``sto
 copies masters into the model. Last it updates the loss scale (``loss_scale``) and drops all
 gradients, whether the step was taken or not.
 
+[Note: under DDP and FSDP2]
+With a data-parallel group (found from torch.distributed, or given), ``step`` works on the reduced
+gradients: DDP's ``param.grad`` after the syncing backward, FSDP2's sharded ``.grad`` (see [Note:
+accumulating gradients that ranks reduce] in ``accumulate``); the guard's norm and skip decision
+are the group's, from one all-reduce per step (see [Note: one decision for all ranks] in
+``guard``). Masters of FSDP2 parameters are float32 DTensors sharded like them, so each rank keeps
+and updates the masters and optimizer state of its own shard only. Every rank therefore applies
+the same update, or skips the same step, and the replicas stay equal.
+
 [Note: a torch.optim.Optimizer in name]
 :class:`Optimizer` subclasses ``torch.optim.Optimizer`` only so that torch's LR schedulers (which
 check ``isinstance``) accept it. It does not run the base class's ``__init__``: ``param_groups``,
@@ -25,6 +34,7 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
+from lowprec.distributed.agree import data_parallel_group, is_dtensor, is_sharded, local
 from lowprec.optim.accumulate import GradAccumulator
 from lowprec.optim.guard import StepGuard, by_device
 from lowprec.optim.loss_scale import LossScaleConfig, LossScaler
@@ -44,13 +54,14 @@ class StepResult:
     reason: str | None
     """Why it was skipped: ``"non-finite loss"`` or ``"non-finite gradients"``; ``None`` when taken."""
     grad_norm: float
-    """L2 norm of the unscaled gradients before clipping; inf or NaN when they were not finite."""
+    """L2 norm of the unscaled gradients before clipping; inf or NaN when they were not finite. Under
+    data parallelism, the norm of the whole reduced gradient (all shards), the same on every rank."""
     loss_scale: float | None
     """The scale this step's gradients carried (``None`` without loss scaling)."""
     spike: bool
     """The loss was a spike against the running window (reported only; the step is still taken)."""
     loss: float | None = None
-    """The loss passed to ``step``, as a float."""
+    """The loss passed to ``step``, as a float; under data parallelism the mean of the ranks' losses."""
     clipped: bool = False
     """The gradients were scaled down to ``max_grad_norm``."""
 
@@ -78,6 +89,9 @@ class Optimizer(torch.optim.Optimizer):
     ``loss_scale``: ``None``, ``"dynamic"``, a number (static) or a :class:`LossScaleConfig`.
     ``stochastic_rounding`` (only without masters) rounds updated BF16/FP16 weights stochastically,
     with random bits from generators seeded by ``seed``.
+    ``data_parallel``: whether gradients are reduced across ranks (DDP or FSDP2); ``None`` decides
+    from torch.distributed (initialized with more than one rank in ``group``). ``group``: the
+    data-parallel process group, ``None`` for the default one.
     """
 
     def __init__(
@@ -92,6 +106,8 @@ class Optimizer(torch.optim.Optimizer):
         spike_factor: float = 3.0,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        data_parallel: bool | None = None,
+        group: Any = None,
         **optimizer_kwargs: Any,
     ) -> None:
         for name, flag in (("master_weights", master_weights), ("stochastic_rounding", stochastic_rounding)):
@@ -103,11 +119,18 @@ class Optimizer(torch.optim.Optimizer):
             fail("optimizer_cls", "a torch optimizer class such as torch.optim.AdamW", describe(optimizer_cls),
                  TypeError)
         scale_config = LossScaleConfig.parse(loss_scale)
+        self.group = data_parallel_group(data_parallel, group)
+        """The data-parallel group the step agrees over; ``None`` in a single process."""
+        if stochastic_rounding and self.group is not None:
+            # widening param.data to float32 gives the parameter a new gradient accumulator, dropping the
+            # hooks DDP reduces through; FSDP2 owns param.data outright
+            fail("stochastic_rounding", "False under data parallelism (it swaps param.data for the step, which "
+                 "DDP and FSDP2 rely on); use master_weights=True", True)
         self.guard = StepGuard(max_grad_norm, spike_window, spike_factor)
         self.scaler = None if scale_config is None else LossScaler(scale_config)
         self._sr = StochasticRounding(seed) if stochastic_rounding else None
         self._masters = MasterWeights(master_weights)
-        self._grads = GradAccumulator()
+        self._grads = GradAccumulator(replicated=self.group is not None)
         self._seen: set[int] = set()
         self.optimizer = optimizer_cls([self._adopt(g) for g in _as_groups(params)], **optimizer_kwargs)
         if not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -125,6 +148,9 @@ class Optimizer(torch.optim.Optimizer):
                 fail("params", "leaf tensors (parameters), not results of an operation", describe(p))
             if id(p) in self._seen:
                 fail("params", "each parameter once", f"{describe(p)} twice")
+            if is_dtensor(p) and self.group is None and p.device_mesh.size() > 1:
+                fail("data_parallel", "True or None for DTensor (FSDP2) parameters sharded over several ranks",
+                     "False")
             self._seen.add(id(p))
         self._grads.add(params)
         return {**group, "params": self._masters.add(params)}
@@ -191,14 +217,16 @@ class Optimizer(torch.optim.Optimizer):
         """
         grads = self._grads.grads()
         present = [g for g in grads if g is not None]
+        shards = [local(g) for g in present]  # a DTensor's local shard shares its storage
         scale = None if self.scaler is None else self.scaler.scale
         if scale is not None and scale != 1.0:
-            for gs in by_device(present).values():
+            for gs in by_device(shards).values():
                 torch._foreach_mul_(gs, self.scaler.inv_scale)
-        verdict, norm = self.guard.inspect(present, loss)
+        sharded = None if self.group is None else [is_sharded(g) for g in present]
+        verdict, norm = self.guard.inspect(shards, loss, self.group, sharded)
         clipped = False
         if verdict.reason is None:
-            clipped = self.guard.clip_(present, verdict, norm)
+            clipped = self.guard.clip_(shards, verdict, norm)
             self._apply(grads)
         if self.scaler is not None:
             self.scaler.update(found_inf=not verdict.grads_finite)
