@@ -18,7 +18,7 @@ from _common import DEVICE, bench_ms, copy_bandwidth, environment, print_table, 
 from lowprec import formats as F
 from lowprec.kernels import triton_quant as TQ
 from lowprec.kernels.route import CastSpec
-from lowprec.kernels.triton_plan import Plan, side
+from lowprec.kernels.triton_plan import Launch, Plan, side
 from lowprec.quant import blockwise, hadamard, mx, nvfp4, quantize, rowwise, tensorwise
 
 SEED = 0x5EED
@@ -51,9 +51,9 @@ def _plan(x2, case, warps: int, rand: bool) -> tuple[Plan, torch.Tensor | None]:
     finite_amax = float(torch.nan_to_num(x2.float(), 0.0, 0.0, 0.0).abs().amax())
     scale = torch.tensor(finite_amax / 2000.0, device=x2.device) if given else None  # some saturate
     spec_a = CastSpec.of(a[0], a[1], a[2], delayed=given)
-    sa = side(spec_a, True, transposed=False, rows=m, cols=k, given_scale=scale, rand=rand)
+    sa = side(spec_a, True, transposed=False, rows=m, cols=k, given=given, rand=rand)
     spec_b = None if b is None else CastSpec.of(b[0], b[1], b[2], SEED if had else None, delayed=given)
-    sb = None if b is None else side(spec_b, True, transposed=True, rows=k, cols=m, given_scale=scale, rand=rand)
+    sb = None if b is None else side(spec_b, True, transposed=True, rows=k, cols=m, given=given, rand=rand)
     return Plan(m, k, sa, sb, record=given, num_warps=warps), scale
 
 
@@ -124,7 +124,7 @@ def time_case(x2, case, warps_list, graph: bool) -> dict:
     for w in warps_list:
         plan, scale = _plan(x2, case, w, rand=False)
         hm = TQ._hmat(SEED if case[3] else None, x2.device)
-        fn = lambda plan=plan, hm=hm, scale=scale: TQ._run(x2, plan, hm, scale, None, None, None)  # noqa: E731
+        fn = lambda plan=plan, hm=hm, scale=scale: TQ._run(x2, Launch.of(plan), hm, scale, None, None, None)  # noqa: E731
         fn()
         if graph and DEVICE == "cuda":
             best[w] = float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))

@@ -44,7 +44,8 @@ def cast(x2: torch.Tensor, route: CastRoute, *, scale_k: torch.Tensor | None = N
 
         # one pass: a given scale serves every side (the route fused them only where they share it)
         scale = scale_k if a is not None else scale_t
-        return Casts(*triton_quant.cast(x2, a, b, scale=scale, generator=generator, record_amax=record_amax))
+        return Casts(*triton_quant.cast(x2, a, b, scale=scale, generator=generator, record_amax=record_amax,
+                                        templates=route.templates))
     amax = x2.detach().abs().amax().float() if record_amax else None
     q = _one(x2, a, route.backend_k, scale_k, generator) if a is not None else None
     if b is None:

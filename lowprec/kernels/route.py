@@ -84,6 +84,10 @@ class CastRoute:
     backend_t: Backend
     pairing: Pairing
     device_type: str
+    templates: tuple | None = None
+    """A fused route's launch templates, without and with a given scale (Triton's; see
+    ``lowprec.kernels.triton_plan.Template``): made here, eagerly, so that compiled code does not
+    trace the planning."""
 
     @property
     def fused(self) -> bool:
@@ -142,4 +146,10 @@ def route(along_k: CastSpec | None, transposed: CastSpec | None, device: torch.d
         pairing = Pairing.TRANSPOSED
     else:
         pairing = Pairing.SEPARATE
-    return CastRoute(along_k, transposed, bk or bt, bt or bk, pairing, device.type)
+    templates = None
+    if pairing is Pairing.FUSED:
+        from lowprec.kernels.triton_plan import template
+
+        delayed = any(s is not None and s.delayed for s in (along_k, transposed))
+        templates = (template(along_k, transposed, False), template(along_k, transposed, True) if delayed else None)
+    return CastRoute(along_k, transposed, bk or bt, bt or bk, pairing, device.type, templates)

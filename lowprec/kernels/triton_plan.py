@@ -6,9 +6,8 @@ tile; it travels to the ``torch.library`` ops as a flat list of ints (ops take n
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
-
-import torch
 
 from lowprec import formats as F
 from lowprec._checks import fail
@@ -125,14 +124,13 @@ def covers(spec, saturate: bool = True) -> bool:
     return spec.hadamard_seed is None or (mode == T.MODE_LOCAL and g.block_cols % RHT_BLOCK == 0)
 
 
-def side(spec, saturate: bool, *, transposed: bool, rows: int, cols: int,
-         given_scale: torch.Tensor | None = None, rand: bool = False) -> Side:
+def side(spec, saturate: bool, *, transposed: bool, rows: int, cols: int, given: bool = False,
+         rand: bool = False) -> Side:
     """The side casting a ``rows x cols`` view (x for side A; x.T, so ``rows = K``, for side B) as
-    ``spec`` (a ``CastSpec``) says; the kernels must cover it (:func:`covers`)."""
-    given = given_scale is not None
-    if not covers(spec if spec.delayed == given else replace(spec, delayed=given), saturate) or (
-            given and given_scale.numel() != 1):
-        fail("spec", "a cast the Triton kernels cover (see triton_plan.covers)", f"{spec} with scale {given_scale}")
+    ``spec`` (a ``CastSpec``) says, with a given per-tensor scale or not; the kernels must cover it
+    (:func:`covers`)."""
+    if not covers(spec if spec.delayed == given else replace(spec, delayed=given), saturate):
+        fail("spec", "a cast the Triton kernels cover (see triton_plan.covers)", f"{spec}, given scale: {given}")
     fmt, g, hadamard = spec.fmt, spec.granularity, spec.hadamard_seed is not None
     br, bc = g.block_rows, g.block_cols
     rule = _RULES[g.rule]
@@ -212,3 +210,93 @@ class Plan:
 
 _HEAD = 4
 """Ints before side A in :meth:`Plan.to_ints`: m, k, record, num_warps."""
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """What one kernel pass needs that follows from its casts and the shape alone, in plain values:
+    worked out once per (casts, shape), and under ``torch.compile`` at trace time, where it is a
+    constant of the graph (tracing the planning itself cost most of a layer's compile time)."""
+
+    ints: tuple[int, ...]
+    """:meth:`Plan.to_ints`: what the ops receive."""
+    amax_kinds: tuple[int, int]
+    """Per side (A, B), what the amax pass reduces for it (``triton_tiles.AMAX_*``)."""
+    hadamard: tuple[bool, bool]
+    given: tuple[bool, bool]
+    """Per side, the scale is the given one (delayed scaling)."""
+    nvfp4: tuple[bool, bool]
+    """Per side, an NVFP4 cast (it has a global scale)."""
+    scale_shapes: tuple[tuple[int, int], tuple[int, int]]
+    philox: bool
+    """A side draws its own random numbers (stochastic rounding without given uniforms)."""
+    share: bool
+    """Side B is side A transposed: the kernel writes one scale for both."""
+
+    @staticmethod
+    def of(p: Plan) -> Launch:
+        sides = (p.a, p.b)
+
+        def each(f, off):
+            return tuple(f(s) if s is not None else off for s in sides)
+
+        return Launch(
+            tuple(p.to_ints()), each(lambda s: s.amax_kind, T.AMAX_NONE), each(lambda s: s.hadamard, False),
+            each(lambda s: s.mode == T.MODE_GIVEN, False), each(lambda s: s.rule == N.RULE_NVFP4, False),
+            each(lambda s: s.scale_shape, (0, 0)),
+            any(s is not None and s.rounding == T.ROUND_PHILOX for s in sides), p.share)
+
+
+@functools.lru_cache(maxsize=4096)
+def launch(a, b, m: int, k: int, saturate: bool, given: bool, rand_a: bool, rand_b: bool, record: bool) -> Launch:
+    """The :class:`Launch` of casting an ``m x k`` tensor as ``a`` (along K) and ``b`` (transposed),
+    ``CastSpec`` or None each, with a given scale or not, given uniforms or not."""
+    pa = None if a is None else side(a, saturate, transposed=False, rows=m, cols=k, given=given, rand=rand_a)
+    pb = None if b is None else side(b, saturate, transposed=True, rows=k, cols=m, given=given, rand=rand_b)
+    return Launch.of(Plan(m, k, pa, pb, record=record))
+
+
+_SHAPE_INTS = 4
+"""The last ints of :meth:`Side.to_ints`: out_shape and scale_shape, the only shape-dependent ones."""
+
+
+@dataclass(frozen=True, slots=True)
+class Template:
+    """A launch with everything but the shape worked out, made with a route (eagerly, once): a cast of
+    a given shape is then a few integer operations, which is all a compiled graph traces of it
+    (tracing :func:`launch` itself cost about half a layer's compile time)."""
+
+    heads: tuple[tuple[int, ...] | None, tuple[int, ...] | None]
+    """Each side's :meth:`Side.to_ints` without its shapes (None: the side is absent)."""
+    blocks: tuple[tuple[int, int], tuple[int, int]]
+    """Each side's block edges along its own view's rows and columns (0: the whole dimension)."""
+    facts: Launch
+    """The shape-free fields of the launch (``ints`` and ``scale_shapes`` are placeholders)."""
+
+    def launch(self, m: int, k: int, record: bool) -> Launch:
+        ints, shapes = [m, k, int(record), 0], []
+        for head, (br, bc), (rows, cols) in zip(self.heads, self.blocks, ((m, k), (k, m))):
+            if head is None:
+                ints += _OFF
+                shapes.append((0, 0))
+                continue
+            br, bc = br or rows, bc or cols
+            r, c = -(-rows // br) * br, -(-cols // bc) * bc
+            ints += [*head, r, c, r // br, c // bc]
+            shapes.append((r // br, c // bc))
+        f = self.facts
+        return Launch((*ints, 0, 0), f.amax_kinds, f.hadamard, f.given, f.nvfp4, tuple(shapes), f.philox, f.share)
+
+
+@functools.lru_cache(maxsize=1024)
+def template(a, b, given: bool) -> Template:
+    """The :class:`Template` of casting as ``a`` (along K) and ``b`` (transposed), either may be None."""
+    facts = launch(a, b, 1, 1, True, given, False, False, False)
+    heads, blocks = [], []
+    for i, spec in enumerate((a, b)):
+        start = _HEAD + i * SIDE_INTS
+        head = facts.ints[start:start + SIDE_INTS - _SHAPE_INTS]
+        heads.append(head if spec is not None else None)
+        g = spec.granularity if spec is not None else None
+        blocks.append((g.block_rows or 0, g.block_cols or 0) if g is not None else (0, 0))
+    return Template(tuple(heads), tuple(blocks), facts)

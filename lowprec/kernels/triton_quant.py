@@ -18,11 +18,10 @@ from dataclasses import replace
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_ops as ops
 from lowprec.kernels import triton_tiles as T
 from lowprec.kernels.route import CastSpec
-from lowprec.kernels.triton_plan import Plan, Side, side
+from lowprec.kernels.triton_plan import Launch, Template, launch
 from lowprec.quant import Granularity, QuantizedTensor, hadamard_matrix
 from lowprec.quant import quantize as _reference
 from lowprec.quant.hadamard import RHT_BLOCK
@@ -52,8 +51,8 @@ def _hmat(seed: int | None, device: torch.device) -> torch.Tensor | None:
     return m if m is not None else _build_hadamard(seed, device)
 
 
-def _seeds(p: Plan, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:
-    if not any(s is not None and s.rounding == T.ROUND_PHILOX for s in (p.a, p.b)):
+def _seeds(launch: Launch, device: torch.device, generator: torch.Generator | None) -> torch.Tensor | None:
+    if not launch.philox:
         return None
     gen_device = generator.device if generator is not None else device
     seeds = torch.randint(0, 2**31 - 1, (2,), generator=generator, device=gen_device, dtype=torch.int32)
@@ -69,76 +68,80 @@ def _rand2(rand: torch.Tensor | None) -> torch.Tensor | None:
     return None if rand is None else as_2d(rand.detach()).float().contiguous()
 
 
-def _traceable_amax(x2: torch.Tensor, s: Side | None, transposed: bool) -> torch.Tensor | None:
+def _traceable_amax(x2: torch.Tensor, kind: int, hadamard: bool, transposed: bool) -> torch.Tensor | None:
     """A side's amax bits from torch reductions, where they are plain maxima of ``|x|`` (per tensor,
     per line, no Hadamard transform), else None. Under ``torch.compile`` the compiler fuses these into
     the kernel that produced x, sparing the amax pass its read. The bits equal the amax kernel's:
     the max of a float tensor is exact, and a NaN (which torch propagates) marks the scale NaN either way."""
-    if s is None or s.amax_kind == T.AMAX_NONE:
+    if kind == T.AMAX_NONE:
         return x2.new_empty(0, dtype=torch.int32)
-    if s.hadamard or s.amax_kind not in (T.AMAX_TENSOR, T.AMAX_LINES):
+    if hadamard or kind not in (T.AMAX_TENSOR, T.AMAX_LINES):
         return None
     a = x2.abs()
-    amax = a.amax().reshape(1) if s.amax_kind == T.AMAX_TENSOR else a.amax(dim=0 if transposed else 1)
+    amax = a.amax().reshape(1) if kind == T.AMAX_TENSOR else a.amax(dim=0 if transposed else 1)
     return amax.float().view(torch.int32) & 0x7FFFFFFF  # a NaN's sign may survive abs(): clear it
 
 
-def _amaxes(x2, plan: Plan, ints: tuple[int, ...], hmat, compiling: bool):
+def _amaxes(x2, launch: Launch, hmat, compiling: bool):
     if compiling:
-        a, b = _traceable_amax(x2, plan.a, False), _traceable_amax(x2, plan.b, True)
+        a = _traceable_amax(x2, launch.amax_kinds[0], launch.hadamard[0], False)
+        b = _traceable_amax(x2, launch.amax_kinds[1], launch.hadamard[1], True)
         if a is not None and b is not None:
             return a, b
-        return ops.tile_amax(x2, list(ints), hmat)
-    return ops.amax(x2, ints, hmat)
+        return ops.tile_amax(x2, list(launch.ints), hmat)
+    return ops.amax(x2, launch.ints, hmat)
 
 
-def _run(x2, plan: Plan, hmat, given, rand_a, rand_b, generator):
-    ints = tuple(plan.to_ints())
+def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator):
     compiling = torch.compiler.is_compiling()  # ops in a graph; direct calls in eager mode
-    if any(s is not None and s.amax_kind != T.AMAX_NONE for s in (plan.a, plan.b)):
-        amax_a, amax_b = _amaxes(x2, plan, ints, hmat, compiling)
+    if launch.amax_kinds != (T.AMAX_NONE, T.AMAX_NONE):
+        amax_a, amax_b = _amaxes(x2, launch, hmat, compiling)
     else:
         amax_a = amax_b = x2.new_empty(0, dtype=torch.int32)
     given = None if given is None else given.detach().float().reshape(1).contiguous()
-    args = (x2, hmat, amax_a, amax_b, given, rand_a, rand_b, _seeds(plan, x2.device, generator))
+    args = (x2, hmat, amax_a, amax_b, given, rand_a, rand_b, _seeds(launch, x2.device, generator))
     if compiling:
-        return ops.tile_cast(args[0], list(ints), *args[1:])
-    return ops.cast(args[0], ints, *args[1:])
+        return ops.tile_cast(args[0], list(launch.ints), *args[1:])
+    return ops.cast(args[0], launch.ints, *args[1:])
 
 
-def _result(s: Side, data, scale, g, spec: CastSpec, shape, dtype, given) -> QuantizedTensor:
-    if s.mode == T.MODE_GIVEN:  # the reference keeps the given scale, broadcast to the block grid
-        scale = torch.broadcast_to(given.float(), s.scale_shape)
-    global_scale = g if s.rule == N.RULE_NVFP4 else None
-    return QuantizedTensor(data, scale, spec.fmt, spec.granularity, shape, dtype, global_scale)
+def _result(launch: Launch, i: int, data, scale, g, spec: CastSpec, shape, dtype, given) -> QuantizedTensor:
+    if launch.given[i]:  # the reference keeps the given scale, broadcast to the block grid
+        scale = torch.broadcast_to(given.float(), launch.scale_shapes[i])
+    return QuantizedTensor(data, scale, spec.fmt, spec.granularity, shape, dtype, g if launch.nvfp4[i] else None)
 
 
 def cast(
     x2: torch.Tensor, a: CastSpec | None, b: CastSpec | None, *, saturate: bool = True,
     scale: torch.Tensor | None = None, generator: torch.Generator | None = None,
     rand: torch.Tensor | None = None, rand_t: torch.Tensor | None = None, record_amax: bool = False,
+    templates: tuple[Template | None, Template | None] | None = None,
 ) -> tuple[QuantizedTensor | None, QuantizedTensor | None, torch.Tensor | None]:
     """``(x2 cast as a, x2.T [Hadamard-transformed] cast as b, amax of x2 or None)`` from one read of the
     non-empty 2-D ``x2``; a side that is None is not made. The kernels must cover both sides
     (:func:`lowprec.kernels.triton_plan.covers`; :func:`lowprec.kernels.route.route` checks).
 
-    ``scale`` (delayed scaling) applies to both sides. A Hadamard side's shape is the padded one."""
+    ``scale`` (delayed scaling) applies to both sides. A Hadamard side's shape is the padded one.
+    ``templates``: the route's launch templates without and with a given scale (see
+    :class:`lowprec.kernels.triton_plan.Template`), for casts with the default saturation and rounding."""
     dtype = x2.dtype
     x2 = _prepare(x2)
     m, k = x2.shape
-    pa = None if a is None else side(a, saturate, transposed=False, rows=m, cols=k, given_scale=scale,
-                                     rand=rand is not None)
-    pb = None if b is None else side(b, saturate, transposed=True, rows=k, cols=m, given_scale=scale,
-                                     rand=rand_t is not None)
+    if scale is not None and scale.numel() != 1:
+        fail("scale", "one per-tensor scale (a tensor of one element)", describe(scale))
+    tmpl = templates[scale is not None] if templates is not None and saturate and rand is rand_t is None else None
+    if tmpl is not None:
+        plan = tmpl.launch(m, k, record_amax)
+    else:
+        plan = launch(a, b, m, k, saturate, scale is not None, rand is not None, rand_t is not None, record_amax)
     seed = next((s.hadamard_seed for s in (a, b) if s is not None and s.hadamard_seed is not None), None)
-    plan = Plan(m, k, pa, pb, record=record_amax)
     out = _run(x2, plan, _hmat(seed, x2.device), scale, _rand2(rand), _rand2(rand_t), generator)
-    q = None if a is None else _result(pa, out[0], out[1], out[2], a, x2.shape, dtype, scale)
+    q = None if a is None else _result(plan, 0, out[0], out[1], out[2], a, x2.shape, dtype, scale)
     q_t = None
     if b is not None:
         shape_t = (k, -(-m // RHT_BLOCK) * RHT_BLOCK) if b.hadamard_seed is not None else (k, m)
         scale_t = out[1] if plan.share else out[4]  # shared: the kernel wrote one scale, for both
-        q_t = _result(pb, out[3], scale_t, out[5], b, torch.Size(shape_t), dtype, scale)
+        q_t = _result(plan, 1, out[3], scale_t, out[5], b, torch.Size(shape_t), dtype, scale)
     amax = out[6].view(torch.float32)[0] if record_amax else None
     return q, q_t, amax
 

@@ -83,3 +83,21 @@ def test_the_route_decides_once_from_the_device_and_what_the_kernels_cover():
         route(None, None, "cpu")
     with pytest.raises(ValueError, match="backend: expected one of 'torch', 'triton', got 'cuda'"):
         route(e4m3, None, "cpu", "cuda")
+
+
+@pytest.mark.parametrize("m,k", [(1, 1), (7, 33), (128, 256), (130, 96), (4096, 4128)])
+def test_a_routes_launch_template_equals_the_launch_worked_out_in_full(m, k):
+    # compiled code takes a route's template (a few integer operations) for the full planning
+    from lowprec.kernels.triton_plan import launch, template
+
+    pairs = [(CastSpec.of("e4m3", tensorwise()), CastSpec.of("e5m2", tensorwise())),
+             (CastSpec.of("e4m3", tensorwise(), delayed=True), CastSpec.of("e4m3", tensorwise(), delayed=True)),
+             (CastSpec.of("e4m3", rowwise()), CastSpec.of("e4m3", rowwise())),
+             (CastSpec.of("e4m3", blockwise(1, 128)), CastSpec.of("e4m3", blockwise(128, 128))),
+             (CastSpec.of("e4m3", mx(32, "ceil")), None), (None, CastSpec.of("e2m1", mx(32), "stochastic")),
+             (CastSpec.of("e2m1", nvfp4(16, True)), CastSpec.of("e2m1", nvfp4(16), "stochastic", hadamard_seed=7))]
+    for a, b in pairs:
+        for given in (False, True) if (a or b).delayed else (False,):
+            for record in (False, True):
+                assert template(a, b, given).launch(m, k, record) == launch(a, b, m, k, True, given, False, False,
+                                                                            record), (a, b, given, record)
