@@ -58,6 +58,20 @@ def cast_operand(x2: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, 
     return k, t
 
 
+class QuantizedWeight(torch.Tensor):
+    """A weight parameter that arrives quantized (FSDP2's FP8 all-gather:
+    ``lowprec.distributed.fp8_weights``): the layer takes its operands as they are instead of casting."""
+
+    def quantized(self, transposed: bool = False) -> QuantizedTensor:
+        """The weight's cast (or weight.T's, for dgrad)."""
+        raise NotImplementedError
+
+    @property
+    def amax(self) -> torch.Tensor:
+        """The high-precision weight's amax, for the delayed-scaling history."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True, slots=True)
 class WeightCasts:
     """A weight's casts kept inside :func:`lowprec.nn.cached_weight_casts`, for the version of the
@@ -148,6 +162,10 @@ def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t
     """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
     :func:`lowprec.nn.cached_weight_casts` taken from the cache until the weight changes. ``record``:
     add the weight's amax to the delayed-scaling history (training forwards, not evaluation)."""
+    if isinstance(weight, QuantizedWeight):
+        if record and op.delayed and state.delayed is not None:
+            state.delayed.record(op.role, weight.amax)
+        return weight.quantized(), weight.quantized(transposed=True) if need_t else None
     caching = state.caching
     key = (weight._version, weight.data_ptr(), op) if caching else None
     cached = state.weight_cache

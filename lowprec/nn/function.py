@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from lowprec import kernels as K
-from lowprec.nn.casts import CastState, Operand, cast_operand, input_casts, weight_casts
+from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan
 from lowprec.quant import QuantizedTensor
 
@@ -64,7 +64,7 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
     (see [Note: what backward keeps]). ``record``: add the amaxes to the delayed-scaling history
     (training, not evaluation)."""
     out_dtype = output_dtype(x)
-    recast = need_dgrad and plan.recast_weight_t and not state.caching
+    recast = need_dgrad and plan.recast_weight_t and not state.caching and not isinstance(weight, QuantizedWeight)
     w_op = plan.weight
     scale_t = None
     if recast and state.delayed is not None and w_op.transposed is not None and w_op.transposed.transposed.delayed:

@@ -24,6 +24,8 @@ from lowprec.distributed import (
     sync_amaxes,
 )
 from lowprec.distributed.amax import delayed_states
+from lowprec.distributed.fp8_weights import fp8_all_gather, precompute_fp8_scales
+from lowprec.distributed.traffic import count_traffic
 from tests.distributed import common as C
 
 CHECKS: dict[str, Callable[[int, int], dict]] = {}
@@ -268,4 +270,44 @@ def ddp_grad_comm(rank: int, world: int) -> dict:
             C.train(ddp, opt, range(step, step + 1), rank, world, torch.bfloat16)
             sent.append(state.take())
         out[mode.value] = {"weights": C.flat_weights(model), "bytes": sent}
+    return out
+
+
+def _fsdp_fp8_run(recipe: str, fp8: bool, precompute: bool, rank: int, world: int) -> dict:
+    model = C.mlp(recipe, torch.bfloat16)
+    names = fp8_all_gather(model) if fp8 else []
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    opt = C.sgd(model.parameters(), master_weights=True)
+    seen: list[str] = []
+    hook = model[0].register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
+    losses, scale_reduces = [], []
+    with count_traffic() as traffic:
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = C.batch(step, rank, world, torch.bfloat16)
+            loss = C.mse(model, x, y)
+            opt.backward(loss)
+            sync_amaxes(model)
+            losses.append(opt.step(loss).loss)
+            if precompute:
+                with counting_all_reduce() as calls:
+                    precompute_fp8_scales(model)
+                scale_reduces.append(len(calls))
+    hook.remove()
+    return {"names": names, "weights": C.flat_weights(model), "losses": losses, "seen": seen[:1],
+            "all_gather": traffic["all_gather"] // STEPS, "scale_reduces": scale_reduces,
+            "state_dict_types": sorted({type(local(v)).__name__ for v in model.state_dict().values()})}
+
+
+@check
+def fsdp_fp8_all_gather(rank: int, world: int) -> dict:
+    """FSDP2 all-gathering per-tensor FP8 weights in E4M3, against all-gathering them in BF16."""
+    out = {}
+    for recipe in ("fp8-current", "fp8-delayed"):
+        out[recipe, "bf16"] = _fsdp_fp8_run(recipe, False, False, rank, world)
+        out[recipe, "fp8"] = _fsdp_fp8_run(recipe, True, True, rank, world)
+    out["fp8-current", "fp8-own-scales"] = _fsdp_fp8_run("fp8-current", True, False, rank, world)
+    out["mxfp8", "fp8"] = {"names": fp8_all_gather(C.mlp("mxfp8", torch.bfloat16))}
     return out

@@ -1,0 +1,71 @@
+"""Bytes a rank puts on the wire, counted at torch.distributed's collectives (for benchmarks and tests).
+
+``with count_traffic() as t: ...`` counts, per kind of collective, the bytes of every input this rank
+hands to torch.distributed inside the region (an all-gather's shard, a reduce-scatter's or an
+all-reduce's whole input, an all-to-all's input), whoever calls it: FSDP2, DDP, lowprec's own
+gradient communication. That is what the rank sends, before the algorithm's own traffic pattern (a
+ring all-reduce moves about twice its input); ratios between runs of one pattern hold either way.
+The functions are wrapped for the region only, on the ``torch.distributed`` module, as FSDP2 and
+DDP look them up at call time.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+_COUNTED = {
+    "all_gather_into_tensor": ("all_gather", 1), "all_gather_single": ("all_gather", 1),
+    "_all_gather_base": ("all_gather", 1), "all_gather": ("all_gather", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 1), "reduce_scatter_single": ("reduce_scatter", 1),
+    "_reduce_scatter_base": ("reduce_scatter", 1), "all_reduce": ("all_reduce", 0),
+    "all_to_all_single": ("all_to_all", 1), "broadcast": ("broadcast", 0),
+}
+"""torch.distributed function -> (kind, position of the input tensor among its arguments)."""
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+class Traffic(Counter):
+    """Bytes by kind of collective (``all_gather``, ``reduce_scatter``, ``all_reduce``, ...)."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.values())
+
+
+@contextlib.contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count the bytes this rank hands to torch.distributed's collectives inside the region."""
+    traffic = Traffic()
+    saved = {}
+
+    def wrap(name: str, kind: str, pos: int):
+        real = getattr(dist, name)
+
+        def counted(*args, **kwargs):
+            named = kwargs.get("input_tensor", kwargs.get("input", kwargs.get("tensor")))
+            arg = args[pos] if len(args) > pos else named
+            traffic[kind] += _nbytes(arg)
+            return real(*args, **kwargs)
+
+        return real, counted
+
+    for name, (kind, pos) in _COUNTED.items():
+        if hasattr(dist, name):
+            saved[name], counted = wrap(name, kind, pos)
+            setattr(dist, name, counted)
+    try:
+        yield traffic
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
