@@ -1,0 +1,118 @@
+"""benchmarks/bench_model.py, run as its dry run (the tiny model, eager, on the CPU): what it measures and writes."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch._inductor.config
+from torch import nn
+
+from lowprec.train.model import PRESETS, Transformer, build_model
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROW_FIELDS = {"convert_on", "conversion", "setup_s", "model_gib", "tokens_per_s", "step_ms", "peak_gib",
+              "first_step_s", "warmup_s", "graph_breaks", "graphs", "loss_first", "loss_last", "skipped_steps"}
+
+
+@pytest.fixture(name="bench", scope="module")
+def bench_fixture():
+    """The script as a module (it imports its sibling ``_common`` by plain name)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))
+        spec = importlib.util.spec_from_file_location("bench_model", BENCHMARKS / "bench_model.py")
+        module = importlib.util.module_from_spec(spec)
+        mp.setitem(sys.modules, "bench_model", module)  # dataclasses look their module up there
+        # main() disables inductor's caches for the process; the tests after these keep theirs
+        mp.setattr(torch._inductor.config, "force_disable_caches", torch._inductor.config.force_disable_caches)
+        spec.loader.exec_module(module)
+        yield module
+
+
+@pytest.fixture(name="dry_run", scope="module")
+def dry_run_fixture(bench, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_model")
+    with torch.random.fork_rng():  # main() seeds the global generators
+        bench.main(["--sizes", "tiny", "--modes", "eager", "--params", "fp32-autocast,bf16-master", "--steps", "2",
+                    "--warmup", "1", "--variants", "bf16,lowprec:fp8-current,torchao:tensorwise", "--out", str(out)])
+    files = list(out.glob("*.json"))
+    assert len(files) == 1
+    return json.loads(files[0].read_text())
+
+
+@pytest.mark.parametrize("params", ["fp32-autocast", "bf16-master"])
+@pytest.mark.parametrize("variant", ["bf16", "lowprec:fp8-current"])
+def test_dry_run_measures_whole_training_steps(bench, dry_run, params, variant):
+    row = dry_run["results"][f"tiny / eager / {params}"][variant]
+    assert set(row) == ROW_FIELDS | ({"mfu"} if torch.cuda.is_available() else set())
+    size = bench.SIZES["tiny"]
+    assert len(row["step_ms"]) == 2 and all(ms > 0 for ms in row["step_ms"])
+    assert row["tokens_per_s"] == pytest.approx(size.tokens / statistics.median(row["step_ms"]) * 1e3, rel=1e-12)
+    assert row["first_step_s"] > 0 and row["graph_breaks"] == 0 and row["skipped_steps"] == 0
+    assert row["peak_gib"] is None and row["model_gib"] is None  # no CUDA allocator to ask on a CPU
+    # initial weights of std 0.02 give nearly uniform logits: the first loss is close to ln(vocab) ...
+    assert abs(row["loss_first"] - math.log(size.config.vocab_size)) < 0.2
+    # ... and four optimizer steps on the same batch lower it: backward and step really ran
+    assert row["loss_last"] < row["loss_first"] - 0.1
+
+
+def test_dry_run_converts_all_but_the_head(bench, dry_run):
+    cfg = bench.SIZES["tiny"].config
+    n_linears = 7 * cfg.n_layers + 1  # wq, wk, wv, wo, w1, w2, w3 per block, then the LM head
+    for params in ("fp32-autocast", "bf16-master"):
+        rows = dry_run["results"][f"tiny / eager / {params}"]
+        assert f"{n_linears - 1} of {n_linears} linears converted" in rows["lowprec:fp8-current"]["conversion"]
+        assert rows["bf16"]["conversion"] == "plain nn.Linear"
+        torchao = rows["torchao:tensorwise"]
+        if bench.torchao_float8() is None:
+            assert torchao == {"skipped": "skipped: torchao not importable"}
+        else:
+            assert ROW_FIELDS <= set(torchao)
+
+
+def test_dry_run_json_records_the_setup(bench, dry_run):
+    assert dry_run["args"]["variants"] == ["bf16", "lowprec:fp8-current", "torchao:tensorwise"]
+    assert {"device", "torch", "torchao"} <= set(dry_run["env"])
+    tiny = dry_run["sizes"]["tiny"]
+    model = build_model(bench.SIZES["tiny"].config)
+    assert tiny["n_params"] == sum(p.numel() for p in model.parameters())
+    assert tiny["tokens_per_step"] == 2 * 64
+
+
+def test_flops_per_token_counts_linears_and_attention(bench):
+    for name in ("tiny", "1b", "3b"):
+        size, cfg = bench.SIZES[name], bench.SIZES[name].config
+        with torch.device("meta"):  # shapes only
+            model = Transformer(cfg)
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+        # per layer and token: Q K^T and A V, 2 x seq x head_dim FLOPs per head each, forward then twice backward
+        attention = 3 * 2 * (2 * size.seq_len * cfg.head_dim) * cfg.n_heads * cfg.n_layers
+        assert size.flops_per_token() == 6 * linear + attention
+
+
+def test_ffn_rule_reproduces_the_presets(bench):
+    for cfg in PRESETS.values():
+        assert bench.llama_ffn(cfg.dim) == cfg.ffn_dim
+
+
+def test_reference_shapes(bench):
+    shapes = {name: (s.config.dim, s.config.n_layers, s.config.n_heads, s.config.n_kv_heads, s.seq_len, s.batch,
+                     s.config.vocab_size) for name, s in bench.SIZES.items() if name != "tiny"}
+    assert shapes == {"125m": (768, 12, 12, 4, 2048, 16, 32000), "1b": (2048, 16, 16, 8, 2048, 8, 32000),
+                      "3b": (3072, 26, 24, 8, 4096, 4, 32000)}
+    assert bench.SIZES["3b"].config.num_params() == pytest.approx(2.8e9, rel=0.02)
+
+
+@pytest.mark.parametrize("argv", [["--variants", "lowprec:fp9"], ["--variants", "torchao:mxfp8"],
+                                  ["--sizes", "7b"], ["--modes", "jit"], ["--params", "fp16"],
+                                  ["--convert-on", "gpu"], ["--steps", "0"]])
+def test_bad_flags_are_refused(bench, argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+    assert "expected" in capsys.readouterr().err
