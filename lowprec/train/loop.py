@@ -30,6 +30,8 @@ import lowprec
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
+from lowprec.distributed import checkpoint as dist_checkpoint
+from lowprec.distributed.launch import Ranks, apply_grad_comm, grad_sync, mean_over_ranks, unwrap, wrap
 from lowprec.nn import cached_weight_casts
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -49,11 +51,14 @@ class _Run:
     """The mutable state of one run, in one place."""
 
     model: nn.Module
+    """The model as trained: wrapped by DDP, sharded by FSDP2, or itself in one process."""
     opt: Optimizer
     data: TokenData
     cfg: TrainConfig
     device: torch.device
     val: list[tuple[torch.Tensor, torch.Tensor]]
+    """This rank's rows of the validation batches."""
+    ranks: Ranks = field(default_factory=Ranks)
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -89,33 +94,51 @@ def _run_info(run: _Run) -> dict[str, Any]:
                                                         "fingerprint": run.data.fingerprint,
                                                         "position": {"seed": run.cfg.seed,
                                                                      "next_step": run.history[-1]["step"] + 1}},
-            "param_shapes": _param_shapes(run.model), "lowprec_version": lowprec.__version__,
+            "param_shapes": _param_shapes(unwrap(run.model)), "lowprec_version": lowprec.__version__,
             "torch_version": torch.__version__, "python_version": platform.python_version()}
 
 
 def _save(run: _Run, directory: Path) -> None:
+    step = run.history[-1]["step"]
+    if run.ranks.distributed:
+        dist_checkpoint.save(directory, step, run.model, run.opt, run.ranks, keep=run.cfg.keep,
+                             state={"history": run.history, "run": _run_info(run)},
+                             rng=dist_checkpoint.rank_rng_state(run.device))
+        return
     state = {"model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "rng": _rng_state(run.device),
              "history": run.history, "run": _run_info(run)}
-    save_checkpoint(directory, run.history[-1]["step"], state, keep=run.cfg.keep)
+    save_checkpoint(directory, step, state, keep=run.cfg.keep)
 
 
 def _resume(run: _Run, directory: Path) -> None:
     path = latest_checkpoint(directory)
     if path is None:
         fail("resume", f"a checkpoint in {str(directory)!r}", "none (start without --resume)", FileNotFoundError)
-    step, state = load_checkpoint(path)
+    distributed = dist_checkpoint.is_distributed_checkpoint(path)
+    if distributed:
+        meta = dist_checkpoint.read(path, run.ranks)
+        step, state = meta["step"], meta["state"]
+    elif run.ranks.distributed:
+        fail("resume", "a checkpoint saved by a run with --parallel ddp or fsdp2 (torch.distributed.checkpoint)",
+             f"the single-process checkpoint {path.name}")
+    else:
+        step, state = load_checkpoint(path)
     info = state["run"]
     check_resumable(info["train_config"], run.cfg)
     if info["data"]["fingerprint"] != run.data.fingerprint:
         fail("data", f"the data the checkpoint was trained on ({info['data']['source']})", run.data.source)
-    if info["param_shapes"] != _param_shapes(run.model):
+    if info["param_shapes"] != _param_shapes(unwrap(run.model)):
         fail("model", "the model the checkpoint was trained on (same parameter names and shapes)",
              "a different one")
     if step > run.cfg.steps:
         fail("steps", f"at least the checkpoint's step {step}", run.cfg.steps)
-    run.model.load_state_dict(state["model"])
-    run.opt.load_state_dict(state["optimizer"])
-    _set_rng_state(state["rng"], run.device)
+    if distributed:
+        rng = dist_checkpoint.load(path, meta, run.model, run.opt, run.ranks)
+        dist_checkpoint.set_rank_rng_state(rng, run.device)
+    else:
+        run.model.load_state_dict(state["model"])
+        run.opt.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"], run.device)
     run.history = list(state["history"])
 
 
@@ -141,19 +164,23 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len)  # (M, B, T)
+    inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len,
+                                           rank=run.ranks.rank, world_size=run.ranks.world_size)  # (M, B/W, T)
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
     # micro-batches of one step share each weight's casts; a single batch casts at its forward
     cached = cached_weight_casts(run.model) if cfg.grad_accum > 1 else contextlib.nullcontext()
     with _recipe_region(cfg, step), cached:
-        for x, y in zip(inputs, targets):
-            logits = run.model(x.to(run.device, non_blocking=True))  # (B, T, vocab)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
-            run.opt.backward(loss / cfg.grad_accum)
+        for i, (x, y) in enumerate(zip(inputs, targets)):
+            with grad_sync(run.model, enabled=i == cfg.grad_accum - 1):  # ranks reduce the sum, once
+                logits = run.model(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
+                run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
-    result = run.opt.step(loss=loss_sum / cfg.grad_accum)  # the loss check shares the step's one host sync
+    # the global batch's loss: logged, and checked and watched for spikes alike on every rank
+    loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
+    result = run.opt.step(loss=loss_mean)  # the loss check shares the step's one host sync
     loss_value = result.loss
     seconds = time.perf_counter() - start
     return {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
@@ -162,8 +189,16 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
             "tokens_per_s": cfg.tokens_per_step / seconds}
 
 
+def _validate(run: _Run) -> float:
+    """The validation loss over all ranks' rows (each rank evaluates its own)."""
+    local = evaluate(run.model, run.val, run.device)
+    if not run.ranks.distributed:
+        return local
+    return mean_over_ranks(torch.tensor(local, dtype=torch.float64, device=run.device), run.ranks).item()
+
+
 def _steps(run: _Run, first: int) -> Iterator[int]:
-    interactive = run.cfg.progress and sys.stderr.isatty()
+    interactive = run.cfg.progress and sys.stderr.isatty() and run.ranks.is_main
     bar = tqdm(range(first, run.cfg.steps + 1), initial=first - 1, total=run.cfg.steps, disable=not interactive,
                desc=run.cfg.recipe, unit="step", dynamic_ncols=True, file=sys.stderr)
     with contextlib.closing(bar):
@@ -183,7 +218,7 @@ def _loop(run: _Run, log: RunLog | None, ckpt_dir: Path | None, on_step: Callabl
         diverged = in_a_row >= cfg.max_skips_in_row
         if (step % cfg.eval_every == 0 or step == cfg.steps) and not diverged:
             with _recipe_region(cfg, step):  # validated as it was trained at this step
-                row["val_loss"] = evaluate(run.model, run.val, run.device)
+                row["val_loss"] = _validate(run)
         row["elapsed_s"] = time.perf_counter() - started
         run.history.append(row)
         if log is not None:
@@ -212,17 +247,28 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     With ``out_dir``: ``log.csv``, ``tensorboard/`` and, with ``checkpoints``, ``checkpoints/``;
     ``resume`` continues from the newest checkpoint there. ``on_step`` sees each step's log row
     after it is written and checkpointed (an exception from it stops the run there).
+
+    With ``cfg.parallel`` ``ddp`` or ``fsdp2`` (a process group must be initialized, e.g. by torchrun),
+    every rank calls this with the same model and data: the model is converted, then wrapped; each
+    rank trains on its rows of every batch; rank 0 alone writes the logs; checkpoints are saved by
+    every rank through ``torch.distributed.checkpoint``. The result's history is the same on every
+    rank, but for timings.
     """
     recipe = recipes.get(cfg.recipe)
     device = torch.device(cfg.device)
+    ranks = Ranks.of(cfg.parallel)
     if resume and out_dir is None:
         fail("resume", "an output directory holding checkpoints", "out_dir=None")
     # cast before converting, so scaling state the converted layers hold stays float32
     model.to(device=device, dtype=cfg.torch_dtype)
     conversion = str(lowprec.convert(model, recipe))
+    val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
+                           world_size=ranks.world_size)  # refuses a batch the ranks cannot share
+    model = wrap(model, cfg.parallel)  # after converting: the wrappers hold lowprec's layers
+    apply_grad_comm(model, cfg.parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     run = _Run(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
-               val=data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len))
+               val=val, ranks=ranks)
     out = Path(out_dir) if out_dir is not None else None
     ckpt_dir = out / "checkpoints" if out is not None and checkpoints else None
     if resume:
@@ -233,7 +279,7 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
              f"{str(out)!r} holding {latest_checkpoint(ckpt_dir).name}")
     memory = PeakMemory(device)
     memory.reset()
-    log = RunLog(out, run.history, cfg.tensorboard) if out is not None else None
+    log = RunLog(out, run.history, cfg.tensorboard) if out is not None and ranks.is_main else None
     try:
         diverged = _loop(run, log, ckpt_dir, on_step)
     finally:

@@ -1,0 +1,1 @@
+"""DDP/FSDP2 glue on torch.distributed: launching, wrapping, gradient communication, distributed checkpoints."""
