@@ -41,10 +41,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from lowprec._checks import fail
-from lowprec.distributed.launch import Ranks, unwrap
+from lowprec.distributed.launch import Ranks, reshard, unwrap
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import (
     DISTRIBUTED_FORMAT,
@@ -61,17 +61,10 @@ FORMAT_VERSION = 1
 _HASH_CHUNK = 1 << 24
 
 
-def is_distributed_checkpoint(json_path: Path) -> bool:
-    """Whether the checkpoint JSON ``json_path`` was written by :func:`save` (False if unreadable)."""
-    try:
-        return json.loads(Path(json_path).read_bytes()).get("format") == DISTRIBUTED_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 # -- the optimizer's state keyed by parameter name ---------------------------------------------
 def _param_names(model: nn.Module, opt: Optimizer) -> list[str]:
     """The name (FQN, without wrapper prefixes) of each of ``opt``'s parameters, in its order."""
+    reshard(model)
     names = {id(p): n for n, p in unwrap(model).named_parameters()}
     missing = [i for i, p in enumerate(opt.params) if id(p) not in names]
     if missing:
@@ -92,7 +85,11 @@ def optimizer_state_by_name(model: nn.Module, opt: Optimizer) -> dict[str, Any]:
 
 
 def optimizer_state_by_position(model: nn.Module, opt: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`optimizer_state_by_name` for ``opt`` (what ``opt.load_state_dict`` takes)."""
+    """The inverse of :func:`optimizer_state_by_name` for ``opt`` (what ``opt.load_state_dict`` takes).
+
+    Each of ``opt``'s param groups takes the settings of the saved group holding the same parameters,
+    whatever the order of the groups and of the parameters in them.
+    """
     names = _param_names(model, opt)
     index = {n: i for i, n in enumerate(names)}
     inner, masters = state["optimizer"], state["master_weights"]
@@ -100,10 +97,18 @@ def optimizer_state_by_position(model: nn.Module, opt: Optimizer, state: dict[st
     if unknown:
         fail("checkpoint", "optimizer state for this model's parameters", f"state for {unknown[0]!r}",
              CheckpointError)
+    saved_groups = {frozenset(g["params"]): g for g in inner["param_groups"]}
+    groups, start = [], 0
+    for group in opt.param_groups:
+        members = names[start:start + len(group["params"])]
+        start += len(members)
+        saved = saved_groups.get(frozenset(members))
+        if saved is None:
+            fail("checkpoint", "a saved param group holding the same parameters as each of the optimizer's",
+                 f"none holding {members[0]!r} and the {len(members) - 1} others of its group", CheckpointError)
+        groups.append({**saved, "params": [index[n] for n in members]})
     return {**state,
-            "optimizer": {"state": {index[n]: s for n, s in inner["state"].items()},
-                          "param_groups": [{**g, "params": [index[n] for n in g["params"]]}
-                                           for g in inner["param_groups"]]},
+            "optimizer": {"state": {index[n]: s for n, s in inner["state"].items()}, "param_groups": groups},
             "master_weights": [masters.get(n) for n in names]}
 
 
@@ -256,10 +261,20 @@ def load(json_path: str | Path, meta: dict[str, Any], model: nn.Module, opt: Opt
     dests.update({key: _plain(saved[key]) for key in rng_keys.values()})
     with _single_process_quiet(ranks):
         dcp.load(dests, checkpoint_id=str(directory), no_dist=not ranks.distributed)
-    set_model_state_dict(model, {k[len("model/"):]: v for k, v in dests.items() if k.startswith("model/")})
+    _set_model_state(model, {k[len("model/"):]: v for k, v in dests.items() if k.startswith("model/")})
     by_name = join_tensors(optim_json, {k: v for k, v in dests.items() if k.startswith("optim/")})
     opt.load_state_dict(optimizer_state_by_position(model, opt, by_name))
     return {k: dests[key] for k, key in rng_keys.items()}
+
+
+def _set_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    # not strict: torch's strict check under DDP asks for every lowprec Linear's extra state, which a
+    # layer without delayed-scaling history leaves out; every other key is checked here
+    keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    bad = [f"no {k!r} in the checkpoint" for k in keys.missing_keys if not k.endswith("_extra_state")]
+    bad += [f"{k!r}, which the model does not have" for k in keys.unexpected_keys]
+    if bad:
+        fail("checkpoint", "the state of this model", bad[0], CheckpointError)
 
 
 def _plain(md: Any) -> torch.Tensor:

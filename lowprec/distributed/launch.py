@@ -163,6 +163,15 @@ def wrap(model: nn.Module, parallel: str | Parallel) -> nn.Module:
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2's sharded parameters back in place of any gathered ones (the root keeps its gathered
+    weights after a forward without backward, such as evaluation's), so that the model's parameters
+    are the ones its optimizer holds; a no-op for other models."""
+    for m in model.modules():
+        if _is_fsdp2(m):
+            m.reshard()
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The model inside a DDP wrapper (its parameter names without ``module.``); others as they are."""
     return model.module if isinstance(model, DistributedDataParallel) else model
@@ -186,6 +195,12 @@ def apply_grad_comm(model: nn.Module, parallel: str | Parallel, grad_comm: str |
     hooks.register(model, p, g)
 
 
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 @contextlib.contextmanager
 def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     """Gradient reduction on (the last micro-batch of a step) or off (the others: gradients only accumulate)."""
@@ -194,7 +209,7 @@ def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+    elif _is_fsdp2(model):
         model.set_requires_gradient_sync(False)
         try:
             yield

@@ -119,6 +119,14 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def is_distributed_checkpoint(json_path: str | Path) -> bool:
+    """Whether a checkpoint JSON was written by :mod:`lowprec.distributed.checkpoint` (False if unreadable)."""
+    try:
+        return json.loads(Path(json_path).read_bytes()).get("format") == DISTRIBUTED_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     """The JSON file of the newest complete checkpoint, or None."""
     found = list_checkpoints(directory)

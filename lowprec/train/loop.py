@@ -30,11 +30,10 @@ import lowprec
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
-from lowprec.distributed import checkpoint as dist_checkpoint
 from lowprec.distributed.launch import Ranks, apply_grad_comm, grad_sync, mean_over_ranks, unwrap, wrap
 from lowprec.nn import cached_weight_casts
 from lowprec.optim import Optimizer
-from lowprec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from lowprec.train.checkpoint import is_distributed_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from lowprec.train.config import TrainConfig, check_resumable
 from lowprec.train.data import TokenData
 from lowprec.train.logs import RunLog
@@ -101,6 +100,7 @@ def _run_info(run: _Run) -> dict[str, Any]:
 def _save(run: _Run, directory: Path) -> None:
     step = run.history[-1]["step"]
     if run.ranks.distributed:
+        from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
         dist_checkpoint.save(directory, step, run.model, run.opt, run.ranks, keep=run.cfg.keep,
                              state={"history": run.history, "run": _run_info(run)},
                              rng=dist_checkpoint.rank_rng_state(run.device))
@@ -114,8 +114,9 @@ def _resume(run: _Run, directory: Path) -> None:
     path = latest_checkpoint(directory)
     if path is None:
         fail("resume", f"a checkpoint in {str(directory)!r}", "none (start without --resume)", FileNotFoundError)
-    distributed = dist_checkpoint.is_distributed_checkpoint(path)
+    distributed = is_distributed_checkpoint(path)
     if distributed:
+        from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
         meta = dist_checkpoint.read(path, run.ranks)
         step, state = meta["step"], meta["state"]
     elif run.ranks.distributed:
