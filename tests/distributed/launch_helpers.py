@@ -1,21 +1,32 @@
-"""Two CPU processes on gloo for tests: the CLI through torchrun, or a test's function in forked processes.
+"""Two CPU processes on gloo for tests: torchrun itself, or the test process forked.
 
-torchrun starts fresh interpreters (its agent and each rank import torch: seconds each on a busy
-machine), so only the tests of the command line use it; the others fork the test process, whose
-imports the ranks inherit, and meet through a file store (no port to find).
+torchrun starts fresh interpreters (its agent and each rank import torch, its compiler and DCP:
+seconds each on a busy machine), so one test launches it for real; the others fork the test
+process, whose imports the ranks inherit. Forked ranks meet through a file store, or, to run the
+command line as torchrun would start it, through the environment torchrun gives its workers.
 """
 from __future__ import annotations
 
+import json
+import os
+import socket
 import subprocess
 import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+# torch._dynamo is imported by the first model built, DCP and FSDP by the first distributed run: once
+# here, not once in every forked rank
 import torch
+import torch._dynamo
 import torch.distributed as dist
+import torch.distributed.checkpoint
+import torch.distributed.fsdp
 import torch.multiprocessing as mp
+from click.testing import CliRunner
 
+from lowprec.cli import main
 from lowprec.train.config import TrainConfig
 from lowprec.train.model import ModelConfig
 
@@ -25,6 +36,11 @@ MICRO = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, ma
 MICRO_CFG = TrainConfig(steps=6, batch_size=4, seq_len=32, eval_every=3, val_batches=2, warmup_steps=2, lr=3e-3,
                         tensorboard=False, progress=False)
 TIMEOUT_S = 180
+TIGHT = 1e-3
+"""Relative difference of each step's train and validation loss between N ranks and one process on the same
+global batch, bf16 recipe, FP32 parameters: rounding alone (the mean of per-rank means, sums reordered)."""
+FSDP2_XFAIL = ("lowprec.optim.Optimizer's step guard reads FSDP2's DTensor gradients as local tensors "
+               "(.tolist() on a DTensor); the optimizer's distributed fix makes the norm and the skip global")
 
 
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -41,6 +57,30 @@ def _rank_main(rank: int, fn: Callable, world_size: int, store: str, args: tuple
         fn(*args)
     finally:
         dist.destroy_process_group()
+
+
+def _cli_rank_main(rank: int, args: list[str], world_size: int, port: int, out: Path) -> None:
+    # what torchrun sets for each worker: lowprec sees a torchrun launch, torch's env:// rendezvous the rest
+    os.environ.update({"TORCHELASTIC_RUN_ID": "test", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    result = CliRunner().invoke(main, args)
+    error = None if result.exception is None or isinstance(result.exception, SystemExit) else repr(result.exception)
+    (out / f"cli_{rank}.json").write_text(json.dumps({"exit_code": result.exit_code, "stdout": result.stdout,
+                                                      "stderr": result.stderr, "error": error}))
+
+
+def forked_cli(*args: str, out: Path, world_size: int = 2) -> list[dict]:
+    """``lowprec *args`` on ``world_size`` forked ranks set up as torchrun sets up its workers; each rank's
+    exit code, stdout, stderr and unexpected exception (as from ``CliRunner``), in rank order."""
+    with socket.socket() as s:  # a free port for rank 0's store (another process could take it; unlikely)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_cli_rank_main, args=(list(args), world_size, port, out), nprocs=world_size, join=True,
+                       start_method="fork")
+    return [json.loads((out / f"cli_{r}.json").read_text()) for r in range(world_size)]
 
 
 def forked(fn: Callable, *args, store: Path, world_size: int = 2) -> None:

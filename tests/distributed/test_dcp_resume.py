@@ -15,8 +15,7 @@ from lowprec.train.logs import read_log
 from lowprec.train.loop import train
 from lowprec.train.model import build_model
 from tests.distributed import dcp_scenarios
-from tests.distributed.launch_helpers import MICRO, MICRO_CFG, forked
-from tests.distributed.test_launch_torchrun import FSDP2_XFAIL
+from tests.distributed.launch_helpers import FSDP2_XFAIL, MICRO, MICRO_CFG, forked
 
 
 @pytest.fixture(autouse=True)

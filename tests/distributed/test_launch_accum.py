@@ -14,8 +14,7 @@ import torch.distributed as dist
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
 from lowprec.train.model import build_model
-from tests.distributed.launch_helpers import MICRO, MICRO_CFG, forked
-from tests.distributed.test_launch_torchrun import FSDP2_XFAIL, TIGHT
+from tests.distributed.launch_helpers import FSDP2_XFAIL, MICRO, MICRO_CFG, TIGHT, forked
 
 CFG = replace(MICRO_CFG, steps=4, eval_every=2, grad_accum=2)
 
