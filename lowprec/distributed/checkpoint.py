@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lowprec._checks import fail
 from lowprec.distributed.launch import Ranks, reshard, unwrap
@@ -72,16 +73,20 @@ def _param_names(model: nn.Module, opt: Optimizer) -> list[str]:
     return [names[id(p)] for p in opt.params]
 
 
-def optimizer_state_by_name(model: nn.Module, opt: Optimizer) -> dict[str, Any]:
-    """``opt.state_dict()`` with every per-parameter entry keyed by the parameter's name, not its position."""
+def optimizer_state_by_name(model: nn.Module, opt: Optimizer, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``opt.state_dict()`` with every per-parameter entry keyed by the parameter's name, not its position.
+
+    ``state``: a positional state of an optimizer over the same parameters in the same order (a
+    single-process checkpoint of this model) instead of ``opt``'s own.
+    """
     names = _param_names(model, opt)
-    sd = opt.state_dict()
+    sd = opt.state_dict() if state is None else state
     inner = sd["optimizer"]
     return {**sd,
             "optimizer": {"state": {names[i]: s for i, s in inner["state"].items()},
                           "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                            for g in inner["param_groups"]]},
-            "master_weights": {n: m for n, m in zip(names, sd["master_weights"])}}
+            "master_weights": dict(zip(names, sd["master_weights"]))}
 
 
 def optimizer_state_by_position(model: nn.Module, opt: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
@@ -267,10 +272,32 @@ def load(json_path: str | Path, meta: dict[str, Any], model: nn.Module, opt: Opt
     return {k: dests[key] for k, key in rng_keys.items()}
 
 
-def _set_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_whole(model: nn.Module, opt: Optimizer, model_state: dict[str, torch.Tensor],
+               optimizer_state: dict[str, Any]) -> None:
+    """Load a single-process checkpoint's state (whole tensors, on every rank) into a wrapped model and its
+    optimizer: under FSDP2 each rank keeps its shard of every tensor shaped like a parameter."""
+    _set_model_state(model, model_state, whole=True)
+    targets = _optimizer_targets(model, opt)
+    by_name = optimizer_state_by_name(model, opt, optimizer_state)
+    for name, entry in by_name["optimizer"]["state"].items():
+        by_name["optimizer"]["state"][name] = {k: _shard_like(v, targets[name]) for k, v in entry.items()}
+    by_name["master_weights"] = {n: _shard_like(m, targets[n]) for n, m in by_name["master_weights"].items()}
+    opt.load_state_dict(optimizer_state_by_position(model, opt, by_name))
+
+
+def _shard_like(value: Any, target: torch.Tensor) -> Any:
+    """A whole tensor of ``target``'s (global) shape as ``target`` is laid out: this rank's shard of a DTensor."""
+    if isinstance(value, torch.Tensor) and isinstance(target, DTensor) and value.shape == target.shape:
+        # every rank holds the whole tensor: each keeps its shard, nothing is sent
+        return distribute_tensor(value.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+    return value
+
+
+def _set_model_state(model: nn.Module, state: dict[str, torch.Tensor], whole: bool = False) -> None:
     # not strict: torch's strict check under DDP asks for every lowprec Linear's extra state, which a
     # layer without delayed-scaling history leaves out; every other key is checked here
-    keys = set_model_state_dict(model, state, options=StateDictOptions(strict=False))
+    options = StateDictOptions(strict=False, full_state_dict=whole)
+    keys = set_model_state_dict(model, state, options=options)
     bad = [f"no {k!r} in the checkpoint" for k in keys.missing_keys if not k.endswith("_extra_state")]
     bad += [f"{k!r}, which the model does not have" for k in keys.unexpected_keys]
     if bad:

@@ -7,6 +7,15 @@ Everything random in a step is a function of saved state: the batch of step ``s`
 :func:`train` seeds at the start and a checkpoint saves and restores. With the model (delayed
 scaling state included), the optimizer (masters, moments, loss scale, spike window) and the
 history saved after step ``k``, a run resumed there repeats steps ``k+1..`` bit for bit on a CPU.
+
+[Note: every rank decides alike]
+Under ``ddp``/``fsdp2`` each rank trains on its rows of the step's batch (see
+:mod:`lowprec.distributed.launch`). What decides the course of the run is the same on every rank:
+the loss handed to the optimizer is the mean over the ranks (so the non-finite-loss check and the
+spike watch see one value), the gradients it judges are the reduced ones (its norm and skip
+decision taken over all ranks' gradients), the validation loss is averaged over the ranks' rows,
+and the schedule, evaluation and checkpoint steps depend on the step alone. So a skipped step, the
+divergence stop and every checkpoint happen on all ranks at once.
 """
 from __future__ import annotations
 
@@ -119,11 +128,8 @@ def _resume(run: _Run, directory: Path) -> None:
         from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
         meta = dist_checkpoint.read(path, run.ranks)
         step, state = meta["step"], meta["state"]
-    elif run.ranks.distributed:
-        fail("resume", "a checkpoint saved by a run with --parallel ddp or fsdp2 (torch.distributed.checkpoint)",
-             f"the single-process checkpoint {path.name}")
     else:
-        step, state = load_checkpoint(path)
+        step, state = load_checkpoint(path)  # under torchrun, every rank reads it whole
     info = state["run"]
     check_resumable(info["train_config"], run.cfg)
     if info["data"]["fingerprint"] != run.data.fingerprint:
@@ -136,6 +142,11 @@ def _resume(run: _Run, directory: Path) -> None:
     if distributed:
         rng = dist_checkpoint.load(path, meta, run.model, run.opt, run.ranks)
         dist_checkpoint.set_rank_rng_state(rng, run.device)
+    elif run.ranks.distributed:  # a single-process checkpoint, spread over the ranks
+        from lowprec.distributed import checkpoint as dist_checkpoint
+
+        dist_checkpoint.load_whole(run.model, run.opt, state["model"], state["optimizer"])
+        torch.set_rng_state(state["rng"]["cpu"])  # one process's CUDA generators are not this rank's
     else:
         run.model.load_state_dict(state["model"])
         run.opt.load_state_dict(state["optimizer"])

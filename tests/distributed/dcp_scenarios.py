@@ -18,6 +18,7 @@ import lowprec
 from lowprec.distributed import checkpoint as dist_checkpoint
 from lowprec.distributed.launch import Ranks, wrap
 from lowprec.optim import Optimizer
+from lowprec.train.config import TrainConfig
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
 from lowprec.train.model import build_model
@@ -89,6 +90,11 @@ def kill(out: Path, where: str) -> None:
         dist_checkpoint.write_atomically = dying_write
     cfg = replace(MICRO_CFG, save_every=2, parallel="ddp")
     train(build_model(MICRO, seed=0), load_data(), cfg, out_dir=out)
+
+
+def resume_on_ranks(out: Path, cfg: TrainConfig) -> None:
+    """Resume the run in ``out`` with ``cfg`` (its ``parallel`` set) on these ranks."""
+    train(build_model(MICRO, seed=0), load_data(), cfg, out_dir=out, resume=True)
 
 
 def resume_expecting_error(out: Path) -> None:

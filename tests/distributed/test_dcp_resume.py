@@ -4,18 +4,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import warnings
 from dataclasses import replace
 
 import pytest
 
-from lowprec.train.checkpoint import list_checkpoints
+from lowprec.train.checkpoint import is_distributed_checkpoint, list_checkpoints
 from lowprec.train.data import load_data
 from lowprec.train.logs import read_log
 from lowprec.train.loop import train
 from lowprec.train.model import build_model
 from tests.distributed import dcp_scenarios
-from tests.distributed.launch_helpers import FSDP2_XFAIL, MICRO, MICRO_CFG, forked
+from tests.distributed.launch_helpers import FSDP2_XFAIL, MICRO, MICRO_CFG, TIGHT, forked
 
 
 @pytest.fixture(autouse=True)
@@ -59,6 +60,23 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
     assert math.isclose(result.history[2]["loss"], float(killed[2]["loss"]), rel_tol=1e-6)
     assert [s for s, _ in list_checkpoints(ckpt)] == [2, 4]
     assert not any(n.endswith(".partial") for n in os.listdir(ckpt))  # the next save cleared the leftovers
+
+
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp2", marks=pytest.mark.xfail(reason=FSDP2_XFAIL,
+                                                                                           strict=False))])
+def test_a_single_process_checkpoint_resumes_on_two_ranks(tmp_path, parallel):
+    cfg = replace(MICRO_CFG, steps=4, eval_every=2, save_every=2)
+    one = train(build_model(MICRO, seed=0), load_data(), cfg, out_dir=tmp_path / "one")
+    shutil.copytree(tmp_path / "one", tmp_path / "cut")
+    (tmp_path / "cut" / "checkpoints" / "step_00000004.json").unlink()
+    forked(dcp_scenarios.resume_on_ranks, tmp_path / "cut", replace(cfg, parallel=parallel), store=tmp_path / "s")
+    rows = read_log(tmp_path / "cut" / "log.csv")
+    assert [float(r["loss"]) for r in rows[:2]] == [r["loss"] for r in one.history[:2]]
+    # step 3 starts from the one process's weights of step 2, each rank on its half of the batch of step 3
+    assert math.isclose(float(rows[2]["loss"]), one.history[2]["loss"], rel_tol=1e-6)
+    for r, r_one in zip(rows[2:], one.history[2:]):
+        assert math.isclose(float(r["loss"]), r_one["loss"], rel_tol=TIGHT)
+    assert is_distributed_checkpoint(tmp_path / "cut" / "checkpoints" / "step_00000004.json")
 
 
 def test_a_corrupt_shard_is_refused_on_every_rank(tmp_path):
