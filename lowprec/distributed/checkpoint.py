@@ -45,7 +45,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lowprec._checks import fail
-from lowprec.distributed.launch import Ranks, reshard, unwrap
+from lowprec.distributed.launch import Ranks, reshard
+from lowprec.distributed.named_state import optimizer_state_by_name, optimizer_state_by_position, optimizer_targets
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import (
     DISTRIBUTED_FORMAT,
@@ -60,66 +61,6 @@ from lowprec.train.checkpoint import (
 
 FORMAT_VERSION = 1
 _HASH_CHUNK = 1 << 24
-
-
-# -- the optimizer's state keyed by parameter name ---------------------------------------------
-def _param_names(model: nn.Module, opt: Optimizer) -> list[str]:
-    """The name (FQN, without wrapper prefixes) of each of ``opt``'s parameters, in its order."""
-    reshard(model)
-    names = {id(p): n for n, p in unwrap(model).named_parameters()}
-    missing = [i for i, p in enumerate(opt.params) if id(p) not in names]
-    if missing:
-        fail("opt", "an optimizer over the model's own parameters", f"parameter {missing[0]} not in the model")
-    return [names[id(p)] for p in opt.params]
-
-
-def optimizer_state_by_name(model: nn.Module, opt: Optimizer, state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``opt.state_dict()`` with every per-parameter entry keyed by the parameter's name, not its position.
-
-    ``state``: a positional state of an optimizer over the same parameters in the same order (a
-    single-process checkpoint of this model) instead of ``opt``'s own.
-    """
-    names = _param_names(model, opt)
-    sd = opt.state_dict() if state is None else state
-    inner = sd["optimizer"]
-    return {**sd,
-            "optimizer": {"state": {names[i]: s for i, s in inner["state"].items()},
-                          "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
-                                           for g in inner["param_groups"]]},
-            "master_weights": dict(zip(names, sd["master_weights"]))}
-
-
-def optimizer_state_by_position(model: nn.Module, opt: Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """The inverse of :func:`optimizer_state_by_name` for ``opt`` (what ``opt.load_state_dict`` takes).
-
-    Each of ``opt``'s param groups takes the settings of the saved group holding the same parameters,
-    whatever the order of the groups and of the parameters in them.
-    """
-    names = _param_names(model, opt)
-    index = {n: i for i, n in enumerate(names)}
-    inner, masters = state["optimizer"], state["master_weights"]
-    unknown = sorted((set(inner["state"]) | set(masters)) - set(index))
-    if unknown:
-        fail("checkpoint", "optimizer state for this model's parameters", f"state for {unknown[0]!r}",
-             CheckpointError)
-    saved_groups = {frozenset(g["params"]): g for g in inner["param_groups"]}
-    groups, start = [], 0
-    for group in opt.param_groups:
-        members = names[start:start + len(group["params"])]
-        start += len(members)
-        saved = saved_groups.get(frozenset(members))
-        if saved is None:
-            fail("checkpoint", "a saved param group holding the same parameters as each of the optimizer's",
-                 f"none holding {members[0]!r} and the {len(members) - 1} others of its group", CheckpointError)
-        groups.append({**saved, "params": [index[n] for n in members]})
-    return {**state,
-            "optimizer": {"state": {index[n]: s for n, s in inner["state"].items()}, "param_groups": groups},
-            "master_weights": [masters.get(n) for n in names]}
-
-
-def _optimizer_targets(model: nn.Module, opt: Optimizer) -> dict[str, torch.Tensor]:
-    """What the inner optimizer updates for each parameter name: its FP32 master, or the parameter."""
-    return {n: m if m is not None else p for n, p, m in zip(_param_names(model, opt), opt.params, opt.master_weights)}
 
 
 # -- each rank's generators ---------------------------------------------------------------------
@@ -186,6 +127,7 @@ def save(directory: str | Path, step: int, model: nn.Module, opt: Optimizer, ran
     directory = Path(directory)
     stem = f"step_{step:08d}"
     partial = directory / f".{stem}{PARTIAL_SUFFIX}"
+    reshard(model)  # the saved parameters are the optimizer's shards, not gathered copies
     if ranks.is_main:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # left by a save of this step that was killed
@@ -256,11 +198,12 @@ def load(json_path: str | Path, meta: dict[str, Any], model: nn.Module, opt: Opt
     Returns this rank's generator states (those of rank ``rank % saved ranks``).
     """
     directory = Path(json_path).parent / meta["directory"]
+    reshard(model)
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     model_sd = get_model_state_dict(model)
     dests = _model_dests(model_sd, saved)
     optim_json = meta["optimizer"]
-    dests.update(_optimizer_dests(optim_json, _optimizer_targets(model, opt), saved))
+    dests.update(_optimizer_dests(optim_json, optimizer_targets(model, opt), saved))
     source_rank = ranks.rank % meta["world_size"]
     rng_keys = {k: f"rng/{source_rank}/{k}" for k in ("cpu", "cuda") if f"rng/{source_rank}/{k}" in saved}
     dests.update({key: _plain(saved[key]) for key in rng_keys.values()})
@@ -276,8 +219,9 @@ def load_whole(model: nn.Module, opt: Optimizer, model_state: dict[str, torch.Te
                optimizer_state: dict[str, Any]) -> None:
     """Load a single-process checkpoint's state (whole tensors, on every rank) into a wrapped model and its
     optimizer: under FSDP2 each rank keeps its shard of every tensor shaped like a parameter."""
+    reshard(model)
     _set_model_state(model, model_state, whole=True)
-    targets = _optimizer_targets(model, opt)
+    targets = optimizer_targets(model, opt)
     by_name = optimizer_state_by_name(model, opt, optimizer_state)
     for name, entry in by_name["optimizer"]["state"].items():
         by_name["optimizer"]["state"][name] = {k: _shard_like(v, targets[name]) for k, v in entry.items()}

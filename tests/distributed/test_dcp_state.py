@@ -9,6 +9,7 @@ import torch
 
 import lowprec
 from lowprec.distributed import checkpoint as dist_checkpoint
+from lowprec.distributed import named_state
 from lowprec.distributed.launch import Ranks
 from lowprec.optim import Optimizer
 from lowprec.train.model import build_model
@@ -49,7 +50,7 @@ def test_optimizer_state_is_keyed_by_parameter_name_whatever_the_order():
     opt = _optimizer([{"params": [p for p in params.values() if p.ndim >= 2]},
                       {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}])
     _one_step(model, opt)
-    by_name = dist_checkpoint.optimizer_state_by_name(model, opt)
+    by_name = named_state.optimizer_state_by_name(model, opt)
     assert set(by_name["optimizer"]["state"]) == set(by_name["master_weights"]) == set(params)
     for name, p in params.items():
         i = _position(opt, p)
@@ -59,7 +60,7 @@ def test_optimizer_state_is_keyed_by_parameter_name_whatever_the_order():
     # another optimizer over the same model, its groups in the other order, takes it by name
     other = _optimizer([{"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0},
                         {"params": [p for p in params.values() if p.ndim >= 2]}])
-    positional = dist_checkpoint.optimizer_state_by_position(model, other, by_name)
+    positional = named_state.optimizer_state_by_position(model, other, by_name)
     other.load_state_dict(positional)
     for p_mine, p_other in ((_position(opt, p), _position(other, p)) for p in params.values()):
         assert torch.equal(opt.master_weights[p_mine], other.master_weights[p_other])
@@ -71,7 +72,7 @@ def test_an_optimizer_over_other_parameters_is_refused():
     model = _model()
     opt = _optimizer(list(model.parameters()) + [torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))])
     with pytest.raises(ValueError, match="opt: expected an optimizer over the model's own parameters"):
-        dist_checkpoint.optimizer_state_by_name(model, opt)
+        named_state.optimizer_state_by_name(model, opt)
 
 
 MASTERS_XFAIL = ("lowprec.optim's master weights copy into FSDP2's DTensor parameters with torch._foreach_copy_, "
