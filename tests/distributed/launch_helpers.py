@@ -16,10 +16,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-# torch._dynamo is imported by the first model built, DCP and FSDP by the first distributed run: once
-# here, not once in every forked rank
+# DCP and FSDP are imported by the first distributed run: once here, not once in every forked rank
 import torch
-import torch._dynamo
 import torch.distributed as dist
 import torch.distributed.checkpoint
 import torch.distributed.fsdp
@@ -71,9 +69,17 @@ def _cli_rank_main(rank: int, args: list[str], world_size: int, port: int, out: 
                                                       "stderr": result.stderr, "error": error}))
 
 
+def _import_before_forking() -> None:
+    # the first model built imports torch's compiler (seconds): once in this process, not in every rank.
+    # Not at this module's import: the compiler imports Triton, which must come after tests/kernels/conftest.py
+    # has chosen Triton's interpreter (while tests are collected)
+    import torch._dynamo  # noqa: F401
+
+
 def forked_cli(*args: str, out: Path, world_size: int = 2) -> list[dict]:
     """``lowprec *args`` on ``world_size`` forked ranks set up as torchrun sets up its workers; each rank's
     exit code, stdout, stderr and unexpected exception (as from ``CliRunner``), in rank order."""
+    _import_before_forking()
     with socket.socket() as s:  # a free port for rank 0's store (another process could take it; unlikely)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -86,6 +92,7 @@ def forked_cli(*args: str, out: Path, world_size: int = 2) -> list[dict]:
 def forked(fn: Callable, *args, store: Path, world_size: int = 2) -> None:
     """Run ``fn(*args)`` on ``world_size`` forked ranks in a gloo process group; raises if a rank fails
     (the others are then terminated). ``store``: a file path of this test, unused so far."""
+    _import_before_forking()
     mp.start_processes(_rank_main, args=(fn, world_size, str(store), args), nprocs=world_size, join=True,
                        start_method="fork")
 
