@@ -144,22 +144,24 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def wrap(model: nn.Module, parallel: str | Parallel) -> nn.Module:
+def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm = GradComm.FP32) -> nn.Module:
     """``model`` (converted, on this rank's device) wrapped for ``parallel``; the model itself for none.
 
     FSDP2 shards in place: ``fully_shard`` on each transformer block then on the root, so a
-    block's weights are gathered just before it runs and freed after.
+    block's weights are gathered just before it runs and freed after; its gradients reach the
+    reduce-scatter in the dtype ``grad_comm`` sends (see :func:`apply_grad_comm`, called next).
     """
     p = Parallel.parse(parallel)
     if p is Parallel.DDP:
         device = next(model.parameters()).device
         return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if p is Parallel.FSDP2:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(reduce_dtype=fsdp_reduce_dtype(grad_comm))
         for block in transformer_blocks(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
     return model
 
 
@@ -177,22 +179,54 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def _present(module: str) -> bool:
+    """Whether this build holds ``lowprec.distributed.<module>`` (low-precision gradient communication and
+    the amax reduction come with their own modules)."""
+    return importlib.util.find_spec(f"lowprec.distributed.{module}") is not None
+
+
+def fsdp_reduce_dtype(grad_comm: str | GradComm) -> torch.dtype | None:
+    """The dtype FSDP2 hands its reduce-scatter for ``grad_comm`` (None: the gradients' own)."""
+    if not _present("grad_comm"):
+        return None
+    from lowprec.distributed import grad_comm as comm
+
+    return comm.fsdp_reduce_dtype(GradComm.parse(grad_comm).value)
+
+
 def apply_grad_comm(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm) -> None:
     """The one place a ``--grad-comm`` choice meets the wrapped model.
 
-    ``fp32`` keeps PyTorch's own reduction. ``bf16`` and ``fp8`` are registered by
-    ``lowprec.distributed.grad_comm`` (communication hooks for DDP, FSDP2's reduce-scatter).
+    The modes are registered by ``lowprec.distributed.grad_comm``: a communication hook for DDP,
+    FSDP2's reduce-scatter (``fp32`` widens the gradients to float32, ``bf16`` narrows them,
+    ``fp8`` sends FP8 with fine-grained scales, summed in float32). Without that module ``fp32``
+    leaves the reduction to PyTorch, in the gradients' own dtype.
     """
     g, p = GradComm.parse(grad_comm), Parallel.parse(parallel)
-    if g is GradComm.FP32:
-        return
     if p is Parallel.NONE:
-        fail("grad_comm", "fp32 in a single process (there is no gradient communication)", repr(g.value))
-    if importlib.util.find_spec("lowprec.distributed.grad_comm") is None:
-        fail("grad_comm", "fp32 (bf16 and fp8 gradient communication are not available yet)", repr(g.value))
-    from lowprec.distributed import grad_comm as hooks  # the low-precision hooks, when present
+        if g is not GradComm.FP32:
+            fail("grad_comm", "fp32 in a single process (there is no gradient communication)", repr(g.value))
+        return
+    if not _present("grad_comm"):
+        if g is not GradComm.FP32:
+            fail("grad_comm", "fp32 (bf16 and fp8 gradient communication are not available yet)", repr(g.value))
+        return
+    from lowprec.distributed import grad_comm as comm
 
-    hooks.register(model, p, g)
+    if p is Parallel.DDP:
+        comm.register_ddp(model, g.value)
+    else:
+        comm.register_fsdp(model, g.value)
+
+
+def sync_delayed_scales(model: nn.Module, ranks: Ranks) -> None:
+    """Make the delayed-scaling amax histories of every rank agree (one all-reduce for all layers), so
+    that every rank quantizes with the same scales: call once per step, after the last backward and
+    before the optimizer steps. Done by ``lowprec.distributed.amax`` where this build holds it."""
+    if ranks.distributed and _present("amax"):
+        from lowprec.distributed.amax import sync_amaxes
+
+        sync_amaxes(model)
 
 
 def _is_fsdp2(model: nn.Module) -> bool:

@@ -39,7 +39,15 @@ import lowprec
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
-from lowprec.distributed.launch import Ranks, apply_grad_comm, grad_sync, mean_over_ranks, unwrap, wrap
+from lowprec.distributed.launch import (
+    Ranks,
+    apply_grad_comm,
+    grad_sync,
+    mean_over_ranks,
+    sync_delayed_scales,
+    unwrap,
+    wrap,
+)
 from lowprec.nn import cached_weight_casts
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import is_distributed_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -166,6 +174,11 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     return total / len(batches)
 
 
+def _step_recipe(cfg: TrainConfig, step: int) -> str:
+    """The recipe step ``step`` runs in: BF16 during the high-precision start, then the run's."""
+    return HP_START_RECIPE if step <= cfg.hp_start_steps else cfg.recipe
+
+
 def _recipe_region(cfg: TrainConfig, step: int) -> contextlib.AbstractContextManager:
     """BF16 during the high-precision start, else the recipe the model was converted to."""
     return autocast(HP_START_RECIPE) if step <= cfg.hp_start_steps else contextlib.nullcontext()
@@ -190,6 +203,8 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
+    if recipes.get(_step_recipe(cfg, step)).uses_delayed_scaling:
+        sync_delayed_scales(run.model, run.ranks)  # every rank's next scales from the same amaxes
     # the global batch's loss: logged, and checked and watched for spikes alike on every rank
     loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
     result = run.opt.step(loss=loss_mean)  # the loss check shares the step's one host sync
@@ -197,7 +212,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     seconds = time.perf_counter() - start
     return {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
             "loss_scale": result.loss_scale, "skipped": result.skipped, "spike": result.spike,
-            "recipe": HP_START_RECIPE if step <= cfg.hp_start_steps else cfg.recipe,
+            "recipe": _step_recipe(cfg, step),
             "tokens_per_s": cfg.tokens_per_step / seconds}
 
 
@@ -276,7 +291,7 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     conversion = str(lowprec.convert(model, recipe))
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
-    model = wrap(model, cfg.parallel)  # after converting: the wrappers hold lowprec's layers
+    model = wrap(model, cfg.parallel, cfg.grad_comm)  # after converting: the wrappers hold lowprec's layers
     apply_grad_comm(model, cfg.parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     run = _Run(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
