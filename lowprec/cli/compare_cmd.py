@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from lowprec.cli.app import main
-from lowprec.cli.train_cmd import Defaults, config_from_options, one_line_warnings, training_options
+from lowprec.cli.train_cmd import Defaults, config_from_options, launched, training_options
 from lowprec.train.compare import compare, parse_recipes
 from lowprec.train.data import load_data
 from lowprec.train.models import check_model_spec
@@ -31,19 +31,22 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
     """Every recipe on identical data and initialisation; loss curves and a verdict per recipe against BF16."""
     names = parse_recipes(recipe_list)  # unknown recipes and models are refused before anything is built
     check_model_spec(opts["model"])
-    cfg = config_from_options(names[0], opts)
-    data = load_data(opts["data"], token_dtype=opts["token_dtype"])
-    chatty = not opts["quiet"] and not opts["as_json"]
+    with launched(opts, "compare") as (device, main):
+        cfg = config_from_options(names[0], opts, device=device)
+        data = load_data(opts["data"], token_dtype=opts["token_dtype"])
+        chatty = main and not opts["quiet"] and not opts["as_json"]
 
-    def progress(r: RunResult) -> None:
+        def progress(r: RunResult) -> None:
+            if chatty:
+                click.echo(f"{r.recipe}: val loss {r.final_val_loss:.4f}, {r.tokens_per_s:,.0f} tokens/s", err=True)
+
         if chatty:
-            click.echo(f"{r.recipe}: val loss {r.final_val_loss:.4f}, {r.tokens_per_s:,.0f} tokens/s", err=True)
-
-    if chatty:
-        click.echo(f"{opts['model']} model, {cfg.steps} steps per recipe on {cfg.device} ({cfg.dtype}): "
-                   + ", ".join(names) + f"; data: {data.source}", err=True)
-    with one_line_warnings():
+            click.echo(f"{opts['model']} model, {cfg.steps} steps per recipe on {cfg.device} ({cfg.dtype}"
+                       f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): " + ", ".join(names)
+                       + f"; data: {data.source}", err=True)
         report = compare(opts["model"], names, cfg, data, out_dir=out, on_result=progress)
+    if not main:
+        return
     rows = report.rows()
     if opts["as_json"]:
         click.echo(json.dumps(report.to_json(), indent=1))

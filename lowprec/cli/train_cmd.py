@@ -13,6 +13,7 @@ import click
 
 from lowprec import recipes
 from lowprec.cli.app import main
+from lowprec.distributed.launch import GradComm, Parallel, Ranks, check_launch, process_group
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
@@ -54,6 +55,11 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--device", default=None, help="Default: cuda if available, else cpu."),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
                      help="Parameter dtype. Default: bfloat16 on CUDA, float32 on the CPU."),
+        click.option("--parallel", type=click.Choice([p.value for p in Parallel]), default="none", show_default=True,
+                     help="Under torchrun: ddp (weights replicated) or fsdp2 (weights sharded). --batch-size is "
+                          "then the global batch, split across the ranks."),
+        click.option("--grad-comm", type=click.Choice([g.value for g in GradComm]), default="fp32",
+                     show_default=True, help="Precision of gradient communication under --parallel."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -70,12 +76,15 @@ def training_options(defaults: Defaults) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def config_from_options(recipe: str, opts: dict[str, Any], **extra: Any) -> TrainConfig:
-    """A :class:`TrainConfig` from the shared options, with the device-dependent defaults filled in."""
+def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = None, **extra: Any) -> TrainConfig:
+    """A :class:`TrainConfig` from the shared options, with the device-dependent defaults filled in.
+
+    ``device``: this rank's device (from :func:`launched`), else ``--device`` or the default one.
+    """
     steps = opts["steps"]
     # steps <= 0 is left for TrainConfig to refuse, with its message
     positive = steps > 0
-    device = opts["device"] or default_device()
+    device = device or opts["device"] or default_device()
     return TrainConfig(
         recipe=recipe, steps=steps, batch_size=opts["batch_size"], seq_len=opts["seq_len"],
         grad_accum=opts["grad_accum"], lr=opts["lr"],
@@ -83,15 +92,34 @@ def config_from_options(recipe: str, opts: dict[str, Any], **extra: Any) -> Trai
         eval_every=opts["eval_every"] if opts["eval_every"] is not None else max(1, steps // 6),
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
-        tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], **extra)
+        tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
+        grad_comm=opts["grad_comm"], **extra)
 
 
 @contextlib.contextmanager
-def one_line_warnings() -> Iterator[None]:
-    """Warnings (e.g. "GEMMs are emulated on cpu") as one ``warning: ...`` line each, without source lines."""
+def one_line_warnings(show: bool = True) -> Iterator[None]:
+    """Warnings (e.g. "GEMMs are emulated on cpu") as one ``warning: ...`` line each, without source lines;
+    none at all without ``show`` (ranks other than 0, whose warnings rank 0 gives too)."""
     with warnings.catch_warnings():  # restores the default display on exit
-        warnings.showwarning = lambda message, *_args, **_kw: click.echo(f"warning: {message}", err=True)
+        if show:
+            warnings.showwarning = lambda message, *_args, **_kw: click.echo(f"warning: {message}", err=True)
+        else:
+            warnings.simplefilter("ignore")
         yield
+
+
+@contextlib.contextmanager
+def launched(opts: dict[str, Any], command: str) -> Iterator[tuple[str, bool]]:
+    """The run's process group under torchrun (see :func:`lowprec.distributed.launch.process_group`).
+
+    Yields this rank's device and whether this rank speaks (rank 0: messages, warnings, results).
+    A ``--parallel`` run that torchrun did not start is refused, saying how to launch it.
+    """
+    check_launch(opts["parallel"], command)
+    with process_group(opts["parallel"], opts["device"] or default_device(), command) as device:
+        main = Ranks.of(opts["parallel"]).is_main
+        with one_line_warnings(show=main):
+            yield device, main
 
 
 def fmt_memory(n: int | None) -> str:
@@ -109,14 +137,18 @@ def fmt_memory(n: int | None) -> str:
 def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, **opts: Any) -> None:
     """Train a model in one recipe; logs and checkpoints go to --out."""
     recipes.get(recipe)  # an unknown recipe is refused before anything is built
-    cfg = config_from_options(recipe, opts, save_every=save_every, keep=keep)
-    data = load_data(opts["data"], token_dtype=opts["token_dtype"])
-    model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
-    if not opts["quiet"] and not opts["as_json"]:
-        click.echo(f"{spec.name}: {spec.n_params:,} parameters, recipe {recipe}, {cfg.steps} steps on "
-                   f"{cfg.device} ({cfg.dtype}); data: {data.source}", err=True)
-    with one_line_warnings():
+    with launched(opts, "train") as (device, main):
+        cfg = config_from_options(recipe, opts, device=device, save_every=save_every, keep=keep)
+        data = load_data(opts["data"], token_dtype=opts["token_dtype"])
+        model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
+        if main and not opts["quiet"] and not opts["as_json"]:
+            ranks = Ranks.of(cfg.parallel)
+            where = f" x {ranks.world_size} ranks ({cfg.parallel})" if ranks.distributed else ""
+            click.echo(f"{spec.name}: {spec.n_params:,} parameters, recipe {recipe}, {cfg.steps} steps on "
+                       f"{cfg.device}{where} ({cfg.dtype}); data: {data.source}", err=True)
         result = train(model, data, cfg, out_dir=out, resume=resume)
+    if not main:
+        return
     summary = {"recipe": recipe, "steps": result.steps, "final_train_loss": _finite(result.final_train_loss),
                "final_val_loss": _finite(result.final_val_loss), "tokens_per_s": _finite(result.tokens_per_s),
                "peak_memory_bytes": result.peak_memory_bytes, "skipped_steps": result.skipped_steps,

@@ -17,6 +17,7 @@ import torch
 import lowprec
 from lowprec import recipes
 from lowprec._checks import fail
+from lowprec.distributed.launch import Ranks
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
 from lowprec.train.loop import train
@@ -43,7 +44,10 @@ def parse_recipes(text: str | Sequence[str]) -> list[str]:
 def compare(model_spec: str, recipe_names: str | Sequence[str], cfg: TrainConfig, data: TokenData, *,
             out_dir: str | Path | None = None, thresholds: Thresholds | None = None,
             on_result: Callable[[RunResult], None] | None = None) -> CompareReport:
-    """Train ``model_spec`` once per recipe from one initialisation; the report (written to ``out_dir``)."""
+    """Train ``model_spec`` once per recipe from one initialisation; the report (written to ``out_dir``).
+
+    Under ``cfg.parallel`` every rank calls this; every rank gets the report, rank 0 writes it.
+    """
     names = parse_recipes(recipe_names)
     base, spec = load_model(model_spec, vocab_size=data.vocab_size, seed=cfg.seed)
     init_state = copy.deepcopy(base.state_dict())
@@ -66,6 +70,6 @@ def compare(model_spec: str, recipe_names: str | Sequence[str], cfg: TrainConfig
     }
     report = CompareReport(results=tuple(results), baseline=BASELINE, context=context,
                            thresholds=thresholds or Thresholds())
-    if out_dir is not None:
+    if out_dir is not None and Ranks.of(cfg.parallel).is_main:
         report.write(out_dir)
     return report

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from lowprec._checks import check_choice, check_positive_int, describe, fail
+from lowprec.distributed.launch import GradComm, Parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,6 +62,11 @@ class TrainConfig:
     tensorboard: bool = True
     progress: bool = True
     """A progress bar, shown only when stderr is a terminal."""
+    parallel: str = "none"
+    """``none``, ``ddp`` or ``fsdp2`` (see :mod:`lowprec.distributed.launch`); the last two need a process
+    group (torchrun), and ``batch_size`` is then the global micro-batch, split across the ranks."""
+    grad_comm: str = "fp32"
+    """The precision of gradient communication under ``ddp``/``fsdp2``: ``fp32``, ``bf16`` or ``fp8``."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -79,6 +85,8 @@ class TrainConfig:
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 fail(name, "a number in [0, 1]", describe(value))
         check_choice("dtype", self.dtype, DTYPES)
+        Parallel.parse(self.parallel)
+        GradComm.parse(self.grad_comm)
         try:
             torch.device(self.device)
         except RuntimeError:
@@ -97,8 +105,10 @@ class TrainConfig:
 
 
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
-                          if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress"))
-"""Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow."""
+                          if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
+                                            "parallel", "grad_comm"))
+"""Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
+parallelism and number of ranks may change (the global batch does not)."""
 
 
 def check_resumable(saved: dict[str, Any], cfg: TrainConfig) -> None:

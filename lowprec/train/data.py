@@ -6,7 +6,9 @@ token files (``.npy``, or raw ``.bin`` of uint16/uint32) are memory-mapped, neve
 
 Batches are a pure function of ``(seed, step)``: the run that resumes at step k draws exactly the
 batches the uninterrupted run drew, and every recipe of a comparison sees the same data in the
-same order.
+same order. Under torchrun each rank takes its share of the rows of that same batch, so the data
+position is the step whatever the number of ranks, and a run resumed on another number of ranks
+goes on with the batches the first one would have drawn.
 """
 from __future__ import annotations
 
@@ -40,26 +42,47 @@ class TokenData:
     fingerprint: str
     """sha256 identifying the data, checked when a run resumes."""
 
-    def train_batch(self, seed: int, step: int, n_micro: int, batch_size: int,
-                    seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The inputs and next-token targets of training step ``step``, each (n_micro, B, T), int64.
+    def train_batch(self, seed: int, step: int, n_micro: int, batch_size: int, seq_len: int, *,
+                    rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inputs and next-token targets of training step ``step``, each (n_micro, B / world_size, T), int64.
 
-        Window starts are drawn uniformly from a generator seeded with ``(seed, step)`` alone.
+        Window starts are drawn uniformly from a generator seeded with ``(seed, step)`` alone. With
+        ``world_size`` ranks, ``batch_size`` is the global micro-batch and rank ``r`` gets its rows
+        ``r*B/W .. (r+1)*B/W - 1``: the ranks' slices of a step are, together, the batch one process
+        draws, and only this rank's windows are read from the tokens.
         """
         _check_fits("train", self.train, seq_len)
+        rows = _rank_rows(batch_size, rank, world_size)
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(self.train) - seq_len, size=n_micro * batch_size)  # (M*B,)
-        windows = _windows(self.train, starts, seq_len).view(n_micro, batch_size, seq_len + 1)  # (M, B, T+1)
+        starts = starts.reshape(n_micro, batch_size)[:, rows].reshape(-1)  # (M*B/W,)
+        windows = _windows(self.train, starts, seq_len).view(n_micro, -1, seq_len + 1)  # (M, B/W, T+1)
         return windows[..., :-1], windows[..., 1:]
 
-    def val_batches(self, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A fixed validation set: ``n_batches`` (inputs, targets) pairs of (B, T), windows evenly spaced."""
+    def val_batches(self, n_batches: int, batch_size: int, seq_len: int, *, rank: int = 0,
+                    world_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A fixed validation set: ``n_batches`` (inputs, targets) pairs of (B / world_size, T), windows evenly
+        spaced; with ``world_size`` ranks, each batch's rows are split as in :meth:`train_batch`."""
         check_positive_int("val_batches", n_batches)
         _check_fits("validation", self.val, seq_len)
+        rows = _rank_rows(batch_size, rank, world_size)
         n = n_batches * batch_size
         starts = np.linspace(0, len(self.val) - seq_len - 1, n).astype(np.int64)  # (N,)
-        windows = _windows(self.val, starts, seq_len).view(n_batches, batch_size, seq_len + 1)  # (N/B, B, T+1)
+        starts = starts.reshape(n_batches, batch_size)[:, rows].reshape(-1)  # (N/W,)
+        windows = _windows(self.val, starts, seq_len).view(n_batches, -1, seq_len + 1)  # (N/B, B/W, T+1)
         return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+
+def _rank_rows(batch_size: int, rank: int, world_size: int) -> slice:
+    """The rows of a global batch that rank ``rank`` of ``world_size`` trains on."""
+    check_positive_int("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        fail("rank", f"an int in [0, {world_size})", describe(rank))
+    if batch_size % world_size:
+        fail("batch_size", f"a multiple of the number of ranks {world_size} (each rank takes an equal share of "
+             "every micro-batch)", batch_size)
+    per_rank = batch_size // world_size
+    return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
 def _check_fits(part: str, tokens: np.ndarray, seq_len: int) -> None:

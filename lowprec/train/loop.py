@@ -7,6 +7,15 @@ Everything random in a step is a function of saved state: the batch of step ``s`
 :func:`train` seeds at the start and a checkpoint saves and restores. With the model (delayed
 scaling state included), the optimizer (masters, moments, loss scale, spike window) and the
 history saved after step ``k``, a run resumed there repeats steps ``k+1..`` bit for bit on a CPU.
+
+[Note: every rank decides alike]
+Under ``ddp``/``fsdp2`` each rank trains on its rows of the step's batch (see
+:mod:`lowprec.distributed.launch`). What decides the course of the run is the same on every rank:
+the loss handed to the optimizer is the mean over the ranks (so the non-finite-loss check and the
+spike watch see one value), the gradients it judges are the reduced ones (its norm and skip
+decision taken over all ranks' gradients), the validation loss is averaged over the ranks' rows,
+and the schedule, evaluation and checkpoint steps depend on the step alone. So a skipped step, the
+divergence stop and every checkpoint happen on all ranks at once.
 """
 from __future__ import annotations
 
@@ -30,9 +39,18 @@ import lowprec
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
+from lowprec.distributed.launch import (
+    Ranks,
+    apply_grad_comm,
+    grad_sync,
+    mean_over_ranks,
+    sync_delayed_scales,
+    unwrap,
+    wrap,
+)
 from lowprec.nn import cached_weight_casts
 from lowprec.optim import Optimizer
-from lowprec.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from lowprec.train.checkpoint import is_distributed_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from lowprec.train.config import TrainConfig, check_resumable
 from lowprec.train.data import TokenData
 from lowprec.train.logs import RunLog
@@ -49,11 +67,14 @@ class _Run:
     """The mutable state of one run, in one place."""
 
     model: nn.Module
+    """The model as trained: wrapped by DDP, sharded by FSDP2, or itself in one process."""
     opt: Optimizer
     data: TokenData
     cfg: TrainConfig
     device: torch.device
     val: list[tuple[torch.Tensor, torch.Tensor]]
+    """This rank's rows of the validation batches."""
+    ranks: Ranks = field(default_factory=Ranks)
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -89,33 +110,55 @@ def _run_info(run: _Run) -> dict[str, Any]:
                                                         "fingerprint": run.data.fingerprint,
                                                         "position": {"seed": run.cfg.seed,
                                                                      "next_step": run.history[-1]["step"] + 1}},
-            "param_shapes": _param_shapes(run.model), "lowprec_version": lowprec.__version__,
+            "param_shapes": _param_shapes(unwrap(run.model)), "lowprec_version": lowprec.__version__,
             "torch_version": torch.__version__, "python_version": platform.python_version()}
 
 
 def _save(run: _Run, directory: Path) -> None:
+    step = run.history[-1]["step"]
+    if run.ranks.distributed:
+        from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
+        dist_checkpoint.save(directory, step, run.model, run.opt, run.ranks, keep=run.cfg.keep,
+                             state={"history": run.history, "run": _run_info(run)},
+                             rng=dist_checkpoint.rank_rng_state(run.device))
+        return
     state = {"model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "rng": _rng_state(run.device),
              "history": run.history, "run": _run_info(run)}
-    save_checkpoint(directory, run.history[-1]["step"], state, keep=run.cfg.keep)
+    save_checkpoint(directory, step, state, keep=run.cfg.keep)
 
 
 def _resume(run: _Run, directory: Path) -> None:
     path = latest_checkpoint(directory)
     if path is None:
         fail("resume", f"a checkpoint in {str(directory)!r}", "none (start without --resume)", FileNotFoundError)
-    step, state = load_checkpoint(path)
+    distributed = is_distributed_checkpoint(path)
+    if distributed:
+        from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
+        meta = dist_checkpoint.read(path, run.ranks)
+        step, state = meta["step"], meta["state"]
+    else:
+        step, state = load_checkpoint(path)  # under torchrun, every rank reads it whole
     info = state["run"]
     check_resumable(info["train_config"], run.cfg)
     if info["data"]["fingerprint"] != run.data.fingerprint:
         fail("data", f"the data the checkpoint was trained on ({info['data']['source']})", run.data.source)
-    if info["param_shapes"] != _param_shapes(run.model):
+    if info["param_shapes"] != _param_shapes(unwrap(run.model)):
         fail("model", "the model the checkpoint was trained on (same parameter names and shapes)",
              "a different one")
     if step > run.cfg.steps:
         fail("steps", f"at least the checkpoint's step {step}", run.cfg.steps)
-    run.model.load_state_dict(state["model"])
-    run.opt.load_state_dict(state["optimizer"])
-    _set_rng_state(state["rng"], run.device)
+    if distributed:
+        rng = dist_checkpoint.load(path, meta, run.model, run.opt, run.ranks)
+        dist_checkpoint.set_rank_rng_state(rng, run.device)
+    elif run.ranks.distributed:  # a single-process checkpoint, spread over the ranks
+        from lowprec.distributed import checkpoint as dist_checkpoint
+
+        dist_checkpoint.load_whole(run.model, run.opt, state["model"], state["optimizer"])
+        torch.set_rng_state(state["rng"]["cpu"])  # one process's CUDA generators are not this rank's
+    else:
+        run.model.load_state_dict(state["model"])
+        run.opt.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"], run.device)
     run.history = list(state["history"])
 
 
@@ -131,6 +174,11 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     return total / len(batches)
 
 
+def _step_recipe(cfg: TrainConfig, step: int) -> str:
+    """The recipe step ``step`` runs in: BF16 during the high-precision start, then the run's."""
+    return HP_START_RECIPE if step <= cfg.hp_start_steps else cfg.recipe
+
+
 def _recipe_region(cfg: TrainConfig, step: int) -> contextlib.AbstractContextManager:
     """BF16 during the high-precision start, else the recipe the model was converted to."""
     return autocast(HP_START_RECIPE) if step <= cfg.hp_start_steps else contextlib.nullcontext()
@@ -141,29 +189,43 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len)  # (M, B, T)
+    inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len,
+                                           rank=run.ranks.rank, world_size=run.ranks.world_size)  # (M, B/W, T)
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
     # micro-batches of one step share each weight's casts; a single batch casts at its forward
     cached = cached_weight_casts(run.model) if cfg.grad_accum > 1 else contextlib.nullcontext()
     with _recipe_region(cfg, step), cached:
-        for x, y in zip(inputs, targets):
-            logits = run.model(x.to(run.device, non_blocking=True))  # (B, T, vocab)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
-            run.opt.backward(loss / cfg.grad_accum)
+        for i, (x, y) in enumerate(zip(inputs, targets)):
+            with grad_sync(run.model, enabled=i == cfg.grad_accum - 1):  # ranks reduce the sum, once
+                logits = run.model(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
+                run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
-    result = run.opt.step(loss=loss_sum / cfg.grad_accum)  # the loss check shares the step's one host sync
+    if recipes.get(_step_recipe(cfg, step)).uses_delayed_scaling:
+        sync_delayed_scales(run.model, run.ranks)  # every rank's next scales from the same amaxes
+    # the global batch's loss: logged, and checked and watched for spikes alike on every rank
+    loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
+    result = run.opt.step(loss=loss_mean)  # the loss check shares the step's one host sync
     loss_value = result.loss
     seconds = time.perf_counter() - start
     return {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
             "loss_scale": result.loss_scale, "skipped": result.skipped, "spike": result.spike,
-            "recipe": HP_START_RECIPE if step <= cfg.hp_start_steps else cfg.recipe,
+            "recipe": _step_recipe(cfg, step),
             "tokens_per_s": cfg.tokens_per_step / seconds}
 
 
+def _validate(run: _Run) -> float:
+    """The validation loss over all ranks' rows (each rank evaluates its own)."""
+    local = evaluate(run.model, run.val, run.device)
+    if not run.ranks.distributed:
+        return local
+    return mean_over_ranks(torch.tensor(local, dtype=torch.float64, device=run.device), run.ranks).item()
+
+
 def _steps(run: _Run, first: int) -> Iterator[int]:
-    interactive = run.cfg.progress and sys.stderr.isatty()
+    interactive = run.cfg.progress and sys.stderr.isatty() and run.ranks.is_main
     bar = tqdm(range(first, run.cfg.steps + 1), initial=first - 1, total=run.cfg.steps, disable=not interactive,
                desc=run.cfg.recipe, unit="step", dynamic_ncols=True, file=sys.stderr)
     with contextlib.closing(bar):
@@ -183,7 +245,7 @@ def _loop(run: _Run, log: RunLog | None, ckpt_dir: Path | None, on_step: Callabl
         diverged = in_a_row >= cfg.max_skips_in_row
         if (step % cfg.eval_every == 0 or step == cfg.steps) and not diverged:
             with _recipe_region(cfg, step):  # validated as it was trained at this step
-                row["val_loss"] = evaluate(run.model, run.val, run.device)
+                row["val_loss"] = _validate(run)
         row["elapsed_s"] = time.perf_counter() - started
         run.history.append(row)
         if log is not None:
@@ -212,17 +274,28 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     With ``out_dir``: ``log.csv``, ``tensorboard/`` and, with ``checkpoints``, ``checkpoints/``;
     ``resume`` continues from the newest checkpoint there. ``on_step`` sees each step's log row
     after it is written and checkpointed (an exception from it stops the run there).
+
+    With ``cfg.parallel`` ``ddp`` or ``fsdp2`` (a process group must be initialized, e.g. by torchrun),
+    every rank calls this with the same model and data: the model is converted, then wrapped; each
+    rank trains on its rows of every batch; rank 0 alone writes the logs; checkpoints are saved by
+    every rank through ``torch.distributed.checkpoint``. The result's history is the same on every
+    rank, but for timings.
     """
     recipe = recipes.get(cfg.recipe)
     device = torch.device(cfg.device)
+    ranks = Ranks.of(cfg.parallel)
     if resume and out_dir is None:
         fail("resume", "an output directory holding checkpoints", "out_dir=None")
     # cast before converting, so scaling state the converted layers hold stays float32
     model.to(device=device, dtype=cfg.torch_dtype)
     conversion = str(lowprec.convert(model, recipe))
+    val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
+                           world_size=ranks.world_size)  # refuses a batch the ranks cannot share
+    model = wrap(model, cfg.parallel, cfg.grad_comm)  # after converting: the wrappers hold lowprec's layers
+    apply_grad_comm(model, cfg.parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     run = _Run(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
-               val=data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len))
+               val=val, ranks=ranks)
     out = Path(out_dir) if out_dir is not None else None
     ckpt_dir = out / "checkpoints" if out is not None and checkpoints else None
     if resume:
@@ -233,7 +306,7 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
              f"{str(out)!r} holding {latest_checkpoint(ckpt_dir).name}")
     memory = PeakMemory(device)
     memory.reset()
-    log = RunLog(out, run.history, cfg.tensorboard) if out is not None else None
+    log = RunLog(out, run.history, cfg.tensorboard) if out is not None and ranks.is_main else None
     try:
         diverged = _loop(run, log, ckpt_dir, on_step)
     finally:

@@ -1,0 +1,262 @@
+"""Training on many processes through torchrun: the process group, each rank's device, the wrapped model.
+
+[Note: one process per device, one model per process]
+``torchrun --nproc-per-node N`` starts N copies of the command, one per GPU (or N CPU processes).
+Each copy (a rank) builds the same model from the same seed and converts it with
+``lowprec.convert`` *before* wrapping, so the wrapper sees lowprec Linears and their parameters:
+
+* ``ddp``: ``DistributedDataParallel``. Every rank holds every weight; backward all-reduces the
+  gradients (their mean over the ranks), so every rank takes the same optimizer step.
+* ``fsdp2``: ``fully_shard`` on each transformer block, then on the root. Every rank holds 1/N of
+  each weight (a ``DTensor`` shard) and of its optimizer state; a block's weights are all-gathered
+  for its forward and backward, and its gradients reduce-scattered, so a rank steps its own shard.
+
+Each rank trains on its own rows of every micro-batch (see ``TokenData.train_batch``): the
+union over the ranks of one step is the batch one process would see, so N ranks train like one
+process on the same global batch. The process group uses NCCL on CUDA and gloo on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from lowprec._checks import check_choice, fail
+
+
+class Parallel(enum.Enum):
+    """How a model is spread over the ranks."""
+
+    NONE = "none"
+    """One process, no process group."""
+    DDP = "ddp"
+    """``DistributedDataParallel``: weights replicated, gradients all-reduced."""
+    FSDP2 = "fsdp2"
+    """``fully_shard`` per transformer block and on the root: weights, gradients and optimizer state sharded."""
+
+    @staticmethod
+    def parse(value: str | Parallel) -> Parallel:
+        if isinstance(value, Parallel):
+            return value
+        return Parallel(check_choice("parallel", value, [p.value for p in Parallel]))
+
+
+class GradComm(enum.Enum):
+    """The precision gradients travel in between ranks."""
+
+    FP32 = "fp32"
+    """PyTorch's own reduction (DDP's all-reduce, FSDP2's reduce-scatter) in the gradients' dtype."""
+    BF16 = "bf16"
+    FP8 = "fp8"
+
+    @staticmethod
+    def parse(value: str | GradComm) -> GradComm:
+        if isinstance(value, GradComm):
+            return value
+        return GradComm(check_choice("grad_comm", value, [g.value for g in GradComm]))
+
+
+@dataclass(frozen=True, slots=True)
+class Ranks:
+    """Where this process stands among the ranks of a run."""
+
+    rank: int = 0
+    world_size: int = 1
+    distributed: bool = False
+    """A process group is in use (``--parallel ddp|fsdp2``), even with one rank."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one that writes logs, progress, reports and checkpoint metadata."""
+        return self.rank == 0
+
+    @staticmethod
+    def of(parallel: str | Parallel) -> Ranks:
+        """The ranks of a run with ``parallel``; a parallel run needs an initialized process group."""
+        if Parallel.parse(parallel) is Parallel.NONE:
+            return Ranks()
+        if not dist.is_initialized():
+            fail("parallel", f"an initialized process group for {Parallel.parse(parallel).value!r} (launch "
+                 "through torchrun and call lowprec.distributed.launch.process_group, or "
+                 "torch.distributed.init_process_group)", "none")
+        return Ranks(dist.get_rank(), dist.get_world_size(), True)
+
+
+def launched_by_torchrun() -> bool:
+    return dist.is_available() and dist.is_torchelastic_launched()
+
+
+def check_launch(parallel: str | Parallel, command: str) -> None:
+    """Refuse ``--parallel ddp|fsdp2`` in a process torchrun did not start, saying how to launch."""
+    p = Parallel.parse(parallel)
+    if p is not Parallel.NONE and not launched_by_torchrun():
+        fail("--parallel", f"a launch through torchrun (torchrun --nproc-per-node N -m lowprec {command} "
+             f"--parallel {p.value} ...)", "a single process")
+
+
+def rank_device(device: str) -> str:
+    """``cuda`` without an index becomes this rank's GPU (its local rank); other devices stay as given."""
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        return f"cuda:{dist.get_node_local_rank()}"
+    return device
+
+
+@contextlib.contextmanager
+def process_group(parallel: str | Parallel, device: str, command: str = "train") -> Iterator[str]:
+    """Under torchrun: join the process group (NCCL on CUDA, gloo on the CPU) and leave it on exit.
+
+    Yields the device this rank trains on. Outside torchrun it does nothing with ``parallel``
+    none, and refuses ``ddp``/``fsdp2`` naming ``command`` in how to launch. Under torchrun,
+    ``parallel`` none is refused when there is more than one rank (each rank would train alone
+    and write the same files).
+    """
+    p = Parallel.parse(parallel)
+    check_launch(p, command)
+    if not launched_by_torchrun():
+        yield device
+        return
+    device = rank_device(device)
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None)
+    try:
+        if p is Parallel.NONE and dist.get_world_size() > 1:
+            fail("--parallel", f"ddp or fsdp2 when torchrun starts {dist.get_world_size()} processes (each would "
+                 "otherwise train alone and write the same files)", "none")
+        yield device
+    finally:
+        dist.destroy_process_group()
+
+
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules of the model's longest ``nn.ModuleList``: the decoder blocks (``layers`` of the
+    reference model and of Llama-style Hugging Face models, ``h`` of GPT-2)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return list(max(lists, key=len)) if lists else []
+
+
+def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm = GradComm.FP32) -> nn.Module:
+    """``model`` (converted, on this rank's device) wrapped for ``parallel``; the model itself for none.
+
+    FSDP2 shards in place: ``fully_shard`` on each transformer block then on the root, so a
+    block's weights are gathered just before it runs and freed after; its gradients reach the
+    reduce-scatter in the dtype ``grad_comm`` sends (see :func:`apply_grad_comm`, called next).
+    """
+    p = Parallel.parse(parallel)
+    if p is Parallel.DDP:
+        device = next(model.parameters()).device
+        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    if p is Parallel.FSDP2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(reduce_dtype=fsdp_reduce_dtype(grad_comm))
+        for block in transformer_blocks(model):
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2's sharded parameters back in place of any gathered ones (the root keeps its gathered
+    weights after a forward without backward, such as evaluation's), so that the model's parameters
+    are the ones its optimizer holds; a no-op for other models."""
+    for m in model.modules():
+        if _is_fsdp2(m):
+            m.reshard()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (its parameter names without ``module.``); others as they are."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _present(module: str) -> bool:
+    """Whether this build holds ``lowprec.distributed.<module>`` (low-precision gradient communication and
+    the amax reduction come with their own modules)."""
+    return importlib.util.find_spec(f"lowprec.distributed.{module}") is not None
+
+
+def fsdp_reduce_dtype(grad_comm: str | GradComm) -> torch.dtype | None:
+    """The dtype FSDP2 hands its reduce-scatter for ``grad_comm`` (None: the gradients' own)."""
+    if not _present("grad_comm"):
+        return None
+    from lowprec.distributed import grad_comm as comm
+
+    return comm.fsdp_reduce_dtype(GradComm.parse(grad_comm).value)
+
+
+def apply_grad_comm(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm) -> None:
+    """The one place a ``--grad-comm`` choice meets the wrapped model.
+
+    The modes are registered by ``lowprec.distributed.grad_comm``: a communication hook for DDP,
+    FSDP2's reduce-scatter (``fp32`` widens the gradients to float32, ``bf16`` narrows them,
+    ``fp8`` sends FP8 with fine-grained scales, summed in float32). Without that module ``fp32``
+    leaves the reduction to PyTorch, in the gradients' own dtype.
+    """
+    g, p = GradComm.parse(grad_comm), Parallel.parse(parallel)
+    if p is Parallel.NONE:
+        if g is not GradComm.FP32:
+            fail("grad_comm", "fp32 in a single process (there is no gradient communication)", repr(g.value))
+        return
+    if not _present("grad_comm"):
+        if g is not GradComm.FP32:
+            fail("grad_comm", "fp32 (bf16 and fp8 gradient communication are not available yet)", repr(g.value))
+        return
+    from lowprec.distributed import grad_comm as comm
+
+    if p is Parallel.DDP:
+        comm.register_ddp(model, g.value)
+    else:
+        comm.register_fsdp(model, g.value)
+
+
+def sync_delayed_scales(model: nn.Module, ranks: Ranks) -> None:
+    """Make the delayed-scaling amax histories of every rank agree (one all-reduce for all layers), so
+    that every rank quantizes with the same scales: call once per step, after the last backward and
+    before the optimizer steps. Done by ``lowprec.distributed.amax`` where this build holds it."""
+    if ranks.distributed and _present("amax"):
+        from lowprec.distributed.amax import sync_amaxes
+
+        sync_amaxes(model)
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Gradient reduction on (the last micro-batch of a step) or off (the others: gradients only accumulate)."""
+    if enabled:
+        yield
+    elif isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif _is_fsdp2(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def mean_over_ranks(values: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """``values`` averaged over the ranks (a copy); as they are in one process."""
+    if not ranks.distributed:
+        return values
+    out = values.detach().clone()
+    dist.all_reduce(out)  # a sum: gloo has no average
+    return out / ranks.world_size

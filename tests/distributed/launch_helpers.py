@@ -1,0 +1,102 @@
+"""Two CPU processes on gloo for tests: torchrun itself, or the test process forked.
+
+torchrun starts fresh interpreters (its agent and each rank import torch, its compiler and DCP:
+seconds each on a busy machine), so one test launches it for real; the others fork the test
+process, whose imports the ranks inherit. Forked ranks meet through a file store, or, to run the
+command line as torchrun would start it, through the environment torchrun gives its workers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+# DCP and FSDP are imported by the first distributed run: once here, not once in every forked rank
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint
+import torch.distributed.fsdp
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+
+from lowprec.cli import main
+from lowprec.train.config import TrainConfig
+from lowprec.train.model import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+MICRO = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, max_seq_len=64)
+"""A two-block model: enough for FSDP2 to shard blocks and root, small enough to train in a second."""
+MICRO_CFG = TrainConfig(steps=6, batch_size=4, seq_len=32, eval_every=3, val_batches=2, warmup_steps=2, lr=3e-3,
+                        tensorboard=False, progress=False)
+TIMEOUT_S = 180
+TIGHT = 1e-3
+"""Relative difference of each step's train and validation loss between N ranks and one process on the same
+global batch, bf16 recipe, FP32 parameters: rounding alone (the mean of per-rank means, sums reordered)."""
+FSDP2_XFAIL = ("lowprec.optim.Optimizer's step guard reads FSDP2's DTensor gradients as local tensors "
+               "(.tolist() on a DTensor); the optimizer's distributed fix makes the norm and the skip global")
+
+
+def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc-per-node nproc *args`` (a free port of its own), output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _rank_main(rank: int, fn: Callable, world_size: int, store: str, args: tuple) -> None:
+    warnings.simplefilter("ignore")  # "emulated on cpu" is expected
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        fn(*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _cli_rank_main(rank: int, args: list[str], world_size: int, port: int, out: Path) -> None:
+    # what torchrun sets for each worker: lowprec sees a torchrun launch, torch's env:// rendezvous the rest
+    os.environ.update({"TORCHELASTIC_RUN_ID": "test", "RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    result = CliRunner().invoke(main, args)
+    error = None if result.exception is None or isinstance(result.exception, SystemExit) else repr(result.exception)
+    (out / f"cli_{rank}.json").write_text(json.dumps({"exit_code": result.exit_code, "stdout": result.stdout,
+                                                      "stderr": result.stderr, "error": error}))
+
+
+def _import_before_forking() -> None:
+    # the first model built imports torch's compiler (seconds): once in this process, not in every rank.
+    # Not at this module's import: the compiler imports Triton, which must come after tests/kernels/conftest.py
+    # has chosen Triton's interpreter (while tests are collected)
+    import torch._dynamo  # noqa: F401
+
+
+def forked_cli(*args: str, out: Path, world_size: int = 2) -> list[dict]:
+    """``lowprec *args`` on ``world_size`` forked ranks set up as torchrun sets up its workers; each rank's
+    exit code, stdout, stderr and unexpected exception (as from ``CliRunner``), in rank order."""
+    _import_before_forking()
+    with socket.socket() as s:  # a free port for rank 0's store (another process could take it; unlikely)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_cli_rank_main, args=(list(args), world_size, port, out), nprocs=world_size, join=True,
+                       start_method="fork")
+    return [json.loads((out / f"cli_{r}.json").read_text()) for r in range(world_size)]
+
+
+def forked(fn: Callable, *args, store: Path, world_size: int = 2) -> None:
+    """Run ``fn(*args)`` on ``world_size`` forked ranks in a gloo process group; raises if a rank fails
+    (the others are then terminated). ``store``: a file path of this test, unused so far."""
+    _import_before_forking()
+    mp.start_processes(_rank_main, args=(fn, world_size, str(store), args), nprocs=world_size, join=True,
+                       start_method="fork")
+
+
+def explain(proc: subprocess.CompletedProcess) -> str:
+    """The end of a failed launch's output, for an assertion message."""
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"

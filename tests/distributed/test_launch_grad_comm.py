@@ -1,0 +1,66 @@
+"""The training loop's seams to low-precision gradient communication and to the amax reduction.
+
+Both come with their own modules (``lowprec.distributed.grad_comm``, ``lowprec.distributed.amax``);
+these tests check that ``--grad-comm`` and delayed scaling reach them from ``lowprec train``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from click.testing import CliRunner
+
+from lowprec.cli import main
+from lowprec.train.data import load_data
+from lowprec.train.logs import read_log
+from lowprec.train.loop import train
+from lowprec.train.model import build_model
+from tests.distributed.launch_helpers import MICRO, MICRO_CFG, forked, forked_cli
+
+FP8_GRADS = 2e-2
+"""Relative difference of each step's loss, FP8 gradient communication against one FP32 process."""
+
+
+def _needs(module: str):
+    present = importlib.util.find_spec(f"lowprec.distributed.{module}") is not None
+    return pytest.mark.skipif(not present, reason=f"lowprec.distributed.{module} is not in this build")
+
+
+@_needs("grad_comm")
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_fp8_gradient_communication_trains_like_one_process(tmp_path, parallel):
+    args = ("train", "--recipe", "bf16", "--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
+            "--val-batches", "2", "--eval-every", "2", "--no-tensorboard", "--quiet")
+    ranks = forked_cli(*args, "--parallel", parallel, "--grad-comm", "fp8", "--out", str(tmp_path / "fp8"),
+                       out=tmp_path)
+    assert [r["exit_code"] for r in ranks] == [0, 0], ranks
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert CliRunner().invoke(main, [*args, "--out", str(tmp_path / "one")]).exit_code == 0
+    rows, one = read_log(tmp_path / "fp8" / "log.csv"), read_log(tmp_path / "one" / "log.csv")
+    assert rows[0]["loss"] == one[0]["loss"]
+    assert all(math.isclose(float(r["loss"]), float(o["loss"]), rel_tol=FP8_GRADS) for r, o in zip(rows, one))
+    assert rows != one
+
+
+def _delayed_histories(out: Path) -> None:
+    model = build_model(MICRO, seed=0)  # train() converts it in place, then wraps it
+    train(model, load_data(), replace(MICRO_CFG, recipe="fp8-delayed", steps=3, eval_every=3, parallel="ddp"))
+    states = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    torch.save(states, out / f"histories_{dist.get_rank()}.pt")
+
+
+@_needs("amax")
+def test_delayed_scaling_histories_agree_across_ranks(tmp_path):
+    # each rank sees its own rows, so its own activation amaxes: only the reduction makes them agree
+    forked(_delayed_histories, tmp_path, store=tmp_path / "store")
+    ranks = [torch.load(tmp_path / f"histories_{r}.pt") for r in (0, 1)]
+    assert len(ranks[0]) == 2 * 7 and ranks[0].keys() == ranks[1].keys()
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    assert all(ranks[0][k][2:].amax() > 0 for k in ranks[0])  # amaxes were recorded
