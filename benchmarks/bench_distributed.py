@@ -1,0 +1,419 @@
+"""Benchmark 5: the whole training step on N GPUs, DDP and FSDP2, BF16 against FP8 with FP8 on the wire.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --out results/ [--sizes 1b]
+        [--variants ddp:bf16,fsdp2:bf16,fsdp2:fp8-current+fp8ag] [--steps 10] [--warmup 3] [--compile]
+    torchrun --nproc-per-node 2 benchmarks/bench_distributed.py --sizes tiny --steps 2   # dry run: gloo, CPU
+
+Every rank trains the same model on its own batch (``--sizes``: batch and sequence per GPU); NCCL on
+GPUs, gloo on a CPU. A variant is ``<parallel>:<recipe>[+option...]``: ``ddp`` (DistributedDataParallel)
+or ``fsdp2`` (``fully_shard`` on each block, then the root); ``bf16`` is the plain model, any other
+recipe goes through ``lowprec.convert`` with the default policy. Options: ``+fp8comm`` (DDP gradients
+all-reduced in FP8, ``lowprec.distributed.register_ddp``), ``+fp8ag`` (FSDP2 all-gathers per-tensor
+FP8 weights in E4M3, ``fp8_weights.fp8_all_gather``, scales precomputed after every optimizer step),
+``+fp8rs`` (FSDP2 reduce-scatters gradients in FP8, ``register_fsdp``). Parameters are BF16 in every
+variant, in ``lowprec.optim.Optimizer`` (FP32 masters, fused AdamW), so all compare alike.
+
+A step: zero the gradients, forward, cross-entropy, backward, ``sync_amaxes`` (delayed recipes; nothing
+for current scaling), the optimizer step (the group's one agreement all-reduce), and for ``+fp8ag`` the
+scales' all-reduce. ``--compile`` compiles each transformer block in place before DDP / FSDP2 wrap them.
+
+Per variant, the slowest rank decides: tokens/s per GPU from the largest of the ranks' median step times
+(CUDA events; wall clock on a CPU), the ratio to the same parallelism's ``bf16``, peak memory per GPU
+(``torch.cuda.max_memory_allocated`` over the timed steps, max over ranks), the first step's seconds
+(compilation included), and the bytes each rank hands to torch.distributed per step, by collective,
+counted over the timed steps with ``lowprec.distributed.traffic.count_traffic``. DDP's own reducer
+all-reduces from C++, where nothing can count it, so DDP without ``+fp8comm`` runs torch's
+``allreduce_hook``, the same all-reduce from Python. The JSON is rewritten after every variant; a
+variant that fails records its error on every rank and the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import timedelta
+
+import torch
+import torch._inductor.config
+import torch.distributed as dist
+import torch.nn.functional as F
+from _common import environment, print_table, write_json
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lowprec
+from lowprec import recipes
+from lowprec.distributed import register_ddp, register_fsdp, sync_amaxes
+from lowprec.distributed.fp8_weights import fp8_all_gather, precompute_fp8_scales
+from lowprec.distributed.traffic import count_traffic
+from lowprec.optim import Optimizer
+from lowprec.train.model import ModelConfig, build_model, preset
+
+VOCAB = 32000
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
+"""The optimizer of every variant (bench_model.py's); small enough that no variant's loss leaves the finite range."""
+OPTIONS = {"ddp": ("fp8comm",), "fsdp2": ("fp8ag", "fp8rs")}
+"""What each parallelism can add: FP8 gradient all-reduce (DDP); FP8 weight all-gather, FP8 reduce-scatter (FSDP2)."""
+DEFAULT_VARIANTS = ["ddp:bf16", "ddp:fp8-current", "ddp:fp8-current+fp8comm", "fsdp2:bf16", "fsdp2:fp8-current",
+                    "fsdp2:fp8-current+fp8ag", "fsdp2:fp8-current+fp8ag+fp8rs"]
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
+"""Collectives ``count_traffic`` counts, in the order they travel in the ranks' one reduction."""
+
+
+def sent_bytes(kind: str, handed: int, world: int) -> int:
+    """Bytes a rank sends for a collective it handed ``handed`` bytes of input, under the collective's
+    bandwidth-optimal schedule (lowprec's grad_comm counts the same way): an all-gather sends its shard to
+    the W-1 others, a reduce-scatter and an all-to-all send (W-1)/W of their input, an all-reduce (a
+    reduce-scatter then an all-gather) 2 (W-1)/W, a pipelined broadcast its input once. Runs of different
+    collectives (a BF16 all-reduce against FP8 all-to-all + all-gather) compare only in these bytes."""
+    factor = {"all_gather": (world - 1, 1), "reduce_scatter": (world - 1, world), "all_to_all": (world - 1, world),
+              "all_reduce": (2 * (world - 1), world), "broadcast": (1, 1)}[kind]
+    return handed * factor[0] // factor[1]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Size:
+    """A model shape and the batch each GPU trains on."""
+
+    config: ModelConfig
+    batch: int
+    """Sequences per GPU per step."""
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per GPU per step."""
+        return self.batch * self.seq_len
+
+
+SIZES: dict[str, Size] = {
+    # the dry run: the byte-vocabulary preset, a few hundred tokens a rank, seconds on a CPU
+    "tiny": Size(config=preset("tiny"), batch=2, seq_len=64),
+    # the 1b preset's widths with 16 query heads of 128 (the preset has 32 of 64), as bench_model.py
+    "1b": Size(config=replace(preset("1b"), n_heads=16, vocab_size=VOCAB), batch=8, seq_len=2048),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One way to train: the parallelism, the recipe, and what goes on the wire in FP8."""
+
+    parallel: str
+    """``ddp`` or ``fsdp2``."""
+    recipe: str
+    """``bf16`` (the plain model) or a lowprec recipe."""
+    options: tuple[str, ...] = ()
+    """Of :data:`OPTIONS` for the parallelism, in the order given."""
+
+    @classmethod
+    def parse(cls, name: str) -> Variant:
+        parallel, _, rest = name.partition(":")
+        recipe, *options = rest.split("+")
+        allowed = OPTIONS.get(parallel)
+        if (allowed is None or recipe not in recipes.names() or len(set(options)) != len(options)
+                or any(o not in allowed for o in options)):
+            forms = "; ".join(f"{p}:<recipe>[+{'|+'.join(o)}]" for p, o in OPTIONS.items())
+            raise argparse.ArgumentTypeError(f"--variants: expected {forms} with a recipe of "
+                                             f"{', '.join(recipes.names())}, got {name!r}")
+        return cls(parallel, recipe, tuple(options))
+
+    @property
+    def name(self) -> str:
+        return "+".join((f"{self.parallel}:{self.recipe}", *self.options))
+
+    @property
+    def baseline(self) -> str:
+        return f"{self.parallel}:bf16"
+
+
+@dataclass
+class Setup:
+    """A variant ready to step: the module to call, the model inside it, and its optimizer."""
+
+    call: nn.Module
+    model: nn.Module
+    opt: Optimizer
+    info: dict
+    comm: object = None
+    """The ``GradCommState`` of lowprec's gradient communication, when the variant has one."""
+
+
+def setup(base: nn.Module, v: Variant, device: torch.device, mesh: DeviceMesh, compiled: bool) -> Setup:
+    """A copy of ``base`` in BF16 on ``device``, converted, wrapped and given its optimizer as ``v`` says."""
+    model = copy.deepcopy(base).to(torch.bfloat16).to(device)  # cast before conversion: delayed state stays FP32
+    info = {"conversion": "plain nn.Linear" if v.recipe == "bf16" else lowprec.convert(model, v.recipe).summary()}
+    if "fp8ag" in v.options:  # after convert, before fully_shard and the optimizer: the weights become new parameters
+        info["fp8_all_gather_layers"] = len(fp8_all_gather(model))
+    if compiled:
+        for block in model.layers:
+            block.compile()  # in place, so DDP and fully_shard see the same modules
+    comm = None
+    if v.parallel == "ddp":
+        call = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if "fp8comm" in v.options:
+            comm = register_ddp(call, "fp8")
+        else:
+            call.register_comm_hook(None, allreduce_hook)  # DDP's own all-reduce, made from Python: counted
+    else:
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)  # the root: embedding, final norm, LM head
+        call = model
+        if "fp8rs" in v.options:
+            comm = register_fsdp(model, "fp8")
+    opt = Optimizer(call.parameters(), torch.optim.AdamW, master_weights=True, fused=True, **ADAMW)
+    return Setup(call, model, opt, info, comm)
+
+
+def make_step(s: Setup, v: Variant, tokens: torch.Tensor) -> Callable[[], float]:
+    """The training step as a user writes it; returns the group's mean loss."""
+    x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, next tokens as targets
+    precompute = "fp8ag" in v.options
+
+    def step() -> float:
+        s.opt.zero_grad()
+        logits = s.call(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        s.opt.backward(loss)
+        sync_amaxes(s.model)  # delayed recipes: one all-reduce for all layers; nothing for current scaling
+        result = s.opt.step(loss=loss.detach())  # the finiteness check shares the step's one host sync
+        if precompute:
+            precompute_fp8_scales(s.model)  # every FP8-gathered weight's scale, one all-reduce for all
+        return result.loss
+
+    return step
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step: Callable[[], float], n: int, device: torch.device) -> tuple[list[float], float]:
+    """Seconds of each of ``n`` steps (CUDA events, one sync at the end; wall clock on a CPU), last loss."""
+    if device.type != "cuda":
+        seconds = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            loss = step()
+            seconds.append(time.perf_counter() - t0)
+        return seconds, loss
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        start.record()
+        loss = step()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in events], loss
+
+
+def measure(s: Setup, v: Variant, tokens: torch.Tensor, device: torch.device, args) -> dict:
+    """This rank's figures: first step, warmup, then ``args.steps`` timed steps inside ``count_traffic``."""
+    step = make_step(s, v, tokens)
+    sync(device)
+    t0 = time.perf_counter()
+    loss_first = step()  # compiles, creates the optimizer state, FSDP2's lazy init
+    first_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step()
+    sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if s.comm is not None:
+        s.comm.take()  # drop what the untimed steps sent
+    with count_traffic() as traffic:
+        seconds, loss_last = timed(step, args.steps, device)
+    out = {"median_s": statistics.median(seconds), "first_s": first_s,
+           "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
+           **{k: traffic[k] for k in KINDS}, "loss_first": loss_first, "loss_last": loss_last,
+           "skipped_steps": s.opt.skipped_steps, "info": s.info}
+    if s.comm is not None:  # the hook's own count: bandwidth-optimal schedule, see grad_comm's [Note: counting bytes]
+        out["info"] = {**s.info, "grad_comm_hook_bytes_per_step": s.comm.take() // args.steps}
+    return out
+
+
+def reduce_ranks(local: dict | None, error: str | None, device: torch.device) -> dict:
+    """The group's figures from one all-reduce (MAX), which every rank makes whether its variant ran or not;
+    if any rank failed, every rank's error (one all-gather)."""
+    fields = ["median_s", "first_s", "peak_bytes", *KINDS]
+    vec = [1.0 if local is None else 0.0] + [0.0 if local is None else float(local[f]) for f in fields]
+    t = torch.tensor(vec, dtype=torch.float64, device=device)  # float64: byte counts stay exact
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t[0].item() > 0:
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        return {"error": "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e) or "failed on a rank"}
+    return dict(zip(fields, t[1:].tolist()))
+
+
+def row_of(group: dict, local: dict, size: Size, steps: int) -> dict:
+    """The JSON row of a variant that ran on every rank."""
+    world = dist.get_world_size()
+    handed = {k: int(group[k]) // steps for k in KINDS}  # the same every step
+    sent = {k: sent_bytes(k, n, world) for k, n in handed.items()}
+    peak = group["peak_bytes"] / 2**30 if torch.cuda.is_available() else None
+    return {"tokens_per_s_per_gpu": size.tokens / group["median_s"],
+            "tokens_per_s": world * size.tokens / group["median_s"], "step_ms": group["median_s"] * 1e3,
+            "peak_gib": peak, "first_step_s": group["first_s"], "bytes_per_step": handed,
+            "sent_bytes_per_step": sent, "sent_bytes_per_step_total": sum(sent.values()),
+            **{k: local[k] for k in ("loss_first", "loss_last", "skipped_steps")}, **local["info"]}
+
+
+def run_variant(base: nn.Module, size: Size, v: Variant, tokens: torch.Tensor, device: torch.device,
+                mesh: DeviceMesh, args) -> dict:
+    local, error, s = None, None, None
+    try:
+        s = setup(base, v, device, mesh, args.compile)
+        local = measure(s, v, tokens, device, args)
+    except Exception as e:  # recorded; the ranks still meet in reduce_ranks
+        error = f"{type(e).__name__}: {str(e)[:400]}"
+    s = None  # the model, its wrappers and optimizer go before the next variant is built
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    group = reduce_ranks(local, error, device)
+    dist.barrier()
+    return group if "error" in group else row_of(group, local, size, args.steps)
+
+
+def with_ratios(rows: dict) -> dict:
+    """Each row with its ratios to the same parallelism's ``bf16`` row (where that ran)."""
+    out = {}
+    for name, r in rows.items():
+        bf = rows.get(Variant.parse(name).baseline, {})
+        if "tokens_per_s_per_gpu" not in r or "tokens_per_s_per_gpu" not in bf:
+            out[name] = r
+            continue
+        ratios = {"speed_vs_bf16": r["tokens_per_s_per_gpu"] / bf["tokens_per_s_per_gpu"],
+                  "memory_vs_bf16": r["peak_gib"] / bf["peak_gib"] if r["peak_gib"] and bf["peak_gib"] else None,
+                  "sent_bytes_vs_bf16": r["sent_bytes_per_step_total"] / bf["sent_bytes_per_step_total"],
+                  "all_gather_vs_bf16": (r["bytes_per_step"]["all_gather"] / bf["bytes_per_step"]["all_gather"]
+                                         if bf["bytes_per_step"]["all_gather"] else None)}
+        out[name] = {**r, **ratios}
+    return out
+
+
+def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if v is None else format(v, spec) + suffix
+
+
+def table(results: dict) -> None:
+    headers = ["variant", "tokens/s/GPU", "speed vs bf16", "peak GiB", "memory vs bf16", "first step s",
+               "all-gather in MiB", "reduce-scatter in MiB", "all-reduce in MiB", "all-to-all in MiB", "sent MiB",
+               "sent vs bf16", "all-gather vs bf16"]
+    for group, rows in results.items():
+        out = []
+        for name, r in with_ratios(rows).items():
+            if "tokens_per_s_per_gpu" not in r:
+                out.append([name, r.get("error", "")[:100]] + [""] * (len(headers) - 2))
+                continue
+            mib = [f"{r['bytes_per_step'][k] / 2**20:.2f}" for k in ("all_gather", "reduce_scatter", "all_reduce",
+                                                                     "all_to_all")]
+            out.append([name, f"{r['tokens_per_s_per_gpu']:.0f}", _fmt(r.get("speed_vs_bf16"), ".2f", "x"),
+                        _fmt(r["peak_gib"], ".2f"), _fmt(r.get("memory_vs_bf16"), ".2f", "x"),
+                        f"{r['first_step_s']:.2f}", *mib, f"{r['sent_bytes_per_step_total'] / 2**20:.2f}",
+                        _fmt(r.get("sent_bytes_vs_bf16"), ".2f", "x"), _fmt(r.get("all_gather_vs_bf16"), ".2f", "x")])
+        print_table(group, headers, out)
+    print("\n'in': bytes a rank hands to each kind of collective per step (count_traffic); 'sent': bytes it "
+          "sends under each collective's bandwidth-optimal schedule; ratios against the same parallelism's bf16")
+
+
+def json_name(args) -> str:
+    """Named by what was asked, so runs split over several launches do not overwrite one another."""
+    variants = "all" if args.variants == DEFAULT_VARIANTS else "-".join(args.variants)
+    mode = "compiled" if args.compile else "eager"
+    name = f"bench_distributed_{args.sizes}_{mode}_{dist.get_world_size()}ranks_{variants}.json"
+    return name.replace(",", "-").replace(":", ".").replace("+", "_")
+
+
+def run_size(size_name: str, device: torch.device, mesh: DeviceMesh, args, env: dict, results: dict) -> None:
+    size = SIZES[size_name]
+    base = build_model(size.config, seed=0)  # FP32 on the CPU, the same on every rank
+    gen = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own batch
+    tokens = torch.randint(size.config.vocab_size, (size.batch, size.seq_len + 1), generator=gen).to(device)
+    group = f"{size_name} / {'compiled' if args.compile else 'eager'} / {dist.get_world_size()} ranks"
+    rows = results.setdefault(group, {})
+    for name in args.variants:
+        rows[name] = run_variant(base, size, Variant.parse(name), tokens, device, mesh, args)
+        if dist.get_rank() == 0:
+            print(group, name, rows[name], flush=True)
+            write_json(args.out, json_name(args), {"env": env, "args": vars(args), "sizes": sizes_info(args),
+                                                   "results": {g: with_ratios(r) for g, r in results.items()}})
+
+
+def sizes_info(args) -> dict:
+    return {name: {**asdict(SIZES[name]), "n_params": SIZES[name].config.num_params(),
+                   "tokens_per_step_per_gpu": SIZES[name].tokens} for name in args.sizes.split(",")}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".", help="directory for the JSON (rank 0 writes it)")
+    ap.add_argument("--sizes", default="1b", help=f"comma-separated, of {', '.join(SIZES)}")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help="comma-separated <ddp|fsdp2>:<recipe>[+fp8comm (ddp) | +fp8ag, +fp8rs (fsdp2)]")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (after the first and the warmup)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
+    ap.add_argument("--compile-cache", action="store_true",
+                    help="let torch.compile reuse its on-disk caches (default: every first step compiles cold)")
+    ap.add_argument("--timeout-s", type=int, default=900,
+                    help="the process group's timeout: how long a rank waits in a collective for the others")
+    args = ap.parse_args(argv)
+    for v in args.sizes.split(","):
+        if v not in SIZES:
+            ap.error(f"--sizes: expected one of {', '.join(SIZES)}, got {v!r}")
+    try:
+        args.variants = [Variant.parse(v).name for v in args.variants.split(",")]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    if args.steps < 1 or args.warmup < 0:
+        ap.error(f"--steps: expected at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
+    if "LOCAL_RANK" not in os.environ:
+        ap.error("expected a launch by torchrun, got none: torchrun --nproc-per-node N "
+                 "benchmarks/bench_distributed.py ...")
+    return args
+
+
+def init() -> tuple[torch.device, DeviceMesh]:
+    """This rank's device (its GPU, or the CPU) and the 1-D mesh of all ranks."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return device, init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+    try:
+        device, mesh = init()
+        torch.manual_seed(0)
+        # a cache warmed by an earlier variant, or an earlier run, would shorten only some first steps
+        torch._inductor.config.force_disable_caches = not args.compile_cache
+        env = {**environment(), "world_size": dist.get_world_size(), "backend": backend}
+        results: dict = {}
+        for size_name in args.sizes.split(","):
+            run_size(size_name, device, mesh, args, env, results)
+        if dist.get_rank() == 0:
+            print(env)
+            table(results)
+        return results
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
