@@ -43,8 +43,13 @@ PACKED_ROW = BLOCK + _SCALE_BYTES
 """Bytes per block on the wire: 128 one-byte codes, then the block's float32 scale."""
 
 # torch 2.13 renamed these (the old names warn); older releases have only the old ones
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def _reduce_scatter(*args, **kwargs):
+    # looked up at call time, as torch.distributed's own users do (so lowprec.distributed.count_traffic sees it)
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+def _all_gather(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 
 
 def padded_len(n: int) -> int:

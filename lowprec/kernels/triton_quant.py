@@ -129,7 +129,8 @@ def cast(
     m, k = x2.shape
     if scale is not None and scale.numel() != 1:
         fail("scale", "one per-tensor scale (a tensor of one element)", describe(scale))
-    tmpl = templates[scale is not None] if templates is not None and saturate and rand is rand_t is None else None
+    tmpl = (templates[1 if scale is not None else 0] if templates is not None and saturate and rand is rand_t is None
+            else None)  # an int index: dynamo refuses a bool one
     if tmpl is not None:
         plan = tmpl.launch(m, k, record_amax)
     else:
