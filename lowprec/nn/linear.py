@@ -138,11 +138,15 @@ class Linear(nn.Linear):
             return nnf.linear(x, self.weight, self.bias)
         if plan.delayed:
             self._prepare(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
+        # Compiled code without delayed scaling needs none of the layer's state (no cache, no sharing):
+        # one stateless object for every layer, so that blocks compiled one by one (FSDP2) share one
+        # graph instead of recompiling per layer on the identity of its state
+        state = self.state if plan.delayed or not torch.compiler.is_compiling() else _STATELESS
         params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return LinearFunction.apply(x, self.weight, self.bias, plan, self.state)
+            return LinearFunction.apply(x, self.weight, self.bias, plan, state)
         # inference: no transposed casts, and the delayed-scaling history is left as training made it
-        return fprop(x, self.weight, self.bias, plan, self.state, False, False, record=False)[0]
+        return fprop(x, self.weight, self.bias, plan, state, False, False, record=False)[0]
 
     def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""
@@ -212,6 +216,10 @@ def cached_weight_casts(model: nn.Module) -> Iterator[nn.Module]:
             m.state.cache_depth -= 1
             if m.state.cache_depth == 0:
                 m.clear_cache()
+
+
+_STATELESS = CastState()
+"""The state compiled code passes for layers without delayed scaling (it is never written)."""
 
 
 def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
