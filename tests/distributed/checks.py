@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import lowprec
 from lowprec.distributed import (
     FSDPReduceScatter,
     GradComm,
@@ -310,4 +311,38 @@ def fsdp_fp8_all_gather(rank: int, world: int) -> dict:
         out[recipe, "fp8"] = _fsdp_fp8_run(recipe, True, True, rank, world)
     out["fp8-current", "fp8-own-scales"] = _fsdp_fp8_run("fp8-current", True, False, rank, world)
     out["mxfp8", "fp8"] = {"names": fp8_all_gather(C.mlp("mxfp8", torch.bfloat16))}
+    return out
+
+
+@check
+def every_recipe(rank: int, world: int) -> dict:
+    """Every preset trains two steps under DDP and under FSDP2 (a 128 -> 256 -> 128 MLP, so that
+    fp8-blockwise's 128-blocks convert every layer); the ranks end with the same weights."""
+    from lowprec import recipes
+
+    out = {}
+    for recipe in recipes.names():
+        for parallel in ("ddp", "fsdp2"):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128))
+            model = model.to(torch.bfloat16)
+            report = lowprec.convert(model, recipe, lowprec.Policy(keep_last_blocks=0))
+            if parallel == "ddp":
+                wrapped = DDP(model)
+            else:
+                for layer in (model[0], model[2]):
+                    fully_shard(layer)
+                wrapped = fully_shard(model)
+            opt = C.adamw(model.parameters(), master_weights=True)
+            losses = []
+            for step in range(2):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(100 + step)
+                x = torch.randn(64, 128, generator=g)[rank * 32:(rank + 1) * 32].to(torch.bfloat16)
+                loss = wrapped(x).float().pow(2).mean()
+                opt.backward(loss)
+                sync_amaxes(model)
+                losses.append(opt.step(loss).loss)
+            out[recipe, parallel] = {"converted": len(report.converted), "losses": losses,
+                                     "weights": C.flat_weights(model)}
     return out
