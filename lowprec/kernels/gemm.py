@@ -16,27 +16,34 @@ import math
 
 import torch
 
+from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels.capability import Capability, capability
-from lowprec.quant import QuantizedTensor
+from lowprec.quant import Granularity, GranularityKind, QuantizedTensor
 
-_FP8 = ("e4m3", "e5m2")
-
-
-def _kind(g) -> str:
-    return {(None, None): "tensor", (1, None): "row"}.get((g.block_rows, g.block_cols), str(g))
+E4M3, E5M2 = F.get("e4m3"), F.get("e5m2")
+TENSOR, ROW, BLOCK = GranularityKind.TENSOR, GranularityKind.ROW, GranularityKind.BLOCK
 
 
-def gemm_path(lhs_fmt: str, lhs_gran, rhs_fmt: str, rhs_gran, cap: Capability) -> str:
+def _blocks(g: Granularity) -> tuple[int | None, int | None]:
+    return (g.block_rows, g.block_cols) if g.kind is BLOCK else (None, None)
+
+
+def _deepseek(lhs: Granularity, rhs: Granularity) -> bool:
+    """1x128 x 128x128 (fprop, dgrad) or 1x128 x 1x128 (wgrad): the block-scaled GEMMs cuBLAS has on sm90."""
+    return _blocks(lhs) == (1, 128) and _blocks(rhs) in ((128, 128), (1, 128))
+
+
+def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, cap: Capability) -> str:
     """``cublas`` where the device has a native GEMM for this pair of operand casts, else ``emulated``."""
-    if not cap.fp8_gemm or lhs_fmt not in _FP8 or rhs_fmt not in _FP8:
+    a, b = F.get(lhs_fmt), F.get(rhs_fmt)
+    if not cap.fp8_gemm or a not in (E4M3, E5M2) or b not in (E4M3, E5M2):
         return "emulated"
-    if lhs_fmt == "e5m2" and rhs_fmt == "e5m2":
+    if a is E5M2 and b is E5M2:
         return "emulated"  # FP8 tensor cores take at most one E5M2 operand
-    pair = (_kind(lhs_gran), _kind(rhs_gran))
-    if pair in (("tensor", "tensor"), ("row", "row")):
+    if (lhs_gran.kind, rhs_gran.kind) in ((TENSOR, TENSOR), (ROW, ROW)):
         return "cublas"
-    if cap.blockwise_fp8_gemm and pair in (("block1x128", "block128x128"), ("block1x128", "block1x128")):
+    if cap.blockwise_fp8_gemm and _deepseek(lhs_gran, rhs_gran):
         return "cublas"
     return "emulated"
 
@@ -47,11 +54,11 @@ def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str
 
 
 def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    if _kind(a.granularity) == "block1x128":
+    if _blocks(a.granularity) == (1, 128):
         sa = a.scale.t().contiguous().t()  # (M, K/128), outer-dim-major as cuBLAS asks
         # (K/128, N/128) for 128x128 blocks; for 1x128 (K/128, N) stored row-major, i.e. the
         # (N, K/128) scales outer-dim-major like a's
-        sb = b.scale.t().contiguous() if _kind(b.granularity) == "block1x128" else b.scale.t()
+        sb = b.scale.t().contiguous() if _blocks(b.granularity) == (1, 128) else b.scale.t()
     else:
         sa, sb = a.scale, b.scale.t()  # (M or 1, 1), (1, N or 1)
     return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
@@ -64,7 +71,7 @@ def _exact_in_bf16(q: QuantizedTensor) -> bool:
     element's, plus 0 for E8M0 or 3 for E4M3 scales) must fit BF16's 7."""
     if q.fmt.bits > 8:
         return False
-    if q.granularity.block_cols is None and q.granularity.block_rows in (None, 1):
+    if q.granularity.kind in (TENSOR, ROW):  # scales constant along K
         return q.fmt.man_bits <= 7
     scale_bits = {"e8m0": 0, "e4m3": 3, "fp32": 99}[q.granularity.scale_format]
     return q.fmt.man_bits + scale_bits <= 7
@@ -72,7 +79,7 @@ def _exact_in_bf16(q: QuantizedTensor) -> bool:
 
 def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(values to multiply, per-row output scale or None). Scales constant along K stay outside."""
-    if q.granularity.block_cols is None and q.granularity.block_rows in (None, 1):
+    if q.granularity.kind in (TENSOR, ROW):  # scales constant along K
         v = q.data.to(dtype) if q.fmt.torch_dtype is not None else q.values().to(dtype)  # exact
         return v, q.scale  # (1, 1) or (Mp, 1): broadcasts over the output's rows
     if dtype == torch.bfloat16 and q.data.is_cuda:
