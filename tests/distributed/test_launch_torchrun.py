@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from lowprec.cli import main
 from lowprec.train.checkpoint import list_checkpoints
 from lowprec.train.logs import read_log
-from tests.distributed.launch_helpers import FSDP2_XFAIL, TIGHT, explain, forked_cli, torchrun
+from tests.distributed.launch_helpers import TIGHT, explain, forked_cli, torchrun
 
 LOOSE = 1e-2
 """Relative difference of each step's train and validation loss for fp8-current, whose per-tensor scales come
@@ -104,7 +104,6 @@ def _only_rank_0_speaks(ranks: list[dict]) -> dict:
     return ranks[0]
 
 
-@pytest.mark.xfail(reason=FSDP2_XFAIL, strict=False)
 def test_fsdp2_trains_like_one_process_on_the_global_batch(one_process, tmp_path):
     # ranks forked from this process with torchrun's environment (torchrun itself is tested above)
     ranks = forked_cli(*TRAIN, "--parallel", "fsdp2", "--out", str(tmp_path), "--no-tensorboard", out=tmp_path)
