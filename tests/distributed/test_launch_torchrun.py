@@ -15,7 +15,6 @@ import math
 import shutil
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from lowprec.cli import main
@@ -29,14 +28,6 @@ from each rank's half of the batch (measured: at most 2.3e-3 over these steps)."
 RUN = ("--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--val-batches", "2",
        "--eval-every", "2")
 TRAIN = ("train", "--recipe", "bf16", "--save-every", "2", *RUN)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _one_process(*args: str) -> None:
