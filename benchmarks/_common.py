@@ -7,6 +7,8 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -16,6 +18,8 @@ from lowprec._table import format_table
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """Where the benchmarks run; on a machine without CUDA only a dry run at tiny sizes makes sense."""
+
+T = TypeVar("T")
 
 
 def environment() -> dict:
@@ -37,6 +41,31 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (a CUDA one; nothing to wait for on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(step: Callable[[], T], n: int, device: torch.device | str) -> tuple[list[float], T]:
+    """Seconds of each of ``n`` calls of ``step`` on ``device`` (CUDA events, one sync at the end; wall clock
+    on a CPU), and what the last call returned (a training step's loss)."""
+    if torch.device(device).type != "cuda":
+        seconds = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            out = step()
+            seconds.append(time.perf_counter() - t0)
+        return seconds, out
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        start.record()
+        out = step()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) / 1e3 for start, end in events], out
 
 
 def copy_bandwidth(nbytes: int = 1 << 31) -> float:

@@ -35,14 +35,16 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import torch
 import torch._inductor.config
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import environment, print_table, write_json
+from _common import environment, print_table, sync, timed, write_json
+from _models import ADAMW, Size
+from _models import SIZES as MODEL_SIZES
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -55,11 +57,8 @@ from lowprec.distributed import register_ddp, register_fsdp, sync_amaxes
 from lowprec.distributed.fp8_weights import fp8_all_gather, precompute_fp8_scales
 from lowprec.distributed.traffic import count_traffic
 from lowprec.optim import Optimizer
-from lowprec.train.model import ModelConfig, build_model, preset
+from lowprec.train.model import build_model
 
-VOCAB = 32000
-ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
-"""The optimizer of every variant (bench_model.py's); small enough that no variant's loss leaves the finite range."""
 OPTIONS = {"ddp": ("fp8comm",), "fsdp2": ("fp8ag", "fp8rs")}
 """What each parallelism can add: FP8 gradient all-reduce (DDP); FP8 weight all-gather, FP8 reduce-scatter (FSDP2)."""
 DEFAULT_VARIANTS = ["ddp:bf16", "ddp:fp8-current", "ddp:fp8-current+fp8comm", "fsdp2:bf16", "fsdp2:fp8-current",
@@ -79,27 +78,8 @@ def sent_bytes(kind: str, handed: int, world: int) -> int:
     return handed * factor[0] // factor[1]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Size:
-    """A model shape and the batch each GPU trains on."""
-
-    config: ModelConfig
-    batch: int
-    """Sequences per GPU per step."""
-    seq_len: int
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per GPU per step."""
-        return self.batch * self.seq_len
-
-
-SIZES: dict[str, Size] = {
-    # the dry run: the byte-vocabulary preset, a few hundred tokens a rank, seconds on a CPU
-    "tiny": Size(config=preset("tiny"), batch=2, seq_len=64),
-    # the 1b preset's widths with 16 query heads of 128 (the preset has 32 of 64), as bench_model.py
-    "1b": Size(config=replace(preset("1b"), n_heads=16, vocab_size=VOCAB), batch=8, seq_len=2048),
-}
+SIZES = {name: MODEL_SIZES[name] for name in ("tiny", "1b")}
+"""The sizes this script offers, of bench_model.py's: the dry run, and the model of the two-GPU figures."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,29 +170,6 @@ def make_step(s: Setup, v: Variant, tokens: torch.Tensor) -> Callable[[], float]
         return result.loss
 
     return step
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(step: Callable[[], float], n: int, device: torch.device) -> tuple[list[float], float]:
-    """Seconds of each of ``n`` steps (CUDA events, one sync at the end; wall clock on a CPU), last loss."""
-    if device.type != "cuda":
-        seconds = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            loss = step()
-            seconds.append(time.perf_counter() - t0)
-        return seconds, loss
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for start, end in events:
-        start.record()
-        loss = step()
-        end.record()
-    torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) / 1e3 for start, end in events], loss
 
 
 def measure(s: Setup, v: Variant, tokens: torch.Tensor, device: torch.device, args) -> dict:

@@ -27,20 +27,20 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
-from _common import DEVICE, environment, print_table, write_json
+from _common import DEVICE, environment, print_table, sync, timed, write_json
+from _models import ADAMW, SIZES, Size
 from torch import nn
 
 import lowprec
 from lowprec import recipes
 from lowprec.plan.gpus import GPUS, get_gpu
-from lowprec.train.model import ModelConfig, build_model, preset
+from lowprec.train.model import build_model
 
-VOCAB = 32000
 MODES = ("compiled", "eager")
 PARAMS = ("fp32-autocast", "bf16-master")
 CONVERT_ON = ("device", "cpu")
@@ -49,45 +49,6 @@ TORCHAO_MISSING = "skipped: torchao not importable"
 DEFAULT_VARIANTS = ["bf16", *(f"lowprec:{r}" for r in ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise",
                                                         "mxfp8", "mxfp4", "nvfp4")),
                     "torchao:tensorwise", "torchao:rowwise"]
-ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
-"""The same hyperparameters in both modes; small enough that no variant's loss leaves the finite range."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Size:
-    """A model shape and the batch it is benchmarked with."""
-
-    config: ModelConfig
-    batch: int
-    seq_len: int
-
-    @property
-    def tokens(self) -> int:
-        return self.batch * self.seq_len
-
-    def flops_per_token(self) -> int:
-        """Model FLOPs of one token's forward and backward, as ``lowprec.plan`` counts them: 6 per
-        parameter of every linear (the LM head too, not the embedding lookup), plus attention's scores
-        and weighted sum, 12 x seq x dim per layer (PaLM's count; the causal mask is not credited)."""
-        c = self.config
-        linears = c.num_params() - c.vocab_size * c.dim - (2 * c.n_layers + 1) * c.dim  # less embedding and norms
-        return 6 * linears + 12 * self.seq_len * c.dim * c.n_layers
-
-
-def llama_ffn(dim: int) -> int:
-    """The presets' SwiGLU width: two thirds of 4 x dim, rounded up to a multiple of 256."""
-    return -(-(8 * dim // 3) // 256) * 256
-
-
-SIZES: dict[str, Size] = {
-    # the dry run: the byte-vocabulary preset, a few hundred tokens, seconds on a CPU
-    "tiny": Size(config=preset("tiny"), batch=2, seq_len=64),
-    "125m": Size(config=replace(preset("125m"), vocab_size=VOCAB), batch=16, seq_len=2048),
-    # the 1b preset's widths with 16 query heads of 128 (the preset has 32 of 64)
-    "1b": Size(config=replace(preset("1b"), n_heads=16, vocab_size=VOCAB), batch=8, seq_len=2048),
-    "3b": Size(config=ModelConfig(dim=3072, n_layers=26, n_heads=24, n_kv_heads=8, ffn_dim=llama_ffn(3072),
-                                  vocab_size=VOCAB, max_seq_len=4096), batch=4, seq_len=4096),
-}
 
 
 def torchao_float8():
@@ -126,19 +87,14 @@ def place(base: nn.Module, name: str, dtype: torch.dtype, convert_on: str) -> tu
     """A copy of ``base`` in ``dtype`` on ``DEVICE`` set up as ``name``, converted on the CPU then moved,
     or moved then converted; with the description and the seconds conversion and move took."""
     model = copy.deepcopy(base).to(dtype)  # cast before conversion: delayed-scaling state stays FP32
-    sync()
+    sync(DEVICE)
     t0 = time.perf_counter()
     if convert_on == "device":
         model.to(DEVICE)
     what = convert(model, name)
     model.to(DEVICE)
-    sync()
+    sync(DEVICE)
     return model, what, time.perf_counter() - t0
-
-
-def sync() -> None:
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def gib(n: int) -> float:
@@ -174,41 +130,23 @@ def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tenso
     return step, opt
 
 
-def timed(step: Callable, n: int) -> tuple[list[float], torch.Tensor]:
-    """Seconds of each of ``n`` steps (CUDA events, one sync at the end; wall clock on a CPU), last loss."""
-    if DEVICE != "cuda":
-        seconds = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            loss = step()
-            seconds.append(time.perf_counter() - t0)
-        return seconds, loss
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for start, end in events:
-        start.record()
-        loss = step()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) / 1e3 for start, end in events], loss
-
-
 def measure(model: nn.Module, size: Size, params: str, compiled: bool, tokens: torch.Tensor, args) -> dict:
     """First step, warmup, then ``args.steps`` timed steps of ``model``."""
     step, opt = make_step(model, params, compiled, tokens)
     counters = torch._dynamo.utils.counters
     counters.clear()
-    sync()
+    sync(DEVICE)
     t0 = time.perf_counter()
     first_loss = step().item()  # compiles, autotunes, creates the optimizer state
     first_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(args.warmup):  # recompilations and delayed-scaling histories settle here
         step()
-    sync()
+    sync(DEVICE)
     warmup_s = time.perf_counter() - t0
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    seconds, loss = timed(step, args.steps)
+    seconds, loss = timed(step, args.steps, DEVICE)
     row = {"tokens_per_s": size.tokens / statistics.median(seconds), "step_ms": [s * 1e3 for s in seconds],
            "peak_gib": gib(torch.cuda.max_memory_allocated()) if DEVICE == "cuda" else None,
            "first_step_s": first_s, "warmup_s": warmup_s, "graph_breaks": sum(counters["graph_break"].values()),

@@ -1,4 +1,5 @@
-"""Helpers shared by the whole test suite: signal-to-quantization-noise ratio and its named floors.
+"""Helpers shared by the whole test suite: signal-to-quantization-noise ratio and its named floors, and the
+benchmark scripts loaded as modules.
 
 [Note: SQNR floors]
 A floor is the least SQNR a quantize -> dequantize round trip must keep on ``torch.randn`` data
@@ -8,8 +9,13 @@ accuracy but not on a change of seed. Tests of a whole GEMM compare against thes
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
+from types import ModuleType
 
+import pytest
 import torch
 
 SQNR_FLOORS: dict[str, float] = {
@@ -48,3 +54,17 @@ def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
     if signal == 0.0:
         return -math.inf
     return 20.0 * math.log10(signal / noise)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str, mp: pytest.MonkeyPatch) -> ModuleType:
+    """``benchmarks/<name>.py`` as the module ``name``, while ``mp`` lasts: the scripts import their siblings
+    (``_common``, ``_models``) by plain name, so ``benchmarks/`` goes on ``sys.path``."""
+    mp.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    mp.setitem(sys.modules, name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

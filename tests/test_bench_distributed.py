@@ -2,7 +2,6 @@
 step): what it measures, and the bytes it counts against the model's own shapes."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,9 +12,9 @@ import pytest
 from torch import nn
 
 from lowprec.train.model import build_model, preset
+from tests.helpers import BENCHMARKS, load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS = ROOT / "benchmarks"
 WORLD = 2
 VARIANTS = ["ddp:bf16", "ddp:fp8-current+fp8comm", "fsdp2:bf16", "fsdp2:fp8-current+fp8ag+fp8rs"]
 ROW_FIELDS = {"tokens_per_s_per_gpu", "tokens_per_s", "step_ms", "peak_gib", "first_step_s", "bytes_per_step",
@@ -28,14 +27,9 @@ AGREE_BYTES = 16
 
 @pytest.fixture(name="bench", scope="module")
 def bench_fixture():
-    """The script as a module (it imports its sibling ``_common`` by plain name)."""
+    """The script as a module."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(BENCHMARKS))
-        spec = importlib.util.spec_from_file_location("bench_distributed", BENCHMARKS / "bench_distributed.py")
-        module = importlib.util.module_from_spec(spec)
-        mp.setitem(sys.modules, "bench_distributed", module)  # dataclasses look their module up there
-        spec.loader.exec_module(module)
-        yield module
+        yield load_benchmark("bench_distributed", mp)
 
 
 @pytest.fixture(name="rows", scope="module")

@@ -1,12 +1,10 @@
 """benchmarks/bench_model.py, run as its dry run (the tiny model, eager, on the CPU): what it measures and writes."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,24 +12,25 @@ import torch._inductor.config
 from torch import nn
 
 from lowprec.train.model import PRESETS, Transformer, build_model
+from tests.helpers import load_benchmark
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ROW_FIELDS = {"convert_on", "conversion", "setup_s", "model_gib", "tokens_per_s", "step_ms", "peak_gib",
               "first_step_s", "warmup_s", "graph_breaks", "graphs", "loss_first", "loss_last", "skipped_steps"}
 
 
 @pytest.fixture(name="bench", scope="module")
 def bench_fixture():
-    """The script as a module (it imports its sibling ``_common`` by plain name)."""
+    """The script as a module."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(BENCHMARKS))
-        spec = importlib.util.spec_from_file_location("bench_model", BENCHMARKS / "bench_model.py")
-        module = importlib.util.module_from_spec(spec)
-        mp.setitem(sys.modules, "bench_model", module)  # dataclasses look their module up there
         # main() disables inductor's caches for the process; the tests after these keep theirs
         mp.setattr(torch._inductor.config, "force_disable_caches", torch._inductor.config.force_disable_caches)
-        spec.loader.exec_module(module)
-        yield module
+        yield load_benchmark("bench_model", mp)
+
+
+@pytest.fixture(name="models", scope="module")
+def models_fixture(bench):
+    """``benchmarks/_models.py``, the sizes the script imports."""
+    return importlib.import_module("_models")
 
 
 @pytest.fixture(name="dry_run", scope="module")
@@ -95,9 +94,9 @@ def test_flops_per_token_counts_linears_and_attention(bench):
         assert size.flops_per_token() == 6 * linear + attention
 
 
-def test_ffn_rule_reproduces_the_presets(bench):
+def test_ffn_rule_reproduces_the_presets(models):
     for cfg in PRESETS.values():
-        assert bench.llama_ffn(cfg.dim) == cfg.ffn_dim
+        assert models.llama_ffn(cfg.dim) == cfg.ffn_dim
 
 
 def test_reference_shapes(bench):

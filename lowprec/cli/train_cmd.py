@@ -13,7 +13,8 @@ import click
 
 from lowprec import recipes
 from lowprec.cli.app import main
-from lowprec.distributed.launch import GradComm, Parallel, Ranks, check_launch, process_group
+from lowprec.distributed.grad_comm import GradComm
+from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import load_data
 from lowprec.train.loop import train

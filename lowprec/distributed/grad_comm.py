@@ -50,13 +50,14 @@ class GradComm(enum.Enum):
     FP8 = "fp8"
 
     @classmethod
-    def parse(cls, mode: str | GradComm) -> GradComm:
+    def parse(cls, mode: str | GradComm, name: str = "mode") -> GradComm:
+        """``mode`` as a :class:`GradComm`; an unknown one is refused naming the argument ``name``."""
         if isinstance(mode, GradComm):
             return mode
         try:
             return cls(mode)
         except ValueError:
-            fail("mode", "one of " + ", ".join(repr(m.value) for m in cls), describe(mode))
+            fail(name, "one of " + ", ".join(repr(m.value) for m in cls), describe(mode))
 
 
 _WIRE_DTYPE = {GradComm.FP32: torch.float32, GradComm.BF16: torch.bfloat16}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lowprec._checks import check_choice, fail
+from lowprec.distributed.grad_comm import GradComm, fsdp_reduce_dtype, register_ddp, register_fsdp
 
 
 class Parallel(enum.Enum):
@@ -46,21 +46,6 @@ class Parallel(enum.Enum):
         if isinstance(value, Parallel):
             return value
         return Parallel(check_choice("parallel", value, [p.value for p in Parallel]))
-
-
-class GradComm(enum.Enum):
-    """The precision gradients travel in between ranks."""
-
-    FP32 = "fp32"
-    """PyTorch's own reduction (DDP's all-reduce, FSDP2's reduce-scatter) in the gradients' dtype."""
-    BF16 = "bf16"
-    FP8 = "fp8"
-
-    @staticmethod
-    def parse(value: str | GradComm) -> GradComm:
-        if isinstance(value, GradComm):
-            return value
-        return GradComm(check_choice("grad_comm", value, [g.value for g in GradComm]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,54 +164,20 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def _present(module: str) -> bool:
-    """Whether this build holds ``lowprec.distributed.<module>`` (low-precision gradient communication and
-    the amax reduction come with their own modules)."""
-    return importlib.util.find_spec(f"lowprec.distributed.{module}") is not None
-
-
-def fsdp_reduce_dtype(grad_comm: str | GradComm) -> torch.dtype | None:
-    """The dtype FSDP2 hands its reduce-scatter for ``grad_comm`` (None: the gradients' own)."""
-    if not _present("grad_comm"):
-        return None
-    from lowprec.distributed import grad_comm as comm
-
-    return comm.fsdp_reduce_dtype(GradComm.parse(grad_comm).value)
-
-
 def apply_grad_comm(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm) -> None:
-    """The one place a ``--grad-comm`` choice meets the wrapped model.
-
-    The modes are registered by ``lowprec.distributed.grad_comm``: a communication hook for DDP,
-    FSDP2's reduce-scatter (``fp32`` widens the gradients to float32, ``bf16`` narrows them,
-    ``fp8`` sends FP8 with fine-grained scales, summed in float32). Without that module ``fp32``
-    leaves the reduction to PyTorch, in the gradients' own dtype.
+    """The one place a ``--grad-comm`` choice meets the wrapped model: it registers
+    :func:`lowprec.distributed.register_ddp`'s communication hook or
+    :func:`lowprec.distributed.register_fsdp`'s reduce-scatter (``fp32`` widens the gradients to
+    float32, ``bf16`` narrows them, ``fp8`` sends FP8 with fine-grained scales, summed in float32).
     """
-    g, p = GradComm.parse(grad_comm), Parallel.parse(parallel)
+    g, p = GradComm.parse(grad_comm, "grad_comm"), Parallel.parse(parallel)
     if p is Parallel.NONE:
         if g is not GradComm.FP32:
             fail("grad_comm", "fp32 in a single process (there is no gradient communication)", repr(g.value))
-        return
-    if not _present("grad_comm"):
-        if g is not GradComm.FP32:
-            fail("grad_comm", "fp32 (bf16 and fp8 gradient communication are not available yet)", repr(g.value))
-        return
-    from lowprec.distributed import grad_comm as comm
-
-    if p is Parallel.DDP:
-        comm.register_ddp(model, g.value)
+    elif p is Parallel.DDP:
+        register_ddp(model, g)
     else:
-        comm.register_fsdp(model, g.value)
-
-
-def sync_delayed_scales(model: nn.Module, ranks: Ranks) -> None:
-    """Make the delayed-scaling amax histories of every rank agree (one all-reduce for all layers), so
-    that every rank quantizes with the same scales: call once per step, after the last backward and
-    before the optimizer steps. Done by ``lowprec.distributed.amax`` where this build holds it."""
-    if ranks.distributed and _present("amax"):
-        from lowprec.distributed.amax import sync_amaxes
-
-        sync_amaxes(model)
+        register_fsdp(model, g)
 
 
 def _is_fsdp2(model: nn.Module) -> bool:

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from lowprec._checks import check_choice, check_positive_int, describe, fail
-from lowprec.distributed.launch import GradComm, Parallel
+from lowprec.distributed.grad_comm import GradComm
+from lowprec.distributed.launch import Parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,7 +87,7 @@ class TrainConfig:
                 fail(name, "a number in [0, 1]", describe(value))
         check_choice("dtype", self.dtype, DTYPES)
         Parallel.parse(self.parallel)
-        GradComm.parse(self.grad_comm)
+        GradComm.parse(self.grad_comm, "grad_comm")
         try:
             torch.device(self.device)
         except RuntimeError:

@@ -39,12 +39,12 @@ import lowprec
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
+from lowprec.distributed.amax import sync_amaxes
 from lowprec.distributed.launch import (
     Ranks,
     apply_grad_comm,
     grad_sync,
     mean_over_ranks,
-    sync_delayed_scales,
     unwrap,
     wrap,
 )
@@ -203,8 +203,8 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
-    if recipes.get(_step_recipe(cfg, step)).uses_delayed_scaling:
-        sync_delayed_scales(run.model, run.ranks)  # every rank's next scales from the same amaxes
+    if run.ranks.distributed and recipes.get(_step_recipe(cfg, step)).uses_delayed_scaling:
+        sync_amaxes(run.model)  # every rank's next scales from the same amaxes: one all-reduce for all layers
     # the global batch's loss: logged, and checked and watched for spikes alike on every rank
     loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
     result = run.opt.step(loss=loss_mean)  # the loss check shares the step's one host sync

@@ -3,22 +3,12 @@ import subprocess
 import sys
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from lowprec.cli import main
 from lowprec.train.logs import read_log
 
 SMALL = ["--batch-size", "2", "--seq-len", "32", "--val-batches", "1", "--quiet", "--no-tensorboard"]
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # two pytest workers on two cores: more torch threads would only wait on each other
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _invoke(*args):

@@ -37,8 +37,6 @@ TIMEOUT_S = 180
 TIGHT = 1e-3
 """Relative difference of each step's train and validation loss between N ranks and one process on the same
 global batch, bf16 recipe, FP32 parameters: rounding alone (the mean of per-rank means, sums reordered)."""
-FSDP2_XFAIL = ("lowprec.optim.Optimizer's step guard reads FSDP2's DTensor gradients as local tensors "
-               "(.tolist() on a DTensor); the optimizer's distributed fix makes the norm and the skip global")
 
 
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:

@@ -16,7 +16,7 @@ from lowprec.train.logs import read_log
 from lowprec.train.loop import train
 from lowprec.train.model import build_model
 from tests.distributed import dcp_scenarios
-from tests.distributed.launch_helpers import FSDP2_XFAIL, MICRO, MICRO_CFG, TIGHT, forked
+from tests.distributed.launch_helpers import MICRO, MICRO_CFG, TIGHT, forked
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +26,7 @@ def _quiet():
         yield
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp2", marks=pytest.mark.xfail(reason=FSDP2_XFAIL,
-                                                                                           strict=False))])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_resume_on_the_same_number_of_ranks_repeats_the_curve_bit_for_bit(tmp_path, parallel):
     forked(dcp_scenarios.resume, tmp_path, parallel, store=tmp_path / "store")
     curves = [json.loads((tmp_path / f"curves_{r}.json").read_text()) for r in (0, 1)]
@@ -62,8 +61,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path, 
     assert not any(n.endswith(".partial") for n in os.listdir(ckpt))  # the next save cleared the leftovers
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp2", marks=pytest.mark.xfail(reason=FSDP2_XFAIL,
-                                                                                           strict=False))])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_a_single_process_checkpoint_resumes_on_two_ranks(tmp_path, parallel):
     cfg = replace(MICRO_CFG, steps=4, eval_every=2, save_every=2)
     one = train(build_model(MICRO, seed=0), load_data(), cfg, out_dir=tmp_path / "one")

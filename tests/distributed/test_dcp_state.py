@@ -75,14 +75,7 @@ def test_an_optimizer_over_other_parameters_is_refused():
         named_state.optimizer_state_by_name(model, opt)
 
 
-MASTERS_XFAIL = ("lowprec.optim's master weights copy into FSDP2's DTensor parameters with torch._foreach_copy_, "
-                 "which DTensor does not support; the optimizer's distributed fix makes masters work under FSDP2")
-
-
-@pytest.mark.parametrize("dtype", [
-    torch.float32,
-    pytest.param(torch.bfloat16, marks=pytest.mark.xfail(reason=MASTERS_XFAIL, strict=False)),
-])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_fsdp2_checkpoint_loads_on_the_same_ranks_and_on_one_process(tmp_path, dtype):
     forked(dcp_scenarios.fsdp2_state, tmp_path, dtype, store=tmp_path / "store")
     for rank in (0, 1):  # 2 -> 2: every local shard back bit for bit, still sharded

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
 from lowprec.train.model import build_model
-from tests.distributed.launch_helpers import FSDP2_XFAIL, MICRO, MICRO_CFG, TIGHT, forked
+from tests.distributed.launch_helpers import MICRO, MICRO_CFG, TIGHT, forked
 
 CFG = replace(MICRO_CFG, steps=4, eval_every=2, grad_accum=2)
 
@@ -28,8 +28,7 @@ def _train_on_ranks(out: Path, parallel: str) -> None:
     (out / f"curve_{dist.get_rank()}.json").write_text(json.dumps(_curve(result)))
 
 
-@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp2", marks=pytest.mark.xfail(reason=FSDP2_XFAIL,
-                                                                                           strict=False))])
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_accumulating_ranks_train_like_one_accumulating_process(tmp_path, parallel):
     forked(_train_on_ranks, tmp_path, parallel, store=tmp_path / "store")
     curves = [json.loads((tmp_path / f"curve_{r}.json").read_text()) for r in (0, 1)]

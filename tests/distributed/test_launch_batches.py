@@ -1,8 +1,6 @@
 """Each rank's share of the data, and what a parallel run refuses before it starts."""
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from click.testing import CliRunner
@@ -65,14 +63,6 @@ def test_low_precision_gradient_communication_needs_ranks():
     with pytest.raises(ValueError, match=r"grad_comm: expected fp32 in a single process .*, got 'fp8'"):
         apply_grad_comm(model, "none", "fp8")
     apply_grad_comm(model, "none", "fp32")  # nothing to register
-
-
-@pytest.mark.skipif(importlib.util.find_spec("lowprec.distributed.grad_comm") is not None,
-                    reason="low-precision gradient communication is present")
-def test_low_precision_gradient_communication_says_it_is_not_there_yet():
-    with pytest.raises(ValueError, match=r"grad_comm: expected fp32 \(bf16 and fp8 .* not available yet\), got 'bf16'"):
-        apply_grad_comm(build_model(MICRO), "ddp", "bf16")
-    apply_grad_comm(build_model(MICRO), "ddp", "fp32")  # PyTorch's own reduction: nothing to register
 
 
 def test_fsdp2_shards_each_transformer_block():

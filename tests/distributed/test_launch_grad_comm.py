@@ -1,11 +1,7 @@
-"""The training loop's seams to low-precision gradient communication and to the amax reduction.
-
-Both come with their own modules (``lowprec.distributed.grad_comm``, ``lowprec.distributed.amax``);
-these tests check that ``--grad-comm`` and delayed scaling reach them from ``lowprec train``.
-"""
+"""The training loop's low-precision gradient communication and amax reduction: ``--grad-comm`` reaches
+``lowprec.distributed.grad_comm`` and delayed scaling ``lowprec.distributed.amax`` from ``lowprec train``."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 from dataclasses import replace
@@ -27,12 +23,6 @@ FP8_GRADS = 2e-2
 """Relative difference of each step's loss, FP8 gradient communication against one FP32 process."""
 
 
-def _needs(module: str):
-    present = importlib.util.find_spec(f"lowprec.distributed.{module}") is not None
-    return pytest.mark.skipif(not present, reason=f"lowprec.distributed.{module} is not in this build")
-
-
-@_needs("grad_comm")
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_fp8_gradient_communication_trains_like_one_process(tmp_path, parallel):
     args = ("train", "--recipe", "bf16", "--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32",
@@ -56,7 +46,6 @@ def _delayed_histories(out: Path) -> None:
     torch.save(states, out / f"histories_{dist.get_rank()}.pt")
 
 
-@_needs("amax")
 def test_delayed_scaling_histories_agree_across_ranks(tmp_path):
     # each rank sees its own rows, so its own activation amaxes: only the reduction makes them agree
     forked(_delayed_histories, tmp_path, store=tmp_path / "store")

@@ -15,13 +15,12 @@ import math
 import shutil
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from lowprec.cli import main
 from lowprec.train.checkpoint import list_checkpoints
 from lowprec.train.logs import read_log
-from tests.distributed.launch_helpers import FSDP2_XFAIL, TIGHT, explain, forked_cli, torchrun
+from tests.distributed.launch_helpers import TIGHT, explain, forked_cli, torchrun
 
 LOOSE = 1e-2
 """Relative difference of each step's train and validation loss for fp8-current, whose per-tensor scales come
@@ -29,14 +28,6 @@ from each rank's half of the batch (measured: at most 2.3e-3 over these steps)."
 RUN = ("--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--val-batches", "2",
        "--eval-every", "2")
 TRAIN = ("train", "--recipe", "bf16", "--save-every", "2", *RUN)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _one_process(*args: str) -> None:
@@ -104,7 +95,6 @@ def _only_rank_0_speaks(ranks: list[dict]) -> dict:
     return ranks[0]
 
 
-@pytest.mark.xfail(reason=FSDP2_XFAIL, strict=False)
 def test_fsdp2_trains_like_one_process_on_the_global_batch(one_process, tmp_path):
     # ranks forked from this process with torchrun's environment (torchrun itself is tested above)
     ranks = forked_cli(*TRAIN, "--parallel", "fsdp2", "--out", str(tmp_path), "--no-tensorboard", out=tmp_path)

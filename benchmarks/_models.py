@@ -1,0 +1,52 @@
+"""The models the whole-step benchmarks train, one definition for ``bench_model.py`` (one GPU) and
+``bench_distributed.py`` (N GPUs), so that their figures are of the same models, batches and optimizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import _common  # noqa: F401  (puts the checkout on sys.path before lowprec is imported)
+
+from lowprec.train.model import ModelConfig, preset
+
+VOCAB = 32000
+ADAMW = {"lr": 1e-4, "betas": (0.9, 0.95), "weight_decay": 0.1}
+"""The optimizer of every variant; small enough that no variant's loss leaves the finite range."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Size:
+    """A model shape and the batch each GPU trains on."""
+
+    config: ModelConfig
+    batch: int
+    """Sequences per GPU per step."""
+    seq_len: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per GPU per step."""
+        return self.batch * self.seq_len
+
+    def flops_per_token(self) -> int:
+        """Model FLOPs of one token's forward and backward, as ``lowprec.plan`` counts them: 6 per
+        parameter of every linear (the LM head too, not the embedding lookup), plus attention's scores
+        and weighted sum, 12 x seq x dim per layer (PaLM's count; the causal mask is not credited)."""
+        c = self.config
+        linears = c.num_params() - c.vocab_size * c.dim - (2 * c.n_layers + 1) * c.dim  # less embedding and norms
+        return 6 * linears + 12 * self.seq_len * c.dim * c.n_layers
+
+
+def llama_ffn(dim: int) -> int:
+    """The presets' SwiGLU width: two thirds of 4 x dim, rounded up to a multiple of 256."""
+    return -(-(8 * dim // 3) // 256) * 256
+
+
+SIZES: dict[str, Size] = {
+    # the dry run: the byte-vocabulary preset, a few hundred tokens a GPU, seconds on a CPU
+    "tiny": Size(config=preset("tiny"), batch=2, seq_len=64),
+    "125m": Size(config=replace(preset("125m"), vocab_size=VOCAB), batch=16, seq_len=2048),
+    # the 1b preset's widths with 16 query heads of 128 (the preset has 32 of 64)
+    "1b": Size(config=replace(preset("1b"), n_heads=16, vocab_size=VOCAB), batch=8, seq_len=2048),
+    "3b": Size(config=ModelConfig(dim=3072, n_layers=26, n_heads=24, n_kv_heads=8, ffn_dim=llama_ffn(3072),
+                                  vocab_size=VOCAB, max_seq_len=4096), batch=4, seq_len=4096),
+}
