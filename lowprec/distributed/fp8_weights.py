@@ -106,6 +106,10 @@ class FP8ShardedWeight(torch.Tensor):
     def __repr__(self) -> str:
         return f"FP8ShardedWeight({self._data!r})"
 
+    def __reduce_ex__(self, protocol):
+        # saved as its data: checkpoints (and optimizer states made alike, zeros_like) hold plain tensors
+        return self._data.__reduce_ex__(protocol)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

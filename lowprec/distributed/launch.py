@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lowprec._checks import check_choice, fail
+from lowprec.distributed.fp8_weights import fp8_all_gather
 from lowprec.distributed.grad_comm import GradComm, fsdp_reduce_dtype, register_ddp, register_fsdp
 
 
@@ -129,12 +130,16 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
-def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm = GradComm.FP32) -> nn.Module:
+def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm = GradComm.FP32,
+         fp8_weights: bool = False) -> nn.Module:
     """``model`` (converted, on this rank's device) wrapped for ``parallel``; the model itself for none.
 
     FSDP2 shards in place: ``fully_shard`` on each transformer block then on the root, so a
     block's weights are gathered just before it runs and freed after; its gradients reach the
     reduce-scatter in the dtype ``grad_comm`` sends (see :func:`apply_grad_comm`, called next).
+    With ``fp8_weights`` the weights of per-tensor FP8 layers are all-gathered in E4M3
+    (:func:`lowprec.distributed.fp8_weights.fp8_all_gather`; call ``precompute_fp8_scales`` after
+    each optimizer step).
     """
     p = Parallel.parse(parallel)
     if p is Parallel.DDP:
@@ -144,6 +149,8 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(reduce_dtype=fsdp_reduce_dtype(grad_comm))
+        if fp8_weights:
+            fp8_all_gather(model)
         for block in transformer_blocks(model):
             fully_shard(block, mp_policy=policy)
         fully_shard(model, mp_policy=policy)

@@ -68,6 +68,10 @@ class TrainConfig:
     group (torchrun), and ``batch_size`` is then the global micro-batch, split across the ranks."""
     grad_comm: str = "fp32"
     """The precision of gradient communication under ``ddp``/``fsdp2``: ``fp32``, ``bf16`` or ``fp8``."""
+    fp8_all_gather: bool = True
+    """Under ``fsdp2``, all-gather the weights of per-tensor FP8 recipes (fp8-current, fp8-delayed) as
+    E4M3 codes with their scales (``lowprec.distributed.fp8_weights``); other recipes, and False,
+    all-gather in the parameters' dtype."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -88,6 +92,8 @@ class TrainConfig:
         check_choice("dtype", self.dtype, DTYPES)
         Parallel.parse(self.parallel)
         GradComm.parse(self.grad_comm, "grad_comm")
+        if not isinstance(self.fp8_all_gather, bool):
+            fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
         try:
             torch.device(self.device)
         except RuntimeError:
@@ -107,7 +113,7 @@ class TrainConfig:
 
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
                           if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
-                                            "parallel", "grad_comm"))
+                                            "parallel", "grad_comm", "fp8_all_gather"))
 """Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
 parallelism and number of ranks may change (the global batch does not)."""
 

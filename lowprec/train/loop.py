@@ -40,6 +40,7 @@ from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
 from lowprec.distributed.amax import sync_amaxes
+from lowprec.distributed.fp8_weights import precompute_fp8_scales
 from lowprec.distributed.launch import (
     Ranks,
     apply_grad_comm,
@@ -208,6 +209,8 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
     # the global batch's loss: logged, and checked and watched for spikes alike on every rank
     loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
     result = run.opt.step(loss=loss_mean)  # the loss check shares the step's one host sync
+    if run.ranks.distributed:
+        precompute_fp8_scales(run.model)  # FP8-all-gathered weights' next scales: one all-reduce, if any
     loss_value = result.loss
     seconds = time.perf_counter() - start
     return {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
@@ -291,7 +294,8 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     conversion = str(lowprec.convert(model, recipe))
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
-    model = wrap(model, cfg.parallel, cfg.grad_comm)  # after converting: the wrappers hold lowprec's layers
+    # after converting: the wrappers hold lowprec's layers
+    model = wrap(model, cfg.parallel, cfg.grad_comm, fp8_weights=cfg.fp8_all_gather)
     apply_grad_comm(model, cfg.parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     run = _Run(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
