@@ -69,29 +69,12 @@ class GradSource(enum.Enum):
     """``param.grad`` after DDP reduced it, widened; micro-batches summed on the side in float32."""
 
 
-def _fold_hook(ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
-    def hook(p: torch.Tensor) -> None:
+def _hook(ref: weakref.ref, method: str, i: int) -> Callable[[torch.Tensor], None]:
+    """A hook calling ``method(i, tensor)`` of the accumulator ``ref`` holds weakly (nothing once it is gone)."""
+    def hook(t: torch.Tensor) -> None:
         acc = ref()
         if acc is not None:
-            acc.fold(i, p)
-
-    return hook
-
-
-def _incoming_hook(ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
-    def hook(grad: torch.Tensor) -> None:
-        acc = ref()
-        if acc is not None:
-            acc.add_incoming(i, grad)
-
-    return hook
-
-
-def _write_back_hook(ref: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
-    def hook(p: torch.Tensor) -> None:
-        acc = ref()
-        if acc is not None:
-            acc.write_back(i, p)
+            getattr(acc, method)(i, t)
 
     return hook
 
@@ -122,10 +105,10 @@ class GradAccumulator:
             if not p.requires_grad or source is GradSource.GRAD:
                 continue
             if source is GradSource.FOLDED:
-                self._handles.append(p.register_post_accumulate_grad_hook(_fold_hook(ref, i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(_hook(ref, "fold", i)))
             else:
-                self._handles.append(p.register_hook(_incoming_hook(ref, i)))
-                self._handles.append(p.register_post_accumulate_grad_hook(_write_back_hook(ref, i)))
+                self._handles.append(p.register_hook(_hook(ref, "add_incoming", i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(_hook(ref, "write_back", i)))
 
     def _source(self, p: torch.Tensor) -> GradSource:
         if not is_low_precision(p):
