@@ -38,7 +38,8 @@ class Linear(nn.Linear):
 
     def _init_lowprec(self, recipe) -> None:
         self.state = CastState()
-        self._plan: LayerPlan | None = None
+        self._plans: tuple[LayerPlan | None, LayerPlan | None] = (None, None)
+        """The plans made last, for training [0] and for evaluation [1] (every cast to nearest)."""
         self._warned: set[str] = set()
         self.policy_reason: str | None = None
         """Why the conversion policy keeps this layer in high precision although it has a recipe."""
@@ -69,7 +70,7 @@ class Linear(nn.Linear):
         self.policy_reason, self.min_features = policy_reason, min_features
         self.state.share = share
         self.clear_cache()
-        self._plan = None
+        self._plans = (None, None)
         if recipe is not None and not self.weight.is_meta:
             self._prepare(recipe)
 
@@ -83,20 +84,22 @@ class Linear(nn.Linear):
         plan = self.plan()
         return plan.hp_reason if plan is not None else None
 
-    def plan(self, recipe: R.Recipe | None = None) -> LayerPlan | None:
-        """The plan for ``recipe`` (default: the bound one) on the weight's device."""
+    def plan(self, recipe: R.Recipe | None = None, nearest: bool = False) -> LayerPlan | None:
+        """The plan for ``recipe`` (default: the bound one) on the weight's device; ``nearest``: the
+        evaluation plan, every cast rounded to nearest (see [Note: evaluation is deterministic])."""
         recipe = recipe if recipe is not None else self.recipe
         if recipe is None:
             return None
-        memo = self._plan
+        i = 1 if nearest else 0
+        memo = self._plans[i]
         # compiled code compares by value: dynamo does not keep a frozen dataclass's identity
         same = memo is not None and (memo.recipe == recipe if torch.compiler.is_compiling() else memo.recipe is recipe)
         if same and memo.device == self.weight.device:
             return memo
         plan = layer_plan(recipe, self.weight.device, self.in_features, self.out_features, self.policy_reason,
-                          self.min_features)
+                          self.min_features, nearest)
         if not torch.compiler.is_compiling():
-            self._plan = plan
+            self._plans = (plan, self._plans[1]) if i == 0 else (self._plans[0], plan)
         return plan
 
     def _prepare(self, recipe: R.Recipe) -> LayerPlan:
@@ -129,7 +132,8 @@ class Linear(nn.Linear):
         recipe = resolve(self.recipe)
         if recipe is None or x.numel() == 0:
             return nnf.linear(x, self.weight, self.bias)
-        plan = self.plan(recipe)
+        training = self.training and torch.is_grad_enabled()
+        plan = self.plan(recipe, nearest=not training)  # evaluation rounds every cast to nearest
         if plan.hp_dtype is not None:
             return self._unscaled(x, plan.hp_dtype)
         if plan.hp_reason is not None:

@@ -24,6 +24,12 @@ from lowprec.quant.hadamard import RHT_SEED
 HP = "hp"
 """The path of a GEMM whose operands are not both quantized: a high-precision matmul."""
 
+# [Note: evaluation is deterministic]
+# Stochastic rounding is for training: it keeps the expected value of small updates. A forward in
+# evaluation (``model.eval()``, or without gradients) rounds every operand to nearest, so the same input
+# gives the same output on every call; its layers take the recipe's plan with every side's rounding
+# NEAREST (``layer_plan(..., nearest=True)``), and nothing else changes.
+
 
 @dataclass(frozen=True, slots=True)
 class OperandPlan:
@@ -84,18 +90,20 @@ class LayerPlan:
         return self.scaled and any(op.delayed for op in (self.input, self.weight, self.grad_output))
 
 
-def _spec(c: R.Cast) -> CastSpec | None:
+def _spec(c: R.Cast, nearest: bool) -> CastSpec | None:
     if not c.quantized:
         return None
-    return CastSpec(F.get(c.format), c.granularity, F.as_rounding(c.rounding),
-                    RHT_SEED if c.hadamard else None, c.scaling is R.Scaling.DELAYED)
+    rounding = F.Rounding.NEAREST if nearest else F.as_rounding(c.rounding)
+    return CastSpec(F.get(c.format), c.granularity, rounding, RHT_SEED if c.hadamard else None,
+                    c.scaling is R.Scaling.DELAYED)
 
 
 @functools.lru_cache(maxsize=512)
-def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torch.device) -> OperandPlan:
+def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torch.device,
+                 nearest: bool = False) -> OperandPlan:
     """The routes of one operand's casts on ``device`` (shared by every layer with the same casts, so
-    that layers can compare them by identity)."""
-    a, b = _spec(along_k), _spec(transposed)
+    that layers can compare them by identity); ``nearest``: every side rounds to nearest."""
+    a, b = _spec(along_k, nearest), _spec(transposed, nearest)
     specs = [s for s in (a, b) if s is not None]
     return OperandPlan(
         role, along_k, transposed,
@@ -139,9 +147,11 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
 
 @functools.lru_cache(maxsize=1024)
 def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_features: int,
-               policy_reason: str | None = None, min_features: int | None = None) -> LayerPlan:
+               policy_reason: str | None = None, min_features: int | None = None,
+               nearest: bool = False) -> LayerPlan:
     """The plan of a layer of this shape with ``recipe`` on ``device``; ``policy_reason``: why the
-    conversion keeps it in high precision (or None); ``min_features``: see :func:`small_reason`."""
+    conversion keeps it in high precision (or None); ``min_features``: see :func:`small_reason`;
+    ``nearest``: every cast rounds to nearest (evaluation: see [Note: evaluation is deterministic])."""
     device = torch.device(device)
     reason = (policy_reason or fallback_reason(in_features, out_features, recipe)
               or small_reason(in_features, out_features, min_features, device, recipe))
@@ -151,9 +161,9 @@ def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_fea
     dgrad_w = r.dgrad.rhs
     return LayerPlan(
         recipe, device, None, None,
-        input=operand_plan(R.Role.INPUT, r.fprop.lhs, r.wgrad.rhs, device),
-        weight=operand_plan(R.Role.WEIGHT, r.fprop.rhs, r.dgrad.rhs, device),
-        grad_output=operand_plan(R.Role.GRAD_OUTPUT, r.dgrad.lhs, r.wgrad.lhs, device),
+        input=operand_plan(R.Role.INPUT, r.fprop.lhs, r.wgrad.rhs, device, nearest),
+        weight=operand_plan(R.Role.WEIGHT, r.fprop.rhs, r.dgrad.rhs, device, nearest),
+        grad_output=operand_plan(R.Role.GRAD_OUTPUT, r.dgrad.lhs, r.wgrad.lhs, device, nearest),
         fprop=_gemm(r.fprop, device), dgrad=_gemm(r.dgrad, device), wgrad=_gemm(r.wgrad, device),
-        recast_weight_t=dgrad_w.quantized and not dgrad_w.stochastic,
+        recast_weight_t=dgrad_w.quantized and (nearest or not dgrad_w.stochastic),
     )
