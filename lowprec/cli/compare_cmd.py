@@ -8,8 +8,10 @@ import click
 
 from lowprec.cli.app import main
 from lowprec.cli.train_cmd import Defaults, config_from_options, launched, training_options
+from lowprec.distributed.launch import Ranks
 from lowprec.train.compare import compare, parse_recipes
 from lowprec.train.data import load_data
+from lowprec.train.lock import run_directory_lock
 from lowprec.train.models import check_model_spec
 from lowprec.train.report import overall
 from lowprec.train.result import RunResult
@@ -31,7 +33,8 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
     """Every recipe on identical data and initialisation; loss curves and a verdict per recipe against BF16."""
     names = parse_recipes(recipe_list)  # unknown recipes and models are refused before anything is built
     check_model_spec(opts["model"])
-    with launched(opts, "compare") as (device, main):
+    # the whole of --out is this comparison's (each recipe's run locks its own runs/<recipe> too)
+    with launched(opts, "compare") as (device, main), run_directory_lock(out, Ranks.of(opts["parallel"])):
         cfg = config_from_options(names[0], opts, device=device)
         data = load_data(opts["data"], token_dtype=opts["token_dtype"])
         chatty = main and not opts["quiet"] and not opts["as_json"]

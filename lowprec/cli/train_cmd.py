@@ -7,6 +7,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -19,6 +20,8 @@ from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dt
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
+from lowprec.train.result import RunResult
+from lowprec.train.run_state import saved_train_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,8 @@ class Defaults:
 
 
 TRAIN_DEFAULTS = Defaults(steps=300, batch_size=16, seq_len=128, val_batches=8)
+FAILED_RUN_STATUS = 3
+"""The exit status of a ``train`` that ended but failed: diverged, or every step it ran skipped."""
 
 
 def _options(d: Defaults) -> list[Callable]:
@@ -47,8 +52,10 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--seq-len", type=int, default=d.seq_len, show_default=True),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step."),
         click.option("--lr", type=float, default=2e-3, show_default=True, help="Peak learning rate."),
-        click.option("--warmup-steps", type=int, default=None, help="Default: a tenth of --steps."),
-        click.option("--eval-every", type=int, default=None, help="Default: a sixth of --steps."),
+        click.option("--warmup-steps", type=int, default=None,
+                     help="Default: a tenth of --steps (with --resume: the checkpoint's)."),
+        click.option("--eval-every", type=int, default=None,
+                     help="Default: a sixth of --steps (with --resume: the checkpoint's)."),
         click.option("--val-batches", type=int, default=d.val_batches, show_default=True),
         click.option("--hp-start-steps", type=int, default=0, show_default=True,
                      help="Run the first N steps in BF16 before switching to the recipe."),
@@ -80,20 +87,27 @@ def training_options(defaults: Defaults) -> Callable[[Callable], Callable]:
     return decorate
 
 
-def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = None, **extra: Any) -> TrainConfig:
+def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = None,
+                        resumed: dict[str, Any] | None = None, **extra: Any) -> TrainConfig:
     """A :class:`TrainConfig` from the shared options, with the device-dependent defaults filled in.
 
     ``device``: this rank's device (from :func:`launched`), else ``--device`` or the default one.
+    ``resumed``: the settings of the checkpoint being resumed; the defaults that follow ``--steps``
+    (warmup, evaluation interval) are then the checkpoint's, so a run can grow (``--steps`` larger).
     """
     steps = opts["steps"]
     # steps <= 0 is left for TrainConfig to refuse, with its message
     positive = steps > 0
     device = device or opts["device"] or default_device()
+    derived = {"warmup_steps": max(1, steps // 10) * positive, "eval_every": max(1, steps // 6)}
+    for name in derived:
+        if opts[name] is not None:
+            derived[name] = opts[name]
+        elif resumed is not None and name in resumed:
+            derived[name] = resumed[name]
     return TrainConfig(
         recipe=recipe, steps=steps, batch_size=opts["batch_size"], seq_len=opts["seq_len"],
-        grad_accum=opts["grad_accum"], lr=opts["lr"],
-        warmup_steps=opts["warmup_steps"] if opts["warmup_steps"] is not None else max(1, steps // 10) * positive,
-        eval_every=opts["eval_every"] if opts["eval_every"] is not None else max(1, steps // 6),
+        grad_accum=opts["grad_accum"], lr=opts["lr"], **derived,
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
@@ -142,7 +156,8 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
     """Train a model in one recipe; logs and checkpoints go to --out."""
     recipes.get(recipe)  # an unknown recipe is refused before anything is built
     with launched(opts, "train") as (device, main):
-        cfg = config_from_options(recipe, opts, device=device, save_every=save_every, keep=keep)
+        resumed = saved_train_config(Path(out) / "checkpoints") if resume else None
+        cfg = config_from_options(recipe, opts, device=device, resumed=resumed, save_every=save_every, keep=keep)
         data = load_data(opts["data"], token_dtype=opts["token_dtype"])
         model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
         if main and not opts["quiet"] and not opts["as_json"]:
@@ -150,14 +165,24 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
             where = f" x {ranks.world_size} ranks ({cfg.parallel})" if ranks.distributed else ""
             click.echo(f"{spec.name}: {spec.n_params:,} parameters, recipe {recipe}, {cfg.steps} steps on "
                        f"{cfg.device}{where} ({cfg.dtype}); data: {data.source}", err=True)
-        result = train(model, data, cfg, out_dir=out, resume=resume)
-    if not main:
-        return
-    summary = {"recipe": recipe, "steps": result.steps, "final_train_loss": _finite(result.final_train_loss),
-               "final_val_loss": _finite(result.final_val_loss), "tokens_per_s": _finite(result.tokens_per_s),
-               "peak_memory_bytes": result.peak_memory_bytes, "skipped_steps": result.skipped_steps,
-               "diverged": result.diverged, "data_sha256": data.fingerprint, "out": out}
-    if opts["as_json"]:
+        skipped: list[bool] = []  # of the steps this command ran (a resumed run's earlier ones are in the history)
+        result = train(model, data, cfg, out_dir=out, resume=resume,
+                       on_step=lambda row: skipped.append(row["skipped"]))
+    failure = _failure(result, skipped, cfg)
+    if main:
+        _print_result(result, out, opts["as_json"], data.fingerprint)
+        if failure is not None:
+            click.echo(f"Error: {failure}", err=True)
+    if failure is not None:
+        raise SystemExit(FAILED_RUN_STATUS)
+
+
+def _print_result(result: RunResult, out: str, as_json: bool, data_sha256: str) -> None:
+    if as_json:
+        summary = {"recipe": result.recipe, "steps": result.steps, "final_train_loss": _finite(result.final_train_loss),
+                   "final_val_loss": _finite(result.final_val_loss), "tokens_per_s": _finite(result.tokens_per_s),
+                   "peak_memory_bytes": result.peak_memory_bytes, "skipped_steps": result.skipped_steps,
+                   "diverged": result.diverged, "data_sha256": data_sha256, "out": out}
         click.echo(json.dumps(summary, indent=1))
         return
     click.echo(f"step {result.steps}: train loss {result.final_train_loss:.4f}, val loss "
@@ -165,6 +190,17 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
                f"{fmt_memory(result.peak_memory_bytes)}, {result.skipped_steps} skipped steps"
                + (" -- DIVERGED" if result.diverged else ""))
     click.echo(f"log: {out}/log.csv, checkpoints: {out}/checkpoints")
+
+
+def _failure(result: RunResult, skipped: list[bool], cfg: TrainConfig) -> str | None:
+    """Why a run failed, though it ended: it diverged, or every step it ran was skipped; else None."""
+    if result.diverged:
+        return (f"the run diverged: {cfg.max_skips_in_row} steps in a row were skipped (non-finite loss or "
+                "gradients)")
+    if skipped and all(skipped):
+        return (f"every step of this run was skipped ({len(skipped)} of {len(skipped)}: non-finite loss or "
+                "gradients), so the weights did not change")
+    return None
 
 
 def _finite(x: float) -> float | None:

@@ -12,14 +12,18 @@ The checkpoint of step ``n`` saved by N ranks is, beside the single-process ones
   ``rng/<rank>/...`` each rank's generator states.
 * ``step_0000000n.json``: written by rank 0, last: the format, step and number of ranks, the sha256
   of every file of the directory, and the state that is not tensors (param-group settings, loss
-  scale, step guard; the run's history and settings), each tensor in it replaced by its key.
+  scale, step guard; the run's history and settings), each tensor in it replaced by its key; checksummed
+  itself as a single-process checkpoint's JSON is (see [Note: a JSON that checks itself] in
+  :mod:`lowprec.train.checkpoint`).
 
 Saving: every rank writes into ``.step_0000000n.partial/``; after a barrier the ranks hash the files
 (each its share), rank 0 renames the directory into place and writes the JSON. As for one process,
 the JSON's presence marks a complete checkpoint: a process killed at any moment before leaves the
 previous checkpoint the newest, and the partial directory is deleted by the next save.
 
-Loading reads what was saved from DCP's metadata and asks for each tensor in this run's layout
+Loading verifies the JSON and every file's sha256, checks from DCP's metadata that what was saved fits
+this run's model and optimizer (:mod:`lowprec.train.state_checks`, as for one process), then asks for
+each tensor in this run's layout
 (a DTensor shard like the parameter it belongs to under FSDP2, a whole tensor otherwise); DCP reads
 the pieces it needs, so a checkpoint saved on N ranks loads on M, under DDP, FSDP2 or in one
 process without a process group.
@@ -28,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import warnings
@@ -50,16 +53,24 @@ from lowprec.distributed.named_state import optimizer_state_by_name, optimizer_s
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import (
     DISTRIBUTED_FORMAT,
+    FORMAT_VERSION,
     PARTIAL_SUFFIX,
     CheckpointError,
+    encode_meta,
     fsync_dir,
     join_tensors,
     prune_checkpoints,
+    read_meta,
     split_tensors,
     write_atomically,
 )
+from lowprec.train.state_checks import (
+    check_model_state,
+    check_optimizer_shapes,
+    check_rng_state,
+    set_cuda_rng_state,
+)
 
-FORMAT_VERSION = 1
 _HASH_CHUNK = 1 << 24
 
 
@@ -72,10 +83,14 @@ def rank_rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
-def set_rank_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
+def set_rank_rng_state(state: dict[str, torch.Tensor], device: torch.device, where: str = "the checkpoint") -> None:
+    """Set this rank's generators from :func:`rank_rng_state`'s; a state torch refuses is a :class:`CheckpointError`
+    naming ``where``, raised before any generator is set."""
+    if "cpu" not in state:
+        fail("checkpoint", f"this rank's CPU generator state in {where}", "none", CheckpointError)
+    torch.set_rng_state(check_rng_state(state["cpu"], "CPU", where))
     if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+        set_cuda_rng_state(lambda: torch.cuda.set_rng_state(state["cuda"], device), where)
 
 
 # -- agreement between ranks --------------------------------------------------------------------
@@ -144,7 +159,7 @@ def save(directory: str | Path, step: int, model: nn.Module, opt: Optimizer, ran
         meta = {"format": DISTRIBUTED_FORMAT, "format_version": FORMAT_VERSION, "step": step,
                 "world_size": ranks.world_size, "directory": stem, "files_sha256": digests,
                 "optimizer": optim_json, "state": state}
-        _publish(partial, json_path, json.dumps(meta, indent=1).encode())
+        _publish(partial, json_path, encode_meta(meta))
         prune_checkpoints(directory, keep)
     _barrier(ranks)  # no rank goes on (or reads checkpoints) before the JSON is there
     return json_path
@@ -164,18 +179,17 @@ def _publish(partial: Path, json_path: Path, meta: bytes) -> None:
 
 # -- load ------------------------------------------------------------------------------------------
 def read(json_path: str | Path, ranks: Ranks) -> dict[str, Any]:
-    """The JSON of a distributed checkpoint, its shards verified against their sha256 (a collective call:
-    each rank checks its share, and all raise the same :class:`CheckpointError` if one fails)."""
+    """The JSON of a distributed checkpoint, itself and its shards verified against their sha256 (a collective
+    call: each rank checks its share of the shards, and all raise the same :class:`CheckpointError` if one fails)."""
     json_path = Path(json_path)
+    meta = read_meta(json_path)
     try:
-        meta = json.loads(json_path.read_bytes())
+        if meta["format"] != DISTRIBUTED_FORMAT:
+            raise ValueError(f"format {meta['format']!r}")
         directory, digests = json_path.parent / meta["directory"], dict(meta["files_sha256"])
-        version = meta["format_version"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint: expected a valid distributed checkpoint JSON, got {str(json_path)!r} "
-                              f"({e})") from e
-    if version != FORMAT_VERSION:
-        fail("checkpoint", f"format version {FORMAT_VERSION}", f"{version} in {str(json_path)!r}", CheckpointError)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint: expected a distributed checkpoint JSON, got {str(json_path)!r} "
+                              f"({e!r})") from e
     names = sorted(digests)
     errors = []
     for name in names[ranks.rank::ranks.world_size]:
@@ -193,17 +207,31 @@ def read(json_path: str | Path, ranks: Ranks) -> dict[str, Any]:
 
 def load(json_path: str | Path, meta: dict[str, Any], model: nn.Module, opt: Optimizer,
          ranks: Ranks) -> dict[str, torch.Tensor]:
-    """Load the model and optimizer state of a checkpoint :func:`read` verified, in this run's layout.
+    """Load the model and optimizer state of a checkpoint :func:`read` verified, in this run's layout, once
+    DCP's metadata says it fits them (:mod:`lowprec.train.state_checks`).
 
     Returns this rank's generator states (those of rank ``rank % saved ranks``).
     """
+    where = repr(str(json_path))
     directory = Path(json_path).parent / meta["directory"]
     reshard(model)
     saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
     model_sd = get_model_state_dict(model)
-    dests = _model_dests(model_sd, saved)
+    check_model_state({k: tuple(v.shape) for k, v in model_sd.items()},
+                      {k[len("model/"):]: _saved_shape(md, k, where) for k, md in saved.items()
+                       if k.startswith("model/")}, where)
     optim_json = meta["optimizer"]
-    dests.update(_optimizer_dests(optim_json, optimizer_targets(model, opt), saved))
+    targets = optimizer_targets(model, opt)
+
+    def shape_of(leaf: Any) -> tuple[int, ...] | None:
+        key = leaf.get("__tensor__") if isinstance(leaf, dict) else None
+        return None if key is None else _saved_shape(saved.get(key), key, where)
+
+    check_optimizer_shapes(optim_json, {n: tuple(t.shape) for n, t in targets.items()}, shape_of, where)
+    dests = {f"model/{k}": v for k, v in model_sd.items() if f"model/{k}" in saved}
+    # extra state saved, not yet made here (a fresh delayed layer): loaded whole
+    dests.update({k: _plain(md) for k, md in saved.items() if k.startswith("model/") and k not in dests})
+    dests.update(_optimizer_dests(optim_json, targets, saved))
     source_rank = ranks.rank % meta["world_size"]
     rng_keys = {k: f"rng/{source_rank}/{k}" for k in ("cpu", "cuda") if f"rng/{source_rank}/{k}" in saved}
     dests.update({key: _plain(saved[key]) for key in rng_keys.values()})
@@ -213,6 +241,13 @@ def load(json_path: str | Path, meta: dict[str, Any], model: nn.Module, opt: Opt
     by_name = join_tensors(optim_json, {k: v for k, v in dests.items() if k.startswith("optim/")})
     opt.load_state_dict(optimizer_state_by_position(model, opt, by_name))
     return {k: dests[key] for k, key in rng_keys.items()}
+
+
+def _saved_shape(md: Any, key: str, where: str) -> tuple[int, ...]:
+    if not isinstance(md, TensorStorageMetadata):
+        fail("checkpoint", f"a tensor {key!r} in {where}", "none" if md is None else type(md).__name__,
+             CheckpointError)
+    return tuple(md.size)
 
 
 def load_whole(model: nn.Module, opt: Optimizer, model_state: dict[str, torch.Tensor],
@@ -260,20 +295,6 @@ def _like(target: torch.Tensor, md: Any) -> torch.Tensor:
     if isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(target.shape):
         return torch.empty_like(target, dtype=md.properties.dtype)
     return _plain(md)
-
-
-def _model_dests(model_sd: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
-    dests = {}
-    for k, v in model_sd.items():
-        key = f"model/{k}"
-        if key in saved:
-            dests[key] = v
-        elif not k.endswith("_extra_state"):  # extra state (delayed-scaling histories) is optional
-            fail("checkpoint", "the model the checkpoint was saved from", f"no {k!r} in it", CheckpointError)
-    for key, md in saved.items():  # extra state saved, not yet made here (a fresh delayed layer)
-        if key.startswith("model/") and key not in dests:
-            dests[key] = _plain(md)
-    return dests
 
 
 def _optimizer_dests(optim_json: dict[str, Any], targets: dict[str, torch.Tensor],

@@ -29,20 +29,40 @@ def param_names(model: nn.Module, opt: Optimizer) -> list[str]:
     return [names[id(p)] for p in opt.params]
 
 
-def optimizer_state_by_name(model: nn.Module, opt: Optimizer, state: dict[str, Any] | None = None) -> dict[str, Any]:
+def optimizer_state_by_name(model: nn.Module, opt: Optimizer, state: dict[str, Any] | None = None,
+                            where: str = "the checkpoint") -> dict[str, Any]:
     """``opt.state_dict()`` with every per-parameter entry keyed by the parameter's name, not its position.
 
     ``state``: a positional state of an optimizer over the same parameters in the same order (a
-    single-process checkpoint of this model) instead of ``opt``'s own.
+    single-process checkpoint of this model, ``where``) instead of ``opt``'s own; a position it names
+    that ``opt`` lacks is a :class:`CheckpointError`.
     """
     names = param_names(model, opt)
     sd = opt.state_dict() if state is None else state
+    if state is not None:
+        _check_positions(state, len(names), where)
     inner = sd["optimizer"]
     return {**sd,
             "optimizer": {"state": {names[i]: s for i, s in inner["state"].items()},
                           "param_groups": [{**g, "params": [names[i] for i in g["params"]]}
                                            for g in inner["param_groups"]]},
             "master_weights": dict(zip(names, sd["master_weights"]))}
+
+
+def _check_positions(state: Any, n_params: int, where: str) -> None:
+    """A positional state names positions ``0..n_params-1`` alone, and has one master entry per parameter."""
+    try:
+        inner, masters = state["optimizer"], state["master_weights"]
+        positions = [*inner["state"], *(i for g in inner["param_groups"] for i in g["params"])]
+        count = len(masters)
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint: expected the state of lowprec.optim.Optimizer in {where}, "
+                              f"got {e!r}") from e
+    bad = [i for i in positions if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_params]
+    if bad or count != n_params:
+        got = f"parameter {bad[0]!r}" if bad else f"{count} master-weight entries"
+        fail("checkpoint", f"optimizer state of this model's {n_params} parameters in {where}", got,
+             CheckpointError)
 
 
 def optimizer_state_by_position(model: nn.Module, opt: Optimizer, state: dict[str, Any]) -> dict[str, Any]:

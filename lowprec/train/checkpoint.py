@@ -1,4 +1,4 @@
-"""Checkpoints: atomic, checksummed, the last K kept.
+"""Checkpoints: atomic, checksummed byte for byte, the last K kept.
 
 [Note: what makes a checkpoint valid]
 A checkpoint of step ``n`` is a pair of files in one directory:
@@ -11,8 +11,16 @@ Each file is written to a hidden temporary name, flushed to disk, then renamed i
 the JSON goes last. So the JSON's presence marks a complete checkpoint: a process killed at any
 moment leaves either no JSON for the new step (the pair is ignored, the previous checkpoint is
 the latest) or a complete pair. Corruption after the fact (a truncated or altered file) is found
-by the checksum on load and reported with the file's name; it is never loaded, and no older
+by the checksums on load and reported with the file's name; it is never loaded, and no older
 checkpoint is silently used instead.
+
+[Note: a JSON that checks itself]
+Resuming reads the JSON as much as the tensors (optimizer settings, the history the log is
+rewritten from, the data position, the schedule), so every byte of it is checksummed too. The file
+is ``{"sha256": "<hex>", "checkpoint": <body>}`` where ``<hex>`` is the sha256 of the exact bytes of
+``<body>``: still JSON for any reader, and any edit of the body (a digit, a space) or of the recorded
+sum is refused on load (:func:`read_meta`), naming the file. The body holds the sha256 of every
+other file of the checkpoint, so one verified JSON vouches for the whole checkpoint.
 """
 from __future__ import annotations
 
@@ -24,12 +32,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import safetensors.torch
 import torch
 
 from lowprec._checks import check_positive_int, fail
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the JSON holds the sha256 of its own body (1 had none, and is refused).
+
+The distributed checkpoints of :mod:`lowprec.distributed.checkpoint` share the version and the JSON's form."""
 DISTRIBUTED_FORMAT = "torch.distributed.checkpoint"
 """The ``format`` of a checkpoint JSON written by :mod:`lowprec.distributed.checkpoint`."""
 PARTIAL_SUFFIX = ".partial"
@@ -120,11 +132,76 @@ def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
 
 
 def is_distributed_checkpoint(json_path: str | Path) -> bool:
-    """Whether a checkpoint JSON was written by :mod:`lowprec.distributed.checkpoint` (False if unreadable)."""
+    """Whether a checkpoint JSON was written by :mod:`lowprec.distributed.checkpoint` (False if unreadable;
+    not verified: :func:`read_meta` does that)."""
     try:
-        return json.loads(Path(json_path).read_bytes()).get("format") == DISTRIBUTED_FORMAT
-    except (OSError, ValueError, AttributeError):
+        return json.loads(Path(json_path).read_bytes())["checkpoint"].get("format") == DISTRIBUTED_FORMAT
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return False
+
+
+# -- the JSON, checksummed (see [Note: a JSON that checks itself]) --------------------------------
+_HEAD = b'{"sha256": "'
+_MIDDLE = b'", "checkpoint": '
+_TAIL = b"}\n"
+_HEX_DIGITS = 64
+
+
+def encode_meta(meta: dict[str, Any]) -> bytes:
+    """The bytes of a checkpoint JSON holding ``meta`` and the sha256 of its text."""
+    body = json.dumps(meta, indent=1).encode()
+    return _HEAD + hashlib.sha256(body).hexdigest().encode() + _MIDDLE + body + _TAIL
+
+
+def _old_version(data: bytes) -> Any:
+    """The ``format_version`` of a JSON written before checkpoints checked their JSON, else None."""
+    try:
+        meta = json.loads(data)
+        return meta.get("format_version") if isinstance(meta, dict) and "checkpoint" not in meta else None
+    except ValueError:
+        return None
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The body of a checkpoint JSON (single-process or distributed) once its sha256 and version hold.
+
+    :class:`CheckpointError` naming the file for anything else: altered, truncated, not a checkpoint
+    JSON, or of another format version.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint: expected a readable checkpoint file, got {str(path)!r} "
+                              f"({e.strerror or e})") from e
+    split = len(_HEAD) + _HEX_DIGITS
+    body = data[split + len(_MIDDLE):-len(_TAIL)]
+    if not (data.startswith(_HEAD) and data[split:split + len(_MIDDLE)] == _MIDDLE and data.endswith(_TAIL)
+            and len(data) >= split + len(_MIDDLE) + len(_TAIL)):
+        if (version := _old_version(data)) is not None:
+            fail("checkpoint", f"format version {FORMAT_VERSION} (a JSON holding its own sha256)",
+                 f"format version {version!r} in {str(path)!r}, written by an earlier lowprec without a checksum "
+                 "of its JSON (resume it with that version, or start the run anew)", CheckpointError)
+        fail("checkpoint", "a checkpoint JSON (its sha256, then its body)",
+             f"a corrupt or truncated file {str(path)!r}", CheckpointError)
+    recorded = data[len(_HEAD):split].decode("ascii", errors="replace")
+    actual = hashlib.sha256(body).hexdigest()
+    if actual != recorded:
+        fail("checkpoint", f"sha256 {recorded[:16]}... recorded in {str(path)!r}",
+             f"{actual[:16]}... (the file was altered or damaged; delete this checkpoint to resume from an "
+             "older one)", CheckpointError)
+    try:
+        meta = json.loads(body)
+        version, step = meta["format_version"], meta["step"]
+    except (ValueError, KeyError, TypeError) as e:  # a body that checks out but is no checkpoint's
+        raise CheckpointError(f"checkpoint: expected a checkpoint JSON, got {str(path)!r} ({e!r})") from e
+    if version != FORMAT_VERSION:
+        fail("checkpoint", f"format version {FORMAT_VERSION}", f"{version!r} in {str(path)!r}", CheckpointError)
+    named = _NAME.match(path.name)
+    if named and int(named.group(1)) != step:  # a checkpoint renamed would resume at the wrong step
+        fail("checkpoint", f"step {int(named.group(1))} as its name says", f"step {step!r} in {str(path)!r}",
+             CheckpointError)
+    return meta
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
@@ -148,7 +225,7 @@ def save_checkpoint(directory: str | Path, step: int, state: dict[str, Any], kee
     meta = {"format_version": FORMAT_VERSION, "step": step, "tensors_file": f"{stem}.safetensors",
             "tensors_sha256": hashlib.sha256(blob).hexdigest(), "state": encoded}
     json_path = directory / f"{stem}.json"
-    write_atomically(json_path, json.dumps(meta, indent=1).encode())
+    write_atomically(json_path, encode_meta(meta))
     fsync_dir(directory)
     prune_checkpoints(directory, keep)
     return json_path
@@ -170,8 +247,8 @@ def prune_checkpoints(directory: Path, keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)  # the shards of a distributed save that was killed
 
 
-def load_checkpoint(path: str | Path) -> tuple[int, dict[str, Any]]:
-    """``(step, state)`` from a checkpoint's JSON file, or the newest one in a directory; verified first."""
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The JSON of a checkpoint given as its JSON file, or as a directory (its newest complete one)."""
     path = Path(path)
     if path.is_dir():
         latest = latest_checkpoint(path)
@@ -181,27 +258,33 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, Any]]:
         path = latest
     if not path.is_file():
         fail("checkpoint", "an existing checkpoint file", repr(str(path)), CheckpointError)
-    try:
-        meta = json.loads(path.read_bytes())
-        distributed = meta.get("format") == DISTRIBUTED_FORMAT
-        if not distributed:
-            version, tensors_file, digest = meta["format_version"], meta["tensors_file"], meta["tensors_sha256"]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"checkpoint: expected valid checkpoint JSON, got a corrupt or truncated "
-                              f"file {str(path)!r} ({e})") from e
-    if distributed:
+    return path
+
+
+def load_checkpoint(path: str | Path) -> tuple[int, dict[str, Any]]:
+    """``(step, state)`` from a checkpoint's JSON file, or the newest one in a directory; verified first."""
+    path = resolve_checkpoint(path)
+    meta = read_meta(path)
+    if meta.get("format") == DISTRIBUTED_FORMAT:
         fail("checkpoint", "a single-process checkpoint", f"one saved by {meta.get('world_size')} ranks through "
              f"torch.distributed.checkpoint in {str(path)!r} (lowprec.train.train resumes it with resume=True)",
              CheckpointError)
-    if version != FORMAT_VERSION:
-        fail("checkpoint", f"format version {FORMAT_VERSION}", f"{version} in {str(path)!r}", CheckpointError)
+    try:
+        tensors_file, digest = str(meta["tensors_file"]), meta["tensors_sha256"]
+    except KeyError as e:
+        raise CheckpointError(f"checkpoint: expected a single-process checkpoint JSON, got no {e} in "
+                              f"{str(path)!r}") from e
     tensors_path = path.parent / tensors_file
     if not tensors_path.is_file():
         fail("checkpoint", f"the tensors file beside {str(path)!r}", f"no {str(tensors_path)!r}", CheckpointError)
     blob = tensors_path.read_bytes()
     actual = hashlib.sha256(blob).hexdigest()
     if actual != digest:
-        fail("checkpoint", f"sha256 {digest[:16]}... recorded for {str(tensors_path)!r}",
+        fail("checkpoint", f"sha256 {str(digest)[:16]}... recorded for {str(tensors_path)!r}",
              f"{actual[:16]}... (the file is corrupt or truncated; delete this checkpoint to resume from an "
              "older one)", CheckpointError)
-    return meta["step"], _unflatten(meta["state"], safetensors.torch.load(blob))
+    try:
+        tensors = safetensors.torch.load(blob)
+        return meta["step"], _unflatten(meta["state"], tensors)
+    except (KeyError, TypeError, ValueError, safetensors.SafetensorError) as e:  # sums hold, contents disagree
+        raise CheckpointError(f"checkpoint: expected tensors that match {str(path)!r}, got {e!r}") from e

@@ -2,11 +2,12 @@
 
 [Note: why a run is deterministic and resumes exactly]
 Everything random in a step is a function of saved state: the batch of step ``s`` is drawn from
-``(seed, s)`` alone (:meth:`TokenData.train_batch`), the learning rate is a function of ``s``
-(:func:`lr_at`), and the draws of stochastic rounding come from torch's global generators, which
-:func:`train` seeds at the start and a checkpoint saves and restores. With the model (delayed
-scaling state included), the optimizer (masters, moments, loss scale, spike window) and the
-history saved after step ``k``, a run resumed there repeats steps ``k+1..`` bit for bit on a CPU.
+``(seed, s)`` alone (:meth:`TokenData.train_batch`), the learning rate is a function of ``s`` and
+of the schedule the checkpoint records (:class:`lowprec.train.schedule.Schedule`), and the draws of
+stochastic rounding come from torch's global generators, which :func:`train` seeds at the start
+and a checkpoint saves and restores. With the model (delayed scaling state included), the
+optimizer (masters, moments, loss scale, spike window) and the history saved after step ``k``, a
+run resumed there repeats steps ``k+1..`` bit for bit on a CPU.
 
 [Note: every rank decides alike]
 Under ``ddp``/``fsdp2`` each rank trains on its rows of the step's batch (see
@@ -21,12 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,37 +45,21 @@ from lowprec.distributed.launch import (
     apply_grad_comm,
     grad_sync,
     mean_over_ranks,
-    unwrap,
     wrap,
 )
 from lowprec.nn import cached_weight_casts
 from lowprec.optim import Optimizer
-from lowprec.train.checkpoint import is_distributed_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from lowprec.train.config import TrainConfig, check_resumable
+from lowprec.train.checkpoint import latest_checkpoint
+from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
+from lowprec.train.lock import run_directory_lock
 from lowprec.train.logs import RunLog
 from lowprec.train.memory import PeakMemory
 from lowprec.train.result import RunResult
-from lowprec.train.schedule import lr_at
+from lowprec.train.run_state import RunState, restore, save
 
 HP_START_RECIPE = "bf16"
 """What the first ``hp_start_steps`` steps run in (DeepSeek-V3 starts its scales this way)."""
-
-
-@dataclass
-class _Run:
-    """The mutable state of one run, in one place."""
-
-    model: nn.Module
-    """The model as trained: wrapped by DDP, sharded by FSDP2, or itself in one process."""
-    opt: Optimizer
-    data: TokenData
-    cfg: TrainConfig
-    device: torch.device
-    val: list[tuple[torch.Tensor, torch.Tensor]]
-    """This rank's rows of the validation batches."""
-    ranks: Ranks = field(default_factory=Ranks)
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) -> Optimizer:
@@ -88,79 +71,6 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) 
     loss_scale = "dynamic" if recipe.loss_scaling or cfg.torch_dtype == torch.float16 else None
     return Optimizer([g for g in groups if g["params"]], torch.optim.AdamW, lr=cfg.lr, betas=(0.9, 0.95),
                      master_weights=low_precision_params, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm)
-
-
-def _param_shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {n: list(p.shape) for n, p in model.named_parameters()}
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if device.type == "cuda" else None}
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _run_info(run: _Run) -> dict[str, Any]:
-    # the data position is the step: batches are drawn from (seed, step) alone
-    return {"train_config": run.cfg.to_dict(), "data": {"source": run.data.source,
-                                                        "fingerprint": run.data.fingerprint,
-                                                        "position": {"seed": run.cfg.seed,
-                                                                     "next_step": run.history[-1]["step"] + 1}},
-            "param_shapes": _param_shapes(unwrap(run.model)), "lowprec_version": lowprec.__version__,
-            "torch_version": torch.__version__, "python_version": platform.python_version()}
-
-
-def _save(run: _Run, directory: Path) -> None:
-    step = run.history[-1]["step"]
-    if run.ranks.distributed:
-        from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
-        dist_checkpoint.save(directory, step, run.model, run.opt, run.ranks, keep=run.cfg.keep,
-                             state={"history": run.history, "run": _run_info(run)},
-                             rng=dist_checkpoint.rank_rng_state(run.device))
-        return
-    state = {"model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "rng": _rng_state(run.device),
-             "history": run.history, "run": _run_info(run)}
-    save_checkpoint(directory, step, state, keep=run.cfg.keep)
-
-
-def _resume(run: _Run, directory: Path) -> None:
-    path = latest_checkpoint(directory)
-    if path is None:
-        fail("resume", f"a checkpoint in {str(directory)!r}", "none (start without --resume)", FileNotFoundError)
-    distributed = is_distributed_checkpoint(path)
-    if distributed:
-        from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
-        meta = dist_checkpoint.read(path, run.ranks)
-        step, state = meta["step"], meta["state"]
-    else:
-        step, state = load_checkpoint(path)  # under torchrun, every rank reads it whole
-    info = state["run"]
-    check_resumable(info["train_config"], run.cfg)
-    if info["data"]["fingerprint"] != run.data.fingerprint:
-        fail("data", f"the data the checkpoint was trained on ({info['data']['source']})", run.data.source)
-    if info["param_shapes"] != _param_shapes(unwrap(run.model)):
-        fail("model", "the model the checkpoint was trained on (same parameter names and shapes)",
-             "a different one")
-    if step > run.cfg.steps:
-        fail("steps", f"at least the checkpoint's step {step}", run.cfg.steps)
-    if distributed:
-        rng = dist_checkpoint.load(path, meta, run.model, run.opt, run.ranks)
-        dist_checkpoint.set_rank_rng_state(rng, run.device)
-    elif run.ranks.distributed:  # a single-process checkpoint, spread over the ranks
-        from lowprec.distributed import checkpoint as dist_checkpoint
-
-        dist_checkpoint.load_whole(run.model, run.opt, state["model"], state["optimizer"])
-        torch.set_rng_state(state["rng"]["cpu"])  # one process's CUDA generators are not this rank's
-    else:
-        run.model.load_state_dict(state["model"])
-        run.opt.load_state_dict(state["optimizer"])
-        _set_rng_state(state["rng"], run.device)
-    run.history = list(state["history"])
 
 
 @torch.no_grad()
@@ -185,9 +95,9 @@ def _recipe_region(cfg: TrainConfig, step: int) -> contextlib.AbstractContextMan
     return autocast(HP_START_RECIPE) if step <= cfg.hp_start_steps else contextlib.nullcontext()
 
 
-def _train_step(run: _Run, step: int) -> dict[str, Any]:
+def _train_step(run: RunState, step: int) -> dict[str, Any]:
     cfg = run.cfg
-    lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, total_steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+    lr = run.schedule.lr_at(step)
     for group in run.opt.param_groups:
         group["lr"] = lr
     inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len,
@@ -219,7 +129,7 @@ def _train_step(run: _Run, step: int) -> dict[str, Any]:
             "tokens_per_s": cfg.tokens_per_step / seconds}
 
 
-def _validate(run: _Run) -> float:
+def _validate(run: RunState) -> float:
     """The validation loss over all ranks' rows (each rank evaluates its own)."""
     local = evaluate(run.model, run.val, run.device)
     if not run.ranks.distributed:
@@ -227,7 +137,7 @@ def _validate(run: _Run) -> float:
     return mean_over_ranks(torch.tensor(local, dtype=torch.float64, device=run.device), run.ranks).item()
 
 
-def _steps(run: _Run, first: int) -> Iterator[int]:
+def _steps(run: RunState, first: int) -> Iterator[int]:
     interactive = run.cfg.progress and sys.stderr.isatty() and run.ranks.is_main
     bar = tqdm(range(first, run.cfg.steps + 1), initial=first - 1, total=run.cfg.steps, disable=not interactive,
                desc=run.cfg.recipe, unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -238,9 +148,12 @@ def _steps(run: _Run, first: int) -> Iterator[int]:
             bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
 
 
-def _loop(run: _Run, log: RunLog | None, ckpt_dir: Path | None, on_step: Callable[[dict], None] | None) -> bool:
+def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Callable[[dict], None] | None) -> bool:
     """Train from the step after the history's last to ``cfg.steps``; True if the run diverged."""
-    cfg, started = run.cfg, time.perf_counter()
+    cfg = run.cfg
+    # a resumed run's clock goes on from its checkpoint's (the time it was stopped is not counted)
+    elapsed_before = (run.history[-1].get("elapsed_s") or 0.0) if run.history else 0.0
+    started = time.perf_counter() - elapsed_before
     in_a_row = 0
     for step in _steps(run, run.history[-1]["step"] + 1 if run.history else 1):
         row = _train_step(run, step)
@@ -254,7 +167,7 @@ def _loop(run: _Run, log: RunLog | None, ckpt_dir: Path | None, on_step: Callabl
         if log is not None:
             log.write(row)
         if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
-            _save(run, ckpt_dir)
+            save(run, ckpt_dir)
         if on_step is not None:
             on_step(row)
         if diverged:
@@ -275,8 +188,11 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
 
     Seeds torch's global generators from ``cfg.seed`` (stochastic rounding draws from them).
     With ``out_dir``: ``log.csv``, ``tensorboard/`` and, with ``checkpoints``, ``checkpoints/``;
-    ``resume`` continues from the newest checkpoint there. ``on_step`` sees each step's log row
-    after it is written and checkpointed (an exception from it stops the run there).
+    ``resume`` continues from the newest checkpoint there (see [Note: what resuming checks] in
+    :mod:`lowprec.train.run_state`), with ``cfg.steps`` larger or smaller than its run's (see [Note:
+    growing a run] in :mod:`lowprec.train.schedule`). The run holds ``out_dir``'s lock throughout: another
+    process writing there raises :class:`lowprec.train.lock.RunDirectoryLocked`. ``on_step`` sees each
+    step's log row after it is written and checkpointed (an exception from it stops the run there).
 
     With ``cfg.parallel`` ``ddp`` or ``fsdp2`` (a process group must be initialized, e.g. by torchrun),
     every rank calls this with the same model and data: the model is converted, then wrapped; each
@@ -284,11 +200,40 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     every rank through ``torch.distributed.checkpoint``. The result's history is the same on every
     rank, but for timings.
     """
-    recipe = recipes.get(cfg.recipe)
-    device = torch.device(cfg.device)
     ranks = Ranks.of(cfg.parallel)
     if resume and out_dir is None:
         fail("resume", "an output directory holding checkpoints", "out_dir=None")
+    out = Path(out_dir) if out_dir is not None else None
+    # one writer per directory: held from before the checkpoints are read until the last one is written
+    with run_directory_lock(out, ranks) if out is not None else contextlib.nullcontext():
+        run, conversion = _start(model, data, cfg, ranks)
+        ckpt_dir = out / "checkpoints" if out is not None and checkpoints else None
+        memory = PeakMemory(run.device)
+        log = None
+        try:
+            if resume:
+                restore(run, out / "checkpoints")
+            elif ckpt_dir is not None and latest_checkpoint(ckpt_dir) is not None:
+                # a fresh run among an older run's checkpoints could later resume from the wrong one
+                fail("out_dir", "a directory without checkpoints, or resume=True to continue the run in it",
+                     f"{str(out)!r} holding {latest_checkpoint(ckpt_dir).name}")
+            memory.reset()
+            log = RunLog(out, run.history, cfg.tensorboard) if out is not None and ranks.is_main else None
+            diverged = _loop(run, log, ckpt_dir, on_step)
+        finally:
+            if log is not None:
+                log.close()
+            run.opt.remove_hooks()
+    return RunResult(recipe=cfg.recipe, history=tuple(run.history), tokens_per_s=_throughput(run.history),
+                     peak_memory_bytes=memory.peak_bytes(), diverged=diverged, conversion=conversion,
+                     out_dir=str(out) if out is not None else None)
+
+
+def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) -> tuple[RunState, str]:
+    """The run before its first step: the model cast, converted and wrapped, its optimizer, the generators
+    seeded; and the conversion report."""
+    recipe = recipes.get(cfg.recipe)
+    device = torch.device(cfg.device)
     # cast before converting, so scaling state the converted layers hold stays float32
     model.to(device=device, dtype=cfg.torch_dtype)
     conversion = str(lowprec.convert(model, recipe))
@@ -298,25 +243,6 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     model = wrap(model, cfg.parallel, cfg.grad_comm, fp8_weights=cfg.fp8_all_gather)
     apply_grad_comm(model, cfg.parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
-    run = _Run(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
-               val=val, ranks=ranks)
-    out = Path(out_dir) if out_dir is not None else None
-    ckpt_dir = out / "checkpoints" if out is not None and checkpoints else None
-    if resume:
-        _resume(run, out / "checkpoints")
-    elif ckpt_dir is not None and latest_checkpoint(ckpt_dir) is not None:
-        # a fresh run among an older run's checkpoints could later resume from the wrong one
-        fail("out_dir", "a directory without checkpoints, or resume=True to continue the run in it",
-             f"{str(out)!r} holding {latest_checkpoint(ckpt_dir).name}")
-    memory = PeakMemory(device)
-    memory.reset()
-    log = RunLog(out, run.history, cfg.tensorboard) if out is not None and ranks.is_main else None
-    try:
-        diverged = _loop(run, log, ckpt_dir, on_step)
-    finally:
-        if log is not None:
-            log.close()
-        run.opt.remove_hooks()
-    return RunResult(recipe=cfg.recipe, history=tuple(run.history), tokens_per_s=_throughput(run.history),
-                     peak_memory_bytes=memory.peak_bytes(), diverged=diverged, conversion=conversion,
-                     out_dir=str(out) if out is not None else None)
+    run = RunState(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
+                   val=val, ranks=ranks)
+    return run, conversion

@@ -1,12 +1,19 @@
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 from click.testing import CliRunner
 
-from lowprec.cli import main
+from lowprec.cli import main, train_cmd
+from lowprec.cli.train_cmd import FAILED_RUN_STATUS
+from lowprec.train.lock import run_directory_lock
 from lowprec.train.logs import read_log
+from lowprec.train.models import load_model
+from tests.train.runs import resave
 
 SMALL = ["--batch-size", "2", "--seq-len", "32", "--val-batches", "1", "--quiet", "--no-tensorboard"]
 
@@ -95,3 +102,101 @@ def test_the_same_command_twice_gives_the_same_curve(tmp_path):
         rows = read_log(tmp_path / name / "log.csv")
         curves.append([(r["step"], r["loss"], r["grad_norm"], r["val_loss"]) for r in rows])
     assert curves[0] == curves[1] and len(curves[0]) == 3
+
+
+def test_a_run_grows_with_the_defaults_its_checkpoint_was_trained_with(tmp_path):
+    # --warmup-steps and --eval-every default to a tenth and a sixth of --steps: on --resume, to the checkpoint's
+    out = str(tmp_path / "run")
+    assert _invoke("train", "--steps", "10", "--out", out, *SMALL).exit_code == 0
+    grown = _invoke("train", "--steps", "20", "--out", out, "--resume", *SMALL)
+    assert grown.exit_code == 0, grown.output
+    rows = read_log(tmp_path / "run" / "log.csv")
+    assert [int(r["step"]) for r in rows] == list(range(1, 21))
+    rates = [float(r["lr"]) for r in rows]
+    assert rates[9] == pytest.approx(2e-4, rel=1e-12)  # the first run ended at the floor of its cosine ...
+    assert set(rates[10:]) == {rates[9]}  # ... and the grown run goes on from there, with no jump
+    assert [r["step"] for r in rows if r["val_loss"]] == [str(s) for s in range(1, 21)]  # every step, as before
+    elapsed = [float(r["elapsed_s"]) for r in rows]
+    assert all(a < b for a, b in zip(elapsed, elapsed[1:]))  # the clock goes on across the resume
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """A 2-step run of the tiny model through the command line, with its checkpoint."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    result = _invoke("train", "--steps", "2", "--out", str(out), *SMALL)
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def _one_line_error(result, start):
+    assert result.exit_code == 1, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(start), result.output
+    assert "Traceback" not in result.output
+
+
+def _flip_a_loss_digit(out):
+    path = out / "checkpoints" / "step_00000002.json"
+    text = path.read_bytes()
+    at = text.index(b'"loss": ') + len(b'"loss": ') + 3
+    path.write_bytes(text[:at] + (b"1" if text[at:at + 1] != b"1" else b"2") + text[at + 1:])
+
+
+def _nan_weight(state):
+    state["model"]["layers.0.attention.wq.weight"][0, 0] = float("nan")
+
+
+def _garbage_rng(state):
+    state["rng"]["cpu"] = torch.full_like(state["rng"]["cpu"], 3)
+
+
+@pytest.mark.parametrize("damage, error", [
+    (_flip_a_loss_digit, "Error: checkpoint: expected sha256"),
+    (lambda out: resave(out / "checkpoints", lambda s: s["model"].pop("norm.weight")),
+     "Error: checkpoint: expected the state of this model in"),
+    (lambda out: resave(out / "checkpoints", lambda s: s["model"].update({"extra.weight": torch.zeros(2)})),
+     "Error: checkpoint: expected the state of this model in"),
+    (lambda out: resave(out / "checkpoints", lambda s: s["model"].update({"norm.weight": torch.zeros(3)})),
+     "Error: checkpoint: expected 'norm.weight' of shape (192,)"),
+    (lambda out: resave(out / "checkpoints",
+                        lambda s: s["optimizer"]["optimizer"]["state"][1].update({"exp_avg": torch.zeros(3)})),
+     "Error: checkpoint: expected optimizer state 'exp_avg' of"),
+    (lambda out: resave(out / "checkpoints", _garbage_rng), "Error: checkpoint: expected a valid CPU generator state"),
+    (lambda out: resave(out / "checkpoints", _nan_weight),
+     "Error: checkpoint: expected finite weights and optimizer state in"),
+], ids=["flipped-loss-digit", "missing-key", "extra-key", "wrong-shape", "optimizer-shape", "garbage-rng", "nan"])
+def test_a_damaged_or_unfitting_checkpoint_is_one_line(cli_run, tmp_path, damage, error):
+    out = tmp_path / "run"
+    shutil.copytree(cli_run, out)
+    damage(out)
+    _one_line_error(_invoke("train", "--steps", "3", "--out", str(out), "--resume", *SMALL), error)
+
+
+def test_a_run_whose_steps_are_all_skipped_fails(tmp_path, monkeypatch):
+    def nan_model(*args, **kwargs):
+        model, spec = load_model(*args, **kwargs)
+        with torch.no_grad():
+            model.layers[0].attention.wq.weight[0, 0] = float("nan")
+        return model, spec
+
+    monkeypatch.setattr(train_cmd, "load_model", nan_model)
+    result = _invoke("train", "--steps", "3", "--out", str(tmp_path), *SMALL)
+    assert result.exit_code == FAILED_RUN_STATUS != 0, result.output
+    assert result.stderr.strip().splitlines()[-1] == ("Error: every step of this run was skipped (3 of 3: non-finite "
+                                                      "loss or gradients), so the weights did not change")
+    monkeypatch.undo()
+    # its checkpoint holds the NaN (with valid checksums): refused, not resumed into more skipped steps
+    _one_line_error(_invoke("train", "--steps", "4", "--out", str(tmp_path), "--resume", *SMALL),
+                    "Error: checkpoint: expected finite weights and optimizer state in")
+
+
+def test_a_directory_another_run_writes_is_refused(tmp_path):
+    out = tmp_path / "run"
+    # this process holds the lock; the command's run opens the lock file anew and is another writer
+    with run_directory_lock(out):
+        for args in (["train", "--steps", "2", "--resume"], ["compare", "--steps", "2"], ["train", "--steps", "2"]):
+            _one_line_error(_invoke(*args, "--out", str(out), *SMALL),
+                            f"Error: out_dir: expected a directory no other run is writing, got '{out}', locked by "
+                            f"process {os.getpid()} ")
+    assert _invoke("train", "--steps", "2", "--out", str(out), *SMALL).exit_code == 0  # free again

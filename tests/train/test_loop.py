@@ -1,4 +1,3 @@
-import json
 import math
 import warnings
 from dataclasses import replace
@@ -7,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from lowprec.train.checkpoint import read_meta
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import load_data
 from lowprec.train.logs import read_log
@@ -110,7 +110,7 @@ def test_a_run_of_non_finite_steps_stops_as_diverged(data):
 
 def test_checkpoint_records_the_run(data, tmp_path):
     _run(data, replace(CFG, recipe="fp8-current", steps=2, eval_every=2), out_dir=tmp_path)
-    meta = json.loads((tmp_path / "checkpoints" / "step_00000002.json").read_text())
+    meta = read_meta(tmp_path / "checkpoints" / "step_00000002.json")
     run = meta["state"]["run"]
     assert run["train_config"]["recipe"] == "fp8-current" and run["data"]["fingerprint"] == data.fingerprint
     assert run["lowprec_version"] and run["torch_version"] == torch.__version__
