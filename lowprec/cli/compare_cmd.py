@@ -33,7 +33,7 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
     check_model_spec(opts["model"])
     with launched(opts, "compare") as (device, main):
         cfg = config_from_options(names[0], opts, device=device)
-        data = load_data(opts["data"], token_dtype=opts["token_dtype"])
+        data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
         chatty = main and not opts["quiet"] and not opts["as_json"]
 
         def progress(r: RunResult) -> None:
