@@ -30,8 +30,10 @@ def _out_of_memory(e: BaseException) -> bool:
 def one_line(e: BaseException) -> str:
     """The one-line message for an error that ends a command."""
     if _out_of_memory(e):
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"out of memory ({first.rstrip('.')}): {OUT_OF_MEMORY_HINT}"
+        # torch's first two sentences say where and how much ("CUDA out of memory. Tried to allocate 2 GiB");
+        # the rest is allocator advice that would not fit on a line
+        what = ". ".join(" ".join(str(e).split()).split(". ")[:2]).rstrip(".") or type(e).__name__
+        return f"out of memory ({what}): {OUT_OF_MEMORY_HINT}"
     msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
     msg = " ".join(str(msg).split())  # one line, whatever the library below wrote
     if isinstance(e, click.ClickException) or _OWN_MESSAGE.match(msg):
