@@ -116,3 +116,20 @@ def test_resuming_on_changed_data_says_what_changed(tmp_path):
     assert line.startswith("Error: data: expected the data the checkpoint was trained on")
     # it read "(text: small.txt (1 files)), got text: small.txt (1 files)": now sizes and hashes differ
     assert f"(text: {text} (1 file, 1,760 bytes, sha256 " in line and f"got text: {text} (1 file, 1,804 bytes, " in line
+
+
+@pytest.mark.parametrize("files, why", [
+    ({"config.json": '{"model_type": "nope"}'}, "has model type `nope` but Transformers does not recognize"),
+    ({"config.json": '{"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, '
+                     '"num_hidden_layers": 1, "num_attention_heads": 2}', "model.safetensors": "not a header"},
+     "Error while deserializing header"),
+], ids=["unknown-type", "corrupt-weights"])
+def test_a_hugging_face_model_transformers_cannot_load_is_one_line(tmp_path, files, why):
+    pytest.importorskip("transformers")
+    model = tmp_path / "hf"
+    model.mkdir()
+    for name, text in files.items():
+        (model / name).write_text(text)
+    line = _one_line("train", "--model", str(model), "--out", str(tmp_path / "out"), *SMALL)
+    assert line.startswith(f"Error: model: expected a Hugging Face causal LM that transformers loads, got '{model}' (")
+    assert why in line
