@@ -15,10 +15,11 @@ to zero -- the loss keeps falling, as the layer's output is then only its bias. 
 ``2^outlier_bits`` times the largest in the history (:class:`lowprec.recipes.DelayedScaling`) is
 recorded as that bound and counted in ``outliers``: a lone outlier costs at most ``outlier_bits``
 bits of headroom, and a real jump of the range is followed by ``outlier_bits`` per step. The batch
-holding it is cast with the scale from before it, so the outlier itself saturates. The test is
+holding it is cast with the scale from before it, so the outlier itself saturates. The check is
 tensor operations (no host sync, no graph break); the host reads the counts when it logs, through
-:func:`amax_outliers`, which warns once per layer. The first amax of a role has no history to be
-judged against.
+:func:`amax_outliers`, which warns once per layer. Under data parallelism each rank counts its own
+outliers (the capped histories are then reduced as any others). The first amax of a role has no
+history to be judged against.
 
 The state travels in the module's ``state_dict`` as one float32 tensor (so that any checkpoint
 format holds it): row 0 is a header ``[version, history_len, 0]``, row 1 the number of amaxes
