@@ -135,6 +135,12 @@ class DelayedScaling:
     """``"max"`` of the history or the ``"most_recent"`` amax."""
     margin: int = 0
     """The scale is multiplied by ``2^margin`` for headroom."""
+    outlier_bits: int | None = 8
+    """An amax more than ``2^outlier_bits`` times the largest in its history (256 times by default) is
+    an outlier -- one stray value such as 1e30 in a batch, which would otherwise hold the scale up for
+    ``history_len`` steps and quantize every later tensor to zero. It is recorded capped at that bound
+    and counted (``DelayedState.outliers``), so it costs at most ``outlier_bits`` bits of headroom, and
+    a real change of range is followed within a few steps. None records every amax as it is."""
 
     def __post_init__(self) -> None:
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
@@ -142,6 +148,10 @@ class DelayedScaling:
         check_choice("algo", self.algo, ("max", "most_recent"))
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             fail("margin", "a non-negative int (the scale is multiplied by 2^margin)", describe(self.margin))
+        bits = self.outlier_bits
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 64):
+            fail("outlier_bits", "an int in [1, 64] (an amax above 2^outlier_bits times the history's is an "
+                 "outlier) or None", describe(bits))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

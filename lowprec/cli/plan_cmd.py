@@ -41,7 +41,7 @@ def _show(table: Callable[[], str]) -> Callable:
 @click.option("--grad-dtype", default="bf16", show_default=True, help="One of " + ", ".join(GRAD_BYTES) + ".")
 @click.option("--tokens", type=float, default=None, help="Tokens to train on (e.g. 15e12), for days and cost.")
 @click.option("--mfu", type=float, default=0.4, show_default=True, help="Fraction of dense peak achieved.")
-@click.option("--price-per-gpu-hour", type=float, default=None, help="Price of one GPU-hour, for the cost.")
+@click.option("--price-per-gpu-hour", type=float, default=None, help="US dollars per GPU-hour, for the cost.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--list-gpus", is_flag=True, expose_value=False, is_eager=True, callback=_show(gpu_table),
               help="Print the accelerator table and exit.")

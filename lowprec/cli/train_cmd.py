@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from lowprec import recipes
-from lowprec.cli.app import main
+from lowprec.cli.app import check_device, main
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
@@ -48,6 +48,9 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--data", default=None,
                      help="A text file or directory, or a .npy/.bin token file. Default: the embedded corpus."),
         click.option("--token-dtype", default="uint16", show_default=True, help="Element type of a .bin token file."),
+        click.option("--vocab-size", type=int, default=None,
+                     help="The model's vocabulary; every token id must be below it. Default: 256 for text, a token "
+                          "file's largest id + 1 rounded up to 32 (at most 262,144)."),
         click.option("--batch-size", type=int, default=d.batch_size, show_default=True),
         click.option("--seq-len", type=int, default=d.seq_len, show_default=True),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step."),
@@ -133,6 +136,7 @@ def launched(opts: dict[str, Any], command: str) -> Iterator[tuple[str, bool]]:
     Yields this rank's device and whether this rank speaks (rank 0: messages, warnings, results).
     A ``--parallel`` run that torchrun did not start is refused, saying how to launch it.
     """
+    check_device(opts["device"])
     check_launch(opts["parallel"], command)
     with process_group(opts["parallel"], opts["device"] or default_device(), command) as device:
         main = Ranks.of(opts["parallel"]).is_main
@@ -158,7 +162,7 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
     with launched(opts, "train") as (device, main):
         resumed = saved_train_config(Path(out) / "checkpoints") if resume else None
         cfg = config_from_options(recipe, opts, device=device, resumed=resumed, save_every=save_every, keep=keep)
-        data = load_data(opts["data"], token_dtype=opts["token_dtype"])
+        data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
         model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
         if main and not opts["quiet"] and not opts["as_json"]:
             ranks = Ranks.of(cfg.parallel)

@@ -8,16 +8,31 @@ a compiled graph (forward and backward) holds it without a break or a recompilat
 Non-finite amaxes are recorded as 0, so one bad step cannot poison the scales of the following
 ``history_len`` steps (the step itself is caught by the guard).
 
+[Note: amax outliers]
+A finite outlier poisons a history too: one input element of 1e30 makes ``max`` of the history
+1e30 for ``history_len`` steps, and every clean tensor of those steps is scaled by it and quantizes
+to zero -- the loss keeps falling, as the layer's output is then only its bias. So an amax more than
+``2^outlier_bits`` times the largest in the history (:class:`lowprec.recipes.DelayedScaling`) is
+recorded as that bound and counted in ``outliers``: a lone outlier costs at most ``outlier_bits``
+bits of headroom, and a real jump of the range is followed by ``outlier_bits`` per step. The batch
+holding it is cast with the scale from before it, so the outlier itself saturates. The check is
+tensor operations (no host sync, no graph break); the host reads the counts when it logs, through
+:func:`amax_outliers`, which warns once per layer. Under data parallelism each rank counts its own
+outliers (the capped histories are then reduced as any others). The first amax of a role has no
+history to be judged against.
+
 The state travels in the module's ``state_dict`` as one float32 tensor (so that any checkpoint
 format holds it): row 0 is a header ``[version, history_len, 0]``, row 1 the number of amaxes
-recorded per role, and rows ``2..`` the history, one column per role. It is never required: a missing
-or mismatched entry starts again from current scaling.
+recorded per role, row 2 the outliers capped per role, and rows ``3..`` the history, one column per
+role. Version 1 had no outlier row (it loads with no outliers counted). It is never required: a
+missing or mismatched entry starts again from current scaling.
 """
 from __future__ import annotations
 
 import warnings
 
 import torch
+from torch import nn
 
 from lowprec import formats as F
 from lowprec.quant.scales import amax_scale
@@ -25,7 +40,9 @@ from lowprec.recipes import DelayedScaling, Role
 
 ROLES = tuple(r.name.lower() for r in Role)
 """The history's columns, in :class:`lowprec.recipes.Role` order."""
-_VERSION = 1
+_VERSION = 2
+_HEADER_ROWS = {1: 2, 2: 3}
+"""Rows before the history, per version of the saved tensor."""
 
 
 class DelayedState:
@@ -37,6 +54,10 @@ class DelayedState:
         self.history = torch.zeros(config.history_len, len(ROLES), device=device)  # (L, roles)
         self.count = torch.zeros(len(ROLES), dtype=torch.int64, device=device)
         """Amaxes recorded per role; role ``i``'s next one goes to row ``count[i] % L``."""
+        self.outliers = torch.zeros(len(ROLES), dtype=torch.int64, device=device)
+        """Amaxes recorded capped per role (see [Note: amax outliers])."""
+        self._warned = [0] * len(ROLES)
+        """Outliers per role that :func:`amax_outliers` has already warned about."""
         self._seen = [False] * len(ROLES)
         """Host mirror of ``count > 0`` for eager code, which decides without reading the device."""
 
@@ -45,6 +66,7 @@ class DelayedState:
             self.__init__(self.config, device)
         else:
             self.history, self.count = self.history.to(device), self.count.to(device)
+            self.outliers = self.outliers.to(device)
 
     @property
     def recorded(self) -> list[int]:
@@ -80,9 +102,17 @@ class DelayedState:
         return self._last(int(role))
 
     def record(self, role: Role, amax: torch.Tensor) -> None:
-        """Add ``amax`` (non-finite: 0) to ``role``'s history, with tensor operations only."""
+        """Add ``amax`` (non-finite: 0; an outlier: capped, see [Note: amax outliers]) to ``role``'s
+        history, with tensor operations only."""
         i = int(role)
-        amax = torch.where(torch.isfinite(amax), amax, 0.0).float().to(self.history.device)
+        amax = amax.detach().float().reshape(()).to(self.history.device)
+        amax = torch.where(torch.isfinite(amax), amax, 0.0)
+        if self.config.outlier_bits is not None:
+            # an empty history has max 0 and no bound: the first amax is taken as it is
+            bound = self.history[:, i].amax() * 2.0**self.config.outlier_bits
+            outlier = (bound > 0) & (amax > bound)
+            amax = torch.where(outlier, bound, amax)
+            self.outliers[i:i + 1].add_(outlier.reshape(1).long())
         row = (self.count[i] % self.config.history_len).reshape(1)
         self.history[row, i] = amax.reshape(1)
         self.count[i:i + 1].add_(1)
@@ -90,21 +120,47 @@ class DelayedState:
             self._seen[i] = True
 
     def to_tensor(self) -> torch.Tensor:
-        header = torch.zeros(2, len(ROLES))
+        header = torch.zeros(_HEADER_ROWS[_VERSION], len(ROLES))
         header[0, 0], header[0, 1] = _VERSION, self.config.history_len
-        header[1] = self.count.float().cpu()
+        header[1], header[2] = self.count.float().cpu(), self.outliers.float().cpu()
         return torch.cat([header.to(self.history.device), self.history]).cpu()
 
     def load_tensor(self, t: torch.Tensor, where: str) -> None:
-        """Restore from :meth:`to_tensor`; a malformed or mismatched entry is ignored with a warning."""
-        ok = (isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[1] == len(ROLES)
-              and t.shape[0] == self.config.history_len + 2
-              and int(t[0, 0]) == _VERSION and int(t[0, 1]) == self.config.history_len)
+        """Restore from :meth:`to_tensor` (this version or version 1); a malformed or mismatched entry
+        is ignored with a warning."""
+        version = int(t[0, 0]) if isinstance(t, torch.Tensor) and t.dim() == 2 and t.numel() else None
+        rows = _HEADER_ROWS.get(version)
+        ok = (rows is not None and t.shape[1] == len(ROLES) and t.shape[0] == self.config.history_len + rows
+              and int(t[0, 1]) == self.config.history_len)
         if not ok:
             warnings.warn(f"lowprec: {where}: delayed-scaling state does not match this recipe "
                           f"(history_len {self.config.history_len}); starting from current scaling", stacklevel=3)
             return
-        self.history.copy_(t[2:].to(self.history.device))
+        self.history.copy_(t[rows:].to(self.history.device))
         counts = [int(v) for v in t[1].tolist()]
         self.count.copy_(torch.tensor(counts, dtype=torch.int64))
+        outliers = [int(v) for v in t[2].tolist()] if rows > 2 else [0] * len(ROLES)
+        self.outliers.copy_(torch.tensor(outliers, dtype=torch.int64))
         self._seen = [n > 0 for n in counts]
+        self._warned = outliers  # warned about in the run that saved them
+
+
+def amax_outliers(model: nn.Module) -> int:
+    """The amax outliers capped so far in every delayed-scaling layer of ``model`` (see [Note: amax
+    outliers]), for a training loop to log; warns once for each layer and role that has new ones, naming
+    the layer. Reads the device once (call it when logging, not inside a compiled region)."""
+    named = [(name, m.delayed_state) for name, m in model.named_modules()
+             if isinstance(getattr(m, "delayed_state", None), DelayedState)]
+    if not named:
+        return 0
+    counts = torch.stack([s.outliers.to(named[0][1].outliers.device) for _, s in named]).tolist()  # one sync
+    for (name, state), per_role in zip(named, counts):
+        for i, n in enumerate(per_role):
+            if n > state._warned[i]:
+                if state._warned[i] == 0:
+                    warnings.warn(
+                        f"lowprec: {name or 'model'}: an {ROLES[i]} amax over 2^{state.config.outlier_bits} "
+                        f"times its delayed-scaling history's largest was capped ({n} so far): an outlier in "
+                        "the data or activations (see DelayedState.outliers)", stacklevel=2)
+                state._warned[i] = n
+    return sum(sum(c) for c in counts)

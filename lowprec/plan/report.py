@@ -8,6 +8,9 @@ from lowprec.plan.models import all_presets
 from lowprec.plan.planner import Plan
 from lowprec.plan.units import GB
 
+CURRENCY = "USD"
+"""What ``--price-per-gpu-hour`` is counted in, so the cost is too."""
+
 
 def _gb(nbytes: float) -> float:
     return round(nbytes / GB, 3)
@@ -40,6 +43,7 @@ def plan_to_dict(p: Plan) -> dict:
             "effective_peak_tflops": t.effective_peak_tflops, "tokens_per_s": t.tokens_per_s,
             "tokens_per_step": t.tokens_per_step, "step_s": t.step_s, "tokens": t.tokens, "days": t.days,
             "gpu_hours": t.gpu_hours, "price_per_gpu_hour": c.price_per_gpu_hour, "cost": t.cost,
+            "currency": CURRENCY, "cost_formula": "cost = gpu_hours x price_per_gpu_hour",
         },
     }
 
@@ -62,7 +66,9 @@ def _time_lines(p: Plan) -> list[str]:
              f"step of {t.tokens_per_step:,} tokens: {t.step_s:.3g} s"]
     if t.days is not None:
         line = f"{t.tokens:.3g} tokens: {t.days:,.1f} days, {t.gpu_hours:,.0f} GPU-hours"
-        lines.append(line + (f", cost {t.cost:,.0f}" if t.cost is not None else ""))
+        if t.cost is not None:
+            line += f", cost ${t.cost:,.0f} (at ${p.config.price_per_gpu_hour:,.2f} per GPU-hour)"
+        lines.append(line)
     return lines
 
 

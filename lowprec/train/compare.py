@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import copy
 import platform
+import re
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 import lowprec
 from lowprec import recipes
-from lowprec._checks import fail
+from lowprec._checks import describe, fail
 from lowprec.distributed.launch import Ranks
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
@@ -26,37 +28,103 @@ from lowprec.train.report import CompareReport, Thresholds
 from lowprec.train.result import RunResult
 
 BASELINE = "bf16"
+RecipeLike = str | recipes.Recipe
+"""A preset's name or a user's :class:`lowprec.recipes.Recipe`."""
 
 
-def parse_recipes(text: str | Sequence[str]) -> list[str]:
-    """Recipe names from ``"bf16,fp8-current"`` or a list; the baseline is put first, added if missing."""
-    names = [n.strip() for n in text.split(",")] if isinstance(text, str) else list(text)
-    names = [n for n in names if n]
-    if not names:
+def recipe_label(recipe: RecipeLike) -> str:
+    """The name a recipe goes by in a comparison: a preset's name, or a user recipe's ``name``."""
+    return recipe if isinstance(recipe, str) else recipe.name
+
+
+def run_dir_name(recipe: RecipeLike) -> str:
+    """A file-system-safe directory name for a recipe's run: a preset's name as it is, a user recipe's
+    name lower-cased with every run of other characters than ``a-z 0-9 . _ -`` made one ``-``."""
+    slug = re.sub(r"[^a-z0-9._-]+", "-", recipe_label(recipe).lower()).strip("-.")[:100]
+    return slug or "recipe"
+
+
+def _entries(text: str | Sequence[RecipeLike]) -> list[RecipeLike]:
+    if isinstance(text, str):
+        return [n.strip() for n in text.split(",") if n.strip()]
+    if not isinstance(text, Sequence):
+        fail("recipes", "a comma-separated str or a list of recipe names and lowprec.recipes.Recipe",
+             describe(text), TypeError)
+    return [n.strip() if isinstance(n, str) else n for n in text if not isinstance(n, str) or n.strip()]
+
+
+def parse_recipes(text: str | Sequence[RecipeLike]) -> list[RecipeLike]:
+    """Recipes from ``"bf16,fp8-current"`` or a list of names and user ``Recipe`` objects; the baseline is
+    put first, added if missing. Each must have its own name, and its own run directory name."""
+    entries = _entries(text)
+    if not entries:
         fail("recipes", "a comma-separated list of recipe names", repr(text))
-    for n in names:
-        recipes.get(n)  # refuses an unknown name, listing the presets
-    if len(set(names)) != len(names):
-        fail("recipes", "each recipe once", repr(text))
-    return [BASELINE] + [n for n in names if n != BASELINE]
+    for n in entries:
+        r = recipes.get(n)  # refuses an unknown name, listing the presets
+        if not isinstance(n, str) and r.name in recipes.PRESETS and r != recipes.get(r.name):
+            fail("recipes", f"a user recipe named other than the preset {r.name!r}", repr(r.name))
+    labels = [recipe_label(n) for n in entries]
+    if len(set(labels)) != len(labels):
+        fail("recipes", "each recipe once", repr(labels))
+    dirs: dict[str, str] = {}
+    for label, n in zip(labels, entries):
+        other = dirs.setdefault(run_dir_name(n), label)
+        if other != label:
+            fail("recipes", "names that differ as directory names", f"{other!r} and {label!r} (both "
+                 f"runs/{run_dir_name(n)})")
+    return [BASELINE] + [n for n, label in zip(entries, labels) if label != BASELINE]
 
 
-def compare(model_spec: str, recipe_names: str | Sequence[str], cfg: TrainConfig, data: TokenData, *,
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Where a comparison is: handed to ``on_step`` after every step of every recipe."""
+
+    recipe: str
+    """The recipe being trained (:func:`recipe_label`)."""
+    index: int
+    """Its place among the recipes, from 0."""
+    n_recipes: int
+    steps: int
+    """Steps per recipe."""
+    row: dict[str, Any]
+    """The step's log row (``step``, ``loss``, ``tokens_per_s``, ...)."""
+
+    @property
+    def done(self) -> int:
+        """Steps finished over all recipes."""
+        return self.index * self.steps + self.row["step"]
+
+    @property
+    def total(self) -> int:
+        return self.n_recipes * self.steps
+
+
+def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: TrainConfig, data: TokenData, *,
             out_dir: str | Path | None = None, thresholds: Thresholds | None = None,
-            on_result: Callable[[RunResult], None] | None = None) -> CompareReport:
+            on_result: Callable[[RunResult], None] | None = None,
+            on_step: Callable[[Progress], None] | None = None) -> CompareReport:
     """Train ``model_spec`` once per recipe from one initialisation; the report (written to ``out_dir``).
 
-    Under ``cfg.parallel`` every rank calls this; every rank gets the report, rank 0 writes it.
+    ``recipe_names``: names and user :class:`lowprec.recipes.Recipe` objects (see :func:`parse_recipes`);
+    each recipe's log goes to ``out_dir/runs/<run_dir_name(recipe)>``. ``on_step`` sees every step's
+    :class:`Progress`, ``on_result`` every recipe's result. Under ``cfg.parallel`` every rank calls this;
+    every rank gets the report, rank 0 writes it.
     """
-    names = parse_recipes(recipe_names)
+    entries = parse_recipes(recipe_names)
     base, spec = load_model(model_spec, vocab_size=data.vocab_size, seed=cfg.seed)
     init_state = copy.deepcopy(base.state_dict())
     results = []
-    for name in names:
+    for index, recipe in enumerate(entries):
+        label = recipe_label(recipe)
         model = copy.deepcopy(base)
         model.load_state_dict(init_state)
-        run_dir = Path(out_dir) / "runs" / name if out_dir is not None else None
-        result = train(model, data, replace(cfg, recipe=name), out_dir=run_dir, checkpoints=False)
+        run_dir = Path(out_dir) / "runs" / run_dir_name(recipe) if out_dir is not None else None
+        hook = None
+        if on_step is not None:
+            def hook(row: dict[str, Any], label: str = label, index: int = index) -> None:
+                on_step(Progress(label, index, len(entries), cfg.steps, row))
+        result = train(model, data, replace(cfg, recipe=recipe), out_dir=run_dir, checkpoints=False, on_step=hook)
+        result = replace(result, recipe=label)  # the report and its verdicts go by name
         results.append(result)
         if on_result is not None:
             on_result(result)

@@ -13,7 +13,7 @@ goes on with the batches the first one would have drawn.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +24,12 @@ from lowprec.train.corpus import DEFAULT_CAP_BYTES, build_corpus
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 DEFAULT_VAL_FRACTION = 0.05
+BYTE_VOCAB = 256
+"""Text is byte-level: token = byte."""
+MAX_INFERRED_VOCAB = 1 << 18
+"""The largest vocabulary taken from a token file's largest id without ``vocab_size``: 262,144, the size
+of the largest common tokenizers'. One stray id above it (a corrupt file) would otherwise build an
+embedding and LM head of that many rows; a larger vocabulary must be given."""
 _FINGERPRINT_SPAN = 1 << 20
 """Bytes hashed at each end of a token file: hashing gigabytes on every start would be slow."""
 
@@ -108,19 +114,26 @@ def corpus_data(cap_bytes: int = DEFAULT_CAP_BYTES, val_fraction: float = DEFAUL
     corpus = build_corpus(cap_bytes)
     tokens = np.frombuffer(corpus.data, dtype=np.uint8)
     source = f"embedded corpus (Python {corpus.python_version} standard library, {corpus.n_files} files)"
-    return _split(tokens, val_fraction, 256, source, corpus.sha256)
+    return _split(tokens, val_fraction, BYTE_VOCAB, source, corpus.sha256)
 
 
 def _text_files(path: Path) -> list[Path]:
+    """The files under ``path``, sorted, hidden ones skipped. A symbolic link to a file is followed (and
+    counted in the data's ``source``); one to a directory is not descended into."""
     files = sorted(p for p in path.rglob("*") if p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
     return files
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
 def text_data(path: Path, val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
-    """A UTF-8 text file, or every UTF-8 file under a directory (sorted, hidden ones skipped), as bytes."""
+    """A UTF-8 text file, or every UTF-8 file under a directory (sorted, hidden ones skipped, symbolic
+    links to files followed), as bytes."""
     files = _text_files(path) if path.is_dir() else [path]
-    parts = []
+    parts, links = [], 0
     for f in files:
         raw = f.read_bytes()
         try:
@@ -131,12 +144,16 @@ def text_data(path: Path, val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenDa
                      f"{str(path)!r}, which is not UTF-8 text")
             continue  # binaries in a directory of text are not training data
         parts.append(raw.replace(b"\r\n", b"\n"))
+        links += path.is_dir() and f.is_symlink()
     data = b"\n\n".join(parts)
     if len(data) == 0:
         fail("data", "text to train on", f"no UTF-8 text in {str(path)!r}")
     tokens = np.frombuffer(data, dtype=np.uint8)
-    return _split(tokens, val_fraction, 256, f"text: {path} ({len(parts)} files)",
-                  hashlib.sha256(data).hexdigest())
+    digest = hashlib.sha256(data).hexdigest()
+    # size and hash in the description: a resumed run on changed data is told what changed
+    linked = f", {links:,} through symbolic links" if links else ""
+    source = f"text: {path} ({_plural(len(parts), 'file')}{linked}, {_plural(len(data), 'byte')}, sha256 {digest[:12]})"
+    return _split(tokens, val_fraction, BYTE_VOCAB, source, digest)
 
 
 def _fingerprint(path: Path) -> str:
@@ -150,7 +167,9 @@ def _fingerprint(path: Path) -> str:
 
 def token_file_data(path: Path, token_dtype: str = "uint16", val_fraction: float = DEFAULT_VAL_FRACTION,
                     vocab_size: int | None = None) -> TokenData:
-    """Pre-tokenized ids, memory-mapped: a 1-D integer ``.npy``, or a raw ``.bin`` of ``token_dtype``."""
+    """Pre-tokenized ids, memory-mapped: a 1-D integer ``.npy``, or a raw ``.bin`` of ``token_dtype``;
+    every id below ``vocab_size`` (see :func:`load_data`)."""
+    _check_vocab_size(vocab_size)
     if path.suffix == ".npy":
         tokens = np.load(path, mmap_mode="r")
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -163,25 +182,57 @@ def token_file_data(path: Path, token_dtype: str = "uint16", val_fraction: float
         tokens = np.memmap(path, dtype=dtype, mode="r")
     if len(tokens) == 0:
         fail("data", "at least one token", f"an empty file {str(path)!r}")
-    top = int(tokens.max()) + 1
+    low = int(tokens.min())
+    if low < 0:
+        fail("data", "non-negative token ids", f"{low} at position {int(np.argmin(tokens)):,} of {str(path)!r}")
+    fingerprint = _fingerprint(path)
+    source = (f"tokens: {path} ({len(tokens):,} {tokens.dtype}, {_plural(path.stat().st_size, 'byte')}, "
+              f"fingerprint {fingerprint[:12]})")
+    return _split(tokens, val_fraction, _token_vocab(tokens, path, vocab_size), source, fingerprint)
+
+
+def _token_vocab(tokens: np.ndarray, path: Path, vocab_size: int | None) -> int:
+    """``vocab_size`` if every id is below it; without it, the largest id + 1 rounded up to a multiple of 32
+    (so the LM head tiles into 32-wide blocks), up to :data:`MAX_INFERRED_VOCAB`."""
+    top = int(tokens.max())
+    if vocab_size is None and top < MAX_INFERRED_VOCAB:
+        return -(-(top + 1) // 32) * 32
+    # the position makes a stray id findable; looked for only when refusing (a second pass over the file)
+    where = f"{top:,} at position {int(np.argmax(tokens)):,} of {str(path)!r}"
     if vocab_size is None:
-        vocab_size = -(-top // 32) * 32  # rounded up so the LM head tiles into 32-wide blocks
-    elif top > vocab_size:
-        fail("vocab_size", f"more than the largest token id {top - 1}", vocab_size)
-    if int(tokens.min()) < 0:
-        fail("data", "non-negative token ids", int(tokens.min()))
-    return _split(tokens, val_fraction, vocab_size, f"tokens: {path} ({len(tokens)} {tokens.dtype})",
-                  _fingerprint(path))
+        fail("data", f"token ids below {MAX_INFERRED_VOCAB:,} (the largest vocabulary inferred from the data; "
+             "if the ids are right, give the vocabulary: vocab_size, --vocab-size)", where)
+    if top >= vocab_size:
+        fail("data", f"token ids below the vocabulary size {vocab_size:,}", where)
+    return vocab_size
+
+
+def _check_vocab_size(vocab_size: int | None) -> int | None:
+    if vocab_size is not None:
+        check_positive_int("vocab_size", vocab_size)
+    return vocab_size
 
 
 def load_data(path: str | Path | None = None, *, token_dtype: str = "uint16",
-              val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
-    """The embedded corpus (``path=None``), a text file or directory, or a ``.npy``/``.bin`` token file."""
+              val_fraction: float = DEFAULT_VAL_FRACTION, vocab_size: int | None = None) -> TokenData:
+    """The embedded corpus (``path=None``), a text file or directory, or a ``.npy``/``.bin`` token file.
+
+    ``vocab_size``: the model's vocabulary; every token id must be below it (text: at least 256).
+    Without it, text has 256 and a token file its largest id + 1 (rounded up to 32), at most
+    :data:`MAX_INFERRED_VOCAB`.
+    """
+    _check_vocab_size(vocab_size)
     if path is None:
-        return corpus_data(val_fraction=val_fraction)
-    p = Path(path)
-    if not p.exists():
-        fail("data", "an existing file or directory", repr(str(path)), FileNotFoundError)
-    if p.is_file() and p.suffix in (".npy", ".bin"):
-        return token_file_data(p, token_dtype, val_fraction)
-    return text_data(p, val_fraction)
+        data = corpus_data(val_fraction=val_fraction)
+    else:
+        p = Path(path)
+        if not p.exists():
+            fail("data", "an existing file or directory", repr(str(path)), FileNotFoundError)
+        if p.is_file() and p.suffix in (".npy", ".bin"):
+            return token_file_data(p, token_dtype, val_fraction, vocab_size)
+        data = text_data(p, val_fraction)
+    if vocab_size is None:
+        return data
+    if vocab_size < BYTE_VOCAB:
+        fail("vocab_size", f"at least {BYTE_VOCAB} for byte-level text (token = byte)", vocab_size)
+    return replace(data, vocab_size=vocab_size)

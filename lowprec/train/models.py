@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import safetensors
 import torch
 from torch import nn
 
@@ -37,22 +38,43 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=tokens, use_cache=False).logits  # (B, T, vocab)
 
 
+def _safetensors_weights(path: Path) -> bool:
+    """Whether the directory ``path`` holds weights; refuses pickled ones (``pytorch_model*.bin``), which
+    lowprec never loads (unpickling a file can run any code), saying how to convert them."""
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return path.is_dir()
+    pickles = sorted(p.name for p in path.glob("pytorch_model*.bin"))
+    if pickles:
+        convert = (f"python -c \"from transformers import AutoModelForCausalLM as M; "
+                   f"M.from_pretrained('{path}').save_pretrained('{path}')\"")
+        fail("model", "weights in .safetensors files (lowprec loads no pickles)",
+             f"{pickles[0]} in {str(path)!r}; convert a checkpoint you trust once with: {convert}")
+    return False
+
+
 def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[str, Any]]:
+    has_weights = _safetensors_weights(path)
     try:
         import transformers
     except ImportError:
         fail("model", "a preset or, with the optional 'hf' extra (pip install 'lowprec[hf]') installed, a "
              "Hugging Face config", f"{str(path)!r} but transformers is not installed", ValueError)
-    directory = path if path.is_dir() else path.parent
-    config = transformers.AutoConfig.from_pretrained(str(path))
-    if config.vocab_size < vocab_size:
-        fail("model", f"a vocabulary of at least {vocab_size} tokens for this data", config.vocab_size)
-    has_weights = any(directory.glob("*.safetensors")) or any(directory.glob("pytorch_model*.bin"))
-    if path.is_dir() and has_weights:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path))  # train() casts it
-    else:
-        torch.manual_seed(seed)  # transformers initialises from the global generator
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+        if config.vocab_size < vocab_size:
+            fail("model", f"a vocabulary of at least {vocab_size} tokens for this data", config.vocab_size)
+        if has_weights:
+            # use_safetensors: never a fallback onto pickled weights
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True)
+        else:
+            torch.manual_seed(seed)  # transformers initialises from the global generator
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except (OSError, KeyError, TypeError, ValueError, safetensors.SafetensorError) as e:
+        if str(e).startswith("model: expected"):
+            raise
+        why = " ".join(str(e).split()).split(". ")[0].rstrip(".") or type(e).__name__  # its first sentence
+        raise ValueError(f"model: expected a Hugging Face causal LM that transformers loads, got {str(path)!r} "
+                         f"({why})") from e
     return HFCausalLM(model), config.to_dict()
 
 

@@ -119,3 +119,15 @@ def test_info_describes_a_cuda_device_and_the_path_each_gemm_takes_there(fake_cu
     # Hopper: FP8 (per tensor, per row, DeepSeek blocks) on cuBLAS; MX and NVFP4 emulated; the CPU emulates all
     assert paths["cuda:0", "fp8-blockwise"] == ("cublas",) * 3 and paths["cuda:0", "mxfp8"] == ("emulated",) * 3
     assert paths["cpu", "fp8-current"] == ("emulated",) * 3 and paths["cuda:0", "bf16"] == ("hp",) * 3
+
+
+def test_the_cost_is_in_dollars_at_the_price_per_gpu_hour():
+    args = ["plan", "--model", "llama-3-8b", "--gpu", "h100", "--gpus", "8", "--zero", "3", "--tokens", "1e12",
+            "--price-per-gpu-hour", "2.5"]
+    data = json.loads(_run(*args, "--json").output)["throughput"]
+    assert data["currency"] == "USD" and data["price_per_gpu_hour"] == 2.5
+    assert data["cost"] == pytest.approx(data["gpu_hours"] * 2.5, rel=1e-12)
+    last = _run(*args).output.strip().splitlines()[-1]
+    assert last.endswith(f", {data['gpu_hours']:,.0f} GPU-hours, cost ${data['cost']:,.0f} (at $2.50 per GPU-hour)")
+    no_price = _run(*args[:-2]).output.strip().splitlines()[-1]
+    assert no_price.endswith("GPU-hours") and "$" not in no_price

@@ -1,13 +1,16 @@
 import importlib
 import math
+import warnings
 from dataclasses import replace
 
 import pytest
 import torch
 
-from lowprec.train.compare import compare, parse_recipes
+from lowprec import recipes as R
+from lowprec.train.compare import compare, parse_recipes, run_dir_name
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import load_data
+from lowprec.train.logs import read_log
 from lowprec.train.result import RunResult
 
 
@@ -48,3 +51,62 @@ def test_every_recipe_starts_from_the_same_weights_with_the_same_settings(monkey
     assert report.context["data"]["fingerprint"] == load_data().fingerprint
     assert (tmp_path / "report.html").is_file()
     assert math.isfinite(report.rows()[1]["gap_to_baseline"])
+
+
+def _mine(name: str) -> R.Recipe:
+    return replace(R.fp8_current(), name=name, doc="")
+
+
+def test_a_user_recipe_trains_under_a_file_system_safe_directory(tmp_path):
+    # it crashed after training bf16: "unsupported operand type(s) for /: 'PosixPath' and 'Recipe'"
+    mine = _mine("My FP8/current recipe")
+    cfg = TrainConfig(steps=2, batch_size=2, seq_len=16, val_batches=1, eval_every=2, tensorboard=False,
+                      progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "GEMMs are emulated on cpu"
+        report = compare("tiny", [mine], cfg, load_data(), out_dir=tmp_path)
+    assert [r["recipe"] for r in report.rows()] == ["bf16", "My FP8/current recipe"]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["bf16", "my-fp8-current-recipe"]
+    rows = read_log(tmp_path / "runs" / "my-fp8-current-recipe" / "log.csv")
+    assert [r["step"] for r in rows] == ["1", "2"]
+    assert "My FP8/current recipe" in (tmp_path / "report.md").read_text()
+    assert math.isfinite(report.rows()[1]["final_val_loss"])
+
+
+@pytest.mark.parametrize("name, slug", [
+    ("fp8-current", "fp8-current"), ("My FP8/current recipe", "my-fp8-current-recipe"), ("../../etc", "etc"),
+    ("..", "recipe"), ("Ünïcode ☃ name", "n-code-name"), ("a" * 300, "a" * 100),
+])
+def test_run_directory_names_are_safe(name, slug):
+    assert run_dir_name(name if name in R.names() else _mine(name)) == slug
+
+
+def test_user_recipes_need_names_of_their_own():
+    mine = _mine("mine")
+    assert parse_recipes(["mxfp8", mine]) == ["bf16", "mxfp8", mine]
+    assert parse_recipes([R.fp8_current(), "mxfp8"]) == ["bf16", R.fp8_current(), "mxfp8"]  # a preset as it is
+    with pytest.raises(ValueError, match=r"recipes: expected a user recipe named other than the preset "
+                                         r"'fp8-current', got 'fp8-current'"):
+        parse_recipes([replace(R.fp8_current(), name="fp8-current", hp_last_fraction=0.5)])
+    with pytest.raises(ValueError, match=r"recipes: expected each recipe once, got \['mine', 'mine'\]"):
+        parse_recipes([mine, _mine("mine")])
+    with pytest.raises(ValueError, match=r"recipes: expected names that differ as directory names, got 'My Run' "
+                                         r"and 'my-run' \(both runs/my-run\)"):
+        parse_recipes([_mine("My Run"), _mine("my-run")])
+
+
+def test_every_step_of_every_recipe_reports_the_comparison_s_progress(monkeypatch):
+    def fake_train(model, data, cfg, on_step=None, **kw):
+        history = tuple({"step": s, "loss": 2.0, "val_loss": None, "lr": 1e-3, "skipped": False,
+                         "tokens_per_s": 10.0 * s} for s in range(1, cfg.steps + 1))
+        for row in history:
+            on_step(row)
+        return RunResult(recipe=cfg.recipe, history=history, tokens_per_s=1.0, peak_memory_bytes=None,
+                         diverged=False, conversion="")
+
+    monkeypatch.setattr(importlib.import_module("lowprec.train.compare"), "train", fake_train)
+    seen = []
+    compare("tiny", ["mxfp8", _mine("mine")], TrainConfig(steps=3, tensorboard=False, progress=False), load_data(),
+            on_step=seen.append)
+    assert [(p.recipe, p.index, p.row["step"], p.done, p.total) for p in seen] == [
+        (name, i, s, 3 * i + s, 9) for i, name in enumerate(["bf16", "mxfp8", "mine"]) for s in (1, 2, 3)]

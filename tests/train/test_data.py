@@ -7,7 +7,7 @@ import torch
 
 from lowprec.train import corpus as corpus_mod
 from lowprec.train.corpus import build_corpus
-from lowprec.train.data import corpus_data, load_data
+from lowprec.train.data import MAX_INFERRED_VOCAB, corpus_data, load_data
 
 
 def test_corpus_is_deterministic_capped_and_fast():
@@ -121,3 +121,73 @@ def test_sequence_longer_than_a_split_is_refused(tmp_path):
     data = load_data(tmp_path / "t.txt", val_fraction=0.1)
     with pytest.raises(ValueError, match="seq_len: expected at most 8 \\(the validation split has 10 tokens\\)"):
         data.val_batches(1, 1, 64)
+
+
+def _ids(tmp_path, ids, dtype=np.int64):
+    path = tmp_path / "ids.npy"
+    tokens = np.arange(1000, dtype=dtype) % 300
+    tokens[417] = ids
+    np.save(path, tokens)
+    return path
+
+
+@pytest.mark.parametrize("stray", [3_000_000, 2**40])
+def test_one_stray_token_id_does_not_set_the_vocabulary(tmp_path, stray):
+    # it did: 3,000,000 built a 3M-row embedding and LM head, 2^40 an allocation error
+    path = _ids(tmp_path, stray)
+    with pytest.raises(ValueError, match=rf"^data: expected token ids below {MAX_INFERRED_VOCAB:,} \(.*"
+                                         rf"--vocab-size\), got {stray:,} at position 417 of '.*ids.npy'$"):
+        load_data(path)
+    with pytest.raises(ValueError, match=rf"^data: expected token ids below the vocabulary size 50,304, got "
+                                         rf"{stray:,} at position 417 of '.*ids.npy'$"):
+        load_data(path, vocab_size=50_304)
+
+
+def test_a_given_vocabulary_is_used_when_every_id_is_below_it(tmp_path):
+    path = _ids(tmp_path, 299)
+    assert load_data(path).vocab_size == 320  # inferred: the largest id + 1, rounded up to 32
+    assert load_data(path, vocab_size=300).vocab_size == 300
+    with pytest.raises(ValueError, match="got 299 at position 299 of"):  # the first of the largest
+        load_data(path, vocab_size=299)
+    largest = _ids(tmp_path, MAX_INFERRED_VOCAB - 1)
+    assert load_data(largest).vocab_size == MAX_INFERRED_VOCAB
+    assert load_data(None, vocab_size=512).vocab_size == 512  # bytes, in a larger vocabulary
+    with pytest.raises(ValueError, match=r"vocab_size: expected at least 256 for byte-level text"):
+        load_data(None, vocab_size=100)
+    with pytest.raises(ValueError, match=r"vocab_size: expected a positive int, got 0"):
+        load_data(path, vocab_size=0)
+
+
+def test_negative_token_ids_are_refused_where_they_are(tmp_path):
+    with pytest.raises(ValueError, match=r"data: expected non-negative token ids, got -5 at position 417 of"):
+        load_data(_ids(tmp_path, -5))
+
+
+def test_the_source_gives_size_and_hash_so_that_a_changed_file_is_told_apart(tmp_path):
+    path = tmp_path / "small.txt"
+    path.write_text("abc\r\n" * 10)
+    data = load_data(path)
+    text = b"abc\n" * 10
+    assert data.source == f"text: {path} (1 file, 40 bytes, sha256 {hashlib.sha256(text).hexdigest()[:12]})"
+    path.write_text("abd\r\n" * 10)
+    assert load_data(path).source != data.source  # same size, another hash
+    ids = tmp_path / "t.npy"
+    np.save(ids, np.arange(100, dtype=np.uint16))
+    tokens = load_data(ids)
+    assert tokens.source == (f"tokens: {ids} (100 uint16, {ids.stat().st_size} bytes, fingerprint "
+                             f"{tokens.fingerprint[:12]})")
+
+
+def test_a_directory_follows_symbolic_links_to_files_and_says_so(tmp_path):
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "linked.txt").write_text("linked " * 20)
+    (outside / "sub" / "deep.txt").write_text("deep " * 20)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "own.txt").write_text("own " * 20)
+    (data_dir / "b-link.txt").symlink_to(outside / "linked.txt")
+    (data_dir / "c-dir").symlink_to(outside / "sub")  # a linked directory is not descended into
+    data = load_data(data_dir, val_fraction=0.5)
+    assert bytes(data.train) + bytes(data.val) == ("linked " * 20 + "\n\n" + "own " * 20).encode()
+    assert data.source.startswith(f"text: {data_dir} (2 files, 1 through symbolic links, 222 bytes, ")
