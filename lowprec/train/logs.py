@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ("step", "lr", "loss", "val_loss", "grad_norm", "loss_scale", "skipped", "spike", "recipe",
-           "tokens_per_s", "elapsed_s")
-"""``val_loss`` is empty on steps without validation; ``recipe`` is ``bf16`` during a high-precision start."""
+           "tokens_per_s", "elapsed_s", "amax_outliers")
+"""``val_loss`` is empty on steps without validation; ``recipe`` is ``bf16`` during a high-precision start;
+``amax_outliers`` (delayed scaling only) counts the amaxes capped so far (``lowprec.nn.delayed``)."""
 _SCALARS = ("loss", "val_loss", "lr", "grad_norm", "loss_scale", "tokens_per_s")
 
 

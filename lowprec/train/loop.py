@@ -45,9 +45,11 @@ from lowprec.distributed.launch import (
     apply_grad_comm,
     grad_sync,
     mean_over_ranks,
+    unwrap,
     wrap,
 )
 from lowprec.nn import cached_weight_casts
+from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import latest_checkpoint
 from lowprec.train.config import TrainConfig
@@ -85,9 +87,14 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
     return total / len(batches)
 
 
+def _recipe_name(cfg: TrainConfig) -> str:
+    """The run's recipe by name (a user's ``Recipe`` by its ``name``)."""
+    return cfg.recipe.name if isinstance(cfg.recipe, recipes.Recipe) else cfg.recipe
+
+
 def _step_recipe(cfg: TrainConfig, step: int) -> str:
-    """The recipe step ``step`` runs in: BF16 during the high-precision start, then the run's."""
-    return HP_START_RECIPE if step <= cfg.hp_start_steps else cfg.recipe
+    """The name of the recipe step ``step`` runs in: BF16 during the high-precision start, then the run's."""
+    return HP_START_RECIPE if step <= cfg.hp_start_steps else _recipe_name(cfg)
 
 
 def _recipe_region(cfg: TrainConfig, step: int) -> contextlib.AbstractContextManager:
@@ -114,7 +121,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
-    if run.ranks.distributed and recipes.get(_step_recipe(cfg, step)).uses_delayed_scaling:
+    if run.ranks.distributed and step > cfg.hp_start_steps and recipes.get(cfg.recipe).uses_delayed_scaling:
         sync_amaxes(run.model)  # every rank's next scales from the same amaxes: one all-reduce for all layers
     # the global batch's loss: logged, and checked and watched for spikes alike on every rank
     loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
@@ -123,10 +130,12 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
         precompute_fp8_scales(run.model)  # FP8-all-gathered weights' next scales: one all-reduce, if any
     loss_value = result.loss
     seconds = time.perf_counter() - start
-    return {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
-            "loss_scale": result.loss_scale, "skipped": result.skipped, "spike": result.spike,
-            "recipe": _step_recipe(cfg, step),
-            "tokens_per_s": cfg.tokens_per_step / seconds}
+    row = {"step": step, "lr": lr, "loss": loss_value, "val_loss": None, "grad_norm": result.grad_norm,
+           "loss_scale": result.loss_scale, "skipped": result.skipped, "spike": result.spike,
+           "recipe": _step_recipe(cfg, step), "tokens_per_s": cfg.tokens_per_step / seconds}
+    if recipes.get(cfg.recipe).uses_delayed_scaling:  # capped amax outliers so far (one read of the device)
+        row["amax_outliers"] = amax_outliers(unwrap(run.model))
+    return row
 
 
 def _validate(run: RunState) -> float:
@@ -224,7 +233,7 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
             if log is not None:
                 log.close()
             run.opt.remove_hooks()
-    return RunResult(recipe=cfg.recipe, history=tuple(run.history), tokens_per_s=_throughput(run.history),
+    return RunResult(recipe=_recipe_name(cfg), history=tuple(run.history), tokens_per_s=_throughput(run.history),
                      peak_memory_bytes=memory.peak_bytes(), diverged=diverged, conversion=conversion,
                      out_dir=str(out) if out is not None else None)
 
