@@ -145,3 +145,32 @@ def test_a_new_thread_does_not_inherit_the_region():
         t.start()
         t.join(timeout=30)
     assert torch.equal(seen["y"], under("fp8-current"))
+
+
+def test_record_amax_is_a_flag_of_the_region_and_ends_with_it():
+    from lowprec.autocast import records_amax
+
+    assert not records_amax()
+    with lowprec.autocast("bf16", record_amax=True):
+        assert records_amax()
+        with lowprec.autocast(enabled=False):  # an inner region without it does not record
+            assert not records_amax()
+        with lowprec.autocast(enabled=False, record_amax=True), pytest.raises(RuntimeError, match="boom"):
+            raise RuntimeError("boom")
+        assert records_amax() and resolve(R.get("fp8-delayed")).name == "bf16"
+    assert not records_amax()
+
+
+@pytest.mark.parametrize(("kw", "got"), [(dict(recipe="fp8-current"), "recipe='fp8-current'"),
+                                         (dict(recipe="mxfp8"), "recipe='mxfp8'"), (dict(), "recipe=None")])
+def test_record_amax_needs_a_high_precision_region(kw, got):
+    # recording is for steps that compute in high precision (a delayed override records through its own casts)
+    with pytest.raises(ValueError, match=rf"record_amax: expected a region in high precision .*got {got}"):
+        with lowprec.autocast(**kw, record_amax=True):
+            pass
+
+
+def test_record_amax_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"record_amax: expected a bool, got 1 \(int\)"):
+        with lowprec.autocast("bf16", record_amax=1):
+            pass

@@ -11,11 +11,12 @@ import torch.nn.functional as nnf
 
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
-from lowprec.autocast import resolve
+from lowprec.autocast import records_amax, resolve
 from lowprec.nn.casts import CastState, InputShare
 from lowprec.nn.delayed import DelayedState
 from lowprec.nn.function import LinearFunction, fprop, output_dtype
 from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan
+from lowprec.nn.record import record_amaxes
 
 
 class Linear(nn.Linear):
@@ -130,12 +131,14 @@ class Linear(nn.Linear):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             fail("input", f"a last dimension of in_features={self.in_features}", describe(x))
         recipe = resolve(self.recipe)
-        if recipe is None or x.numel() == 0:
+        if x.numel() == 0:
             return nnf.linear(x, self.weight, self.bias)
+        if recipe is None:
+            return self._recorded(x, nnf.linear(x, self.weight, self.bias))
         training = self.training and torch.is_grad_enabled()
         plan = self.plan(recipe, nearest=not training)  # evaluation rounds every cast to nearest
         if plan.hp_dtype is not None:
-            return self._unscaled(x, plan.hp_dtype)
+            return self._recorded(x, self._unscaled(x, plan.hp_dtype))
         if plan.hp_reason is not None:
             if not torch.compiler.is_compiling():  # a warning would end a graph; eager code said it
                 self._warn_once(plan.hp_reason)
@@ -146,11 +149,15 @@ class Linear(nn.Linear):
         # one stateless object for every layer, so that blocks compiled one by one (FSDP2) share one
         # graph instead of recompiling per layer on the identity of its state
         state = self.state if plan.delayed or not torch.compiler.is_compiling() else _STATELESS
-        params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        if self._builds_graph(x):
             return LinearFunction.apply(x, self.weight, self.bias, plan, state)
         # inference: no transposed casts, and the delayed-scaling history is left as training made it
         return fprop(x, self.weight, self.bias, plan, state, False, False, record=False)[0]
+
+    def _builds_graph(self, x: torch.Tensor) -> bool:
+        """The forward is differentiated (training): the autograd function runs, and delayed layers record."""
+        params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
+        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
 
     def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""
@@ -158,6 +165,20 @@ class Linear(nn.Linear):
         with torch.autocast(x.device.type, enabled=False):
             b = self.bias.to(dtype) if self.bias is not None else None
             return nnf.linear(x.to(dtype), self.weight.to(dtype), b).to(out)
+
+    def _recorded(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y``, the layer's output in high precision under an autocast region; where the region
+        records amaxes and the bound recipe scales by delay, its amaxes recorded as a step of that recipe
+        records them (see [Note: lazy scale initialisation] in ``lowprec.nn.record``)."""
+        bound = self.recipe
+        if not records_amax() or bound is None or not bound.uses_delayed_scaling:
+            return y
+        if not self._builds_graph(x):
+            return y  # inference: a delayed layer records nothing either
+        plan = self._prepare(bound)  # its history exists unless an override replaced it since
+        if plan.delayed:  # not a layer the policy or its shape keeps in high precision
+            record_amaxes(x, self.weight, y, plan, self.state.delayed)
+        return y
 
     def _warn_once(self, reason: str) -> None:
         if reason not in self._warned:

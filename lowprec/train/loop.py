@@ -61,7 +61,9 @@ from lowprec.train.result import RunResult
 from lowprec.train.run_state import RunState, restore, save
 
 HP_START_RECIPE = "bf16"
-"""What the first ``hp_start_steps`` steps run in (DeepSeek-V3 starts its scales this way)."""
+"""What the first ``hp_start_steps`` steps run in (DeepSeek-V3 starts its scales this way). Layers bound
+to a delayed recipe record their amaxes in those steps, so its first step scales from a history (see
+[Note: lazy scale initialisation] in :mod:`lowprec.nn.record`)."""
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) -> Optimizer:
@@ -98,8 +100,11 @@ def _step_recipe(cfg: TrainConfig, step: int) -> str:
 
 
 def _recipe_region(cfg: TrainConfig, step: int) -> contextlib.AbstractContextManager:
-    """BF16 during the high-precision start, else the recipe the model was converted to."""
-    return autocast(HP_START_RECIPE) if step <= cfg.hp_start_steps else contextlib.nullcontext()
+    """BF16 during the high-precision start, recording the amaxes of delayed layers (validation, without
+    gradients, records none); else the recipe the model was converted to."""
+    if step <= cfg.hp_start_steps:
+        return autocast(HP_START_RECIPE, record_amax=True)
+    return contextlib.nullcontext()
 
 
 def _train_step(run: RunState, step: int) -> dict[str, Any]:
@@ -121,8 +126,9 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
-    if run.ranks.distributed and step > cfg.hp_start_steps and recipes.get(cfg.recipe).uses_delayed_scaling:
-        sync_amaxes(run.model)  # every rank's next scales from the same amaxes: one all-reduce for all layers
+    if run.ranks.distributed and recipes.get(cfg.recipe).uses_delayed_scaling:
+        # every rank's next scales from the same amaxes (the BF16 start records too): one all-reduce for all layers
+        sync_amaxes(run.model)
     # the global batch's loss: logged, and checked and watched for spikes alike on every rank
     loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
     result = run.opt.step(loss=loss_mean)  # the loss check shares the step's one host sync

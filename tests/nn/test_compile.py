@@ -78,3 +78,26 @@ def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step(
     # after compiled steps, an eager call reads the history compiled code recorded
     x = randn(16, 64, seed=99)
     assert torch.equal(comp(x), eager(x))
+
+
+def test_recorded_high_precision_steps_compile_into_one_graph_and_follow_eager():
+    # lazy scale initialisation: the amaxes recorded under autocast("bf16", record_amax=True) by tensor
+    # operations, so a compiled BF16 step records inside its graph as eager code does
+    import lowprec
+
+    torch._dynamo.reset()
+    eager, comp = make_linear(_delayed("max"), 64, 32), make_linear(_delayed("max"), 64, 32)
+    compiled = torch.compile(comp, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        x, dy = randn(16, 64, seed=10 + step, scale=step + 1.0), randn(16, 32, seed=20 + step)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with lowprec.autocast("bf16", record_amax=True):
+            ye = eager(xe)
+            ye.backward(dy)
+            with torch._dynamo.config.patch(error_on_recompile=step > 0):
+                yc = compiled(xc)
+            yc.backward(dy)
+        assert torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad)
+        assert torch.equal(comp.weight.grad, eager.weight.grad)
+        assert torch.equal(comp.delayed_state.history, eager.delayed_state.history), f"step {step}"
+        assert comp.delayed_state.recorded == eager.delayed_state.recorded == [step + 1] * 3

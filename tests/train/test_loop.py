@@ -64,10 +64,12 @@ def _stop_at(k):
     return hook
 
 
-@pytest.mark.parametrize("recipe", ["bf16", "mxfp4", "fp8-delayed"])
-def test_resume_after_an_interruption_repeats_the_curve_bit_for_bit(data, tmp_path, recipe):
-    # mxfp4 draws random bits (stochastic rounding); fp8-delayed carries amax histories
-    cfg = replace(CFG, recipe=recipe, save_every=2)
+@pytest.mark.parametrize(("recipe", "hp_start_steps"), [("bf16", 0), ("mxfp4", 0), ("fp8-delayed", 0),
+                                                        ("fp8-delayed", 2)])
+def test_resume_after_an_interruption_repeats_the_curve_bit_for_bit(data, tmp_path, recipe, hp_start_steps):
+    # mxfp4 draws random bits (stochastic rounding); fp8-delayed carries amax histories, which with a
+    # high-precision start the BF16 steps recorded: the resumed step 3 is the first delayed one
+    cfg = replace(CFG, recipe=recipe, save_every=2, hp_start_steps=hp_start_steps)
     whole = _run(data, cfg, out_dir=tmp_path / "whole")
     with pytest.raises(_Stop):
         _run(data, cfg, out_dir=tmp_path / "cut", on_step=_stop_at(3))  # stopped after step 3, saved at 2
@@ -86,6 +88,65 @@ def test_high_precision_start_runs_bf16_first(data):
     # same start, same data: the first three steps are the BF16 run's, then the recipe takes over
     assert _curve(mixed)[:3] == _curve(bf16)[:3]
     assert _curve(mixed)[3][1] != _curve(bf16)[3][1]
+
+
+def _delayed_counts(model) -> list[list[int]]:
+    return [m.delayed_state.recorded for m in model.modules() if getattr(m, "delayed_state", None) is not None]
+
+
+def test_the_high_precision_start_records_the_delayed_histories(data):
+    # lazy scale initialisation: the BF16 steps fill the histories the first fp8-delayed step scales from
+    model = build_model(MICRO, seed=0)
+    mixed = train(model, data, replace(CFG, recipe="fp8-delayed", hp_start_steps=2, steps=3))
+    bf16 = _run(data, replace(CFG, recipe="bf16", steps=3))
+    assert [r["recipe"] for r in mixed.history] == ["bf16", "bf16", "fp8-delayed"]
+    assert _curve(mixed)[:2] == _curve(bf16)[:2]  # recording changes nothing the BF16 steps compute
+    counts = _delayed_counts(model)
+    assert len(counts) == 2 * 7 and all(c == [3, 3, 3] for c in counts)  # 2 recorded steps + 1 delayed
+    with_grad_accum = build_model(MICRO, seed=0)
+    train(with_grad_accum, data, replace(CFG, recipe="fp8-delayed", hp_start_steps=2, steps=2, grad_accum=2))
+    assert all(c == [4, 4, 4] for c in _delayed_counts(with_grad_accum))  # one amax per micro-batch
+
+
+def test_lowprec_train_with_a_high_precision_start_saves_the_recorded_histories(tmp_path):
+    from click.testing import CliRunner
+
+    from lowprec.cli import main
+    from lowprec.train.checkpoint import load_checkpoint
+
+    args = ["train", "--model", "tiny", "--recipe", "fp8-delayed", "--hp-start-steps", "2", "--steps", "2",
+            "--batch-size", "2", "--seq-len", "32", "--val-batches", "1", "--quiet", "--no-tensorboard"]
+    result = CliRunner().invoke(main, [*args, "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    _, state = load_checkpoint(tmp_path / "checkpoints")
+    histories = {k: v for k, v in state["model"].items() if k.endswith("_extra_state")}
+    # header rows (version, counts, outliers), then the history: two BF16 steps, two amaxes per role
+    assert histories and all(h[1].tolist() == [2.0, 2.0, 2.0] for h in histories.values())
+    assert all(h[3:5].amin() > 0 and not h[5:].any() for h in histories.values())
+
+
+def _histories_after_a_high_precision_start(out) -> None:
+    import torch.distributed as dist
+
+    from tests.distributed.launch_helpers import MICRO_CFG
+
+    model = build_model(MICRO, seed=0)  # converted in place, then wrapped
+    train(model, load_data(), replace(MICRO_CFG, recipe="fp8-delayed", hp_start_steps=2, steps=2, eval_every=2,
+                                      parallel="ddp"))
+    states = {k: v for k, v in model.state_dict().items() if k.endswith("_extra_state")}
+    torch.save(states, out / f"histories_{dist.get_rank()}.pt")
+
+
+def test_under_ddp_the_ranks_record_the_high_precision_start_alike(tmp_path):
+    # each rank records the amaxes of its own rows: the BF16 steps reduce them as delayed steps do, so
+    # the first delayed step scales alike on every rank
+    from tests.distributed.launch_helpers import forked
+
+    forked(_histories_after_a_high_precision_start, tmp_path, store=tmp_path / "store")
+    ranks = [torch.load(tmp_path / f"histories_{r}.pt") for r in (0, 1)]
+    assert len(ranks[0]) == 2 * 7 and ranks[0].keys() == ranks[1].keys()
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    assert all(h[1].tolist() == [2.0, 2.0, 2.0] and h[3:5].amin() > 0 for h in ranks[0].values())
 
 
 def test_gradient_accumulation_matches_one_big_batch(data):
