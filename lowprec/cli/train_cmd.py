@@ -61,7 +61,8 @@ def _options(d: Defaults) -> list[Callable]:
                      help="Default: a sixth of --steps (with --resume: the checkpoint's)."),
         click.option("--val-batches", type=int, default=d.val_batches, show_default=True),
         click.option("--hp-start-steps", type=int, default=0, show_default=True,
-                     help="Run the first N steps in BF16 before switching to the recipe."),
+                     help="Run the first N steps in BF16 before switching to the recipe (a delayed recipe "
+                          "records its amax histories in them)."),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--device", default=None, help="Default: cuda if available, else cpu."),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default=None,
