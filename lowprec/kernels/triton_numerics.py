@@ -28,6 +28,7 @@ _F32_INF_BITS = tl.constexpr(0x7F800000)
 _F32_NAN_BITS = tl.constexpr(0x7FC00000)  # torch.nan: the NaN every non-finite block's scale holds
 _F32_TINY = tl.constexpr(1.1754943508222875e-38)  # 2^-126, FP32's smallest normal (quant.scales._TINY)
 _E4M3_MAX = tl.constexpr(448.0)
+F32_MAX = tl.constexpr(3.4028234663852886e38)  # FP32's largest finite, exactly
 
 
 @triton.jit
@@ -162,9 +163,9 @@ def round_to_dtype(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def scale_from_amax(amax_bits, g, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr):
+def scale_from_amax(amax_bits, big, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr):
     """Dequantizing float32 scale of a block from the int32 bits of its amax (``lowprec.quant.scales``):
-    NaN for a block holding inf or NaN. ``g`` is NVFP4's global scale (unused by other rules)."""
+    NaN for a block holding inf or NaN. ``big`` is NVFP4's global encode scale (unused by other rules)."""
     finite = amax_bits < _F32_INF_BITS
     amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)
     if RULE == 0:
@@ -183,13 +184,26 @@ def scale_from_amax(amax_bits, g, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: 
         e = tl.where(ef > 0, ef - 127 + (mant != 0).to(tl.int32), tl.where(mant > 0x400000, -126, -127))
         e = tl.where(finite & (ratio > 0), e, -127)
         s = exp2i(tl.minimum(tl.maximum(e, -127), 127))
-    else:  # a ratio beyond FP32 (a block amax far above the global one) saturates like any other
-        s = round_e4m3(tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, FMAX), g), 1e4))
+    else:  # TE's order: the multiplier big * fp32(1 / fmax) rounds, then the product (1 / FMAX, a
+        # Python float, becomes an FP32 constant: one rounding of the exact reciprocal). Anything
+        # beyond 448 saturates, so capping at 1e4 stands for TE's cap at FP32's max.
+        s = round_e4m3(tl.minimum(amax * (big * (1.0 / FMAX)), 1e4))
     return tl.where(finite, s.to(tl.int32, bitcast=True), _F32_NAN_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def nvfp4_global_scale(amax_bits, FMAX: tl.constexpr):
-    """NVFP4's FP32 global scale ``amax / (fmax * 448)`` from the bits of the finite-block amax; 1 when 0."""
+def nvfp4_global_encode(amax_bits, FMAX: tl.constexpr):
+    """NVFP4's FP32 global encode scale ``min(448 * fmax / amax, FP32 max)`` from the bits of the
+    finite-block amax; 1 when 0 (``lowprec.quant.scales.nvfp4_global_scales``)."""
     amax = amax_bits.to(tl.float32, bitcast=True)
-    return tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, FMAX * _E4M3_MAX), _F32_TINY), 1.0)
+    big = tl.minimum(tl.math.div_rn(_E4M3_MAX * FMAX, tl.where(amax > 0, amax, 1.0)), F32_MAX)
+    return tl.where(amax > 0, big, 1.0)
+
+
+@triton.jit
+def nvfp4_encode(s, g):
+    """Per block, what NVFP4 multiplies elements by: ``min(1 / (s * g), FP32 max)`` for the E4M3
+    scale ``s`` and global decode scale ``g``; FP32's max where ``s`` is 0 (or NaN: a dead block)."""
+    dq = s * g
+    live = dq > 0
+    return tl.where(live, tl.minimum(tl.math.div_rn(1.0, tl.where(live, dq, 1.0)), F32_MAX), F32_MAX)

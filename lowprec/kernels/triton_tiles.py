@@ -27,9 +27,11 @@ import triton
 import triton.language as tl
 
 from lowprec.kernels.triton_numerics import (
+    F32_MAX,
     abs_bits,
     e2m1_codes,
-    nvfp4_global_scale,
+    nvfp4_encode,
+    nvfp4_global_encode,
     round_to_dtype,
     scale_from_amax,
     to_codes,
@@ -166,10 +168,12 @@ def _divisor(eff):
 def _divide(v, d, r, in_range, KIND: tl.constexpr):
     """``v / d`` rounded to nearest, given ``r = RN(1/d)``.
 
-    KIND 0: powers of two, a product (exact). KIND 1: Markstein's correction, one exact FMA residual
-    and one FMA update, correctly rounded when ``r`` is normal and the quotient is above FP32's
-    subnormals (which round to zero in every target format anyway); amax scales always qualify.
-    KIND 2: scales of any size (given, NVFP4): the same where the whole tile's divisors are in range,
+    KIND 0: powers of two, a product (exact); also NVFP4, whose ``r`` is its encode scale and whose
+    rule is this product (see [Note: NVFP4's order of operations] in ``lowprec.quant.scales``).
+    KIND 1: Markstein's correction, one exact FMA residual and one FMA update, correctly rounded
+    when ``r`` is normal and the quotient is above FP32's subnormals (which round to zero in every
+    target format anyway); amax scales always qualify.
+    KIND 2: scales of any size (given): the same where the whole tile's divisors are in range,
     else a full division. A quotient that overflows keeps its inf, as the division would."""
     if KIND == 0:
         out = v * r
@@ -191,12 +195,14 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
     global scale). Scales are found per block, per line or once, never per element."""
     first = (pid_m == 0) & (pid_k == 0)
     if MODE == 0:
+        big = 1.0
         g = 1.0
-        if RULE == 3:
-            g = nvfp4_global_scale(tl.load(amax_ptr), FMAX)
+        if RULE == 3:  # NVFP4: global encode and decode scales, as lowprec.quant.scales computes them
+            big = nvfp4_global_encode(tl.load(amax_ptr), FMAX)
+            g = tl.math.div_rn(1.0, big)
             if first:
                 tl.store(g_ptr, g)
-        s = scale_from_amax(_block_max(abs_bits(v), BM, BK, BR, BC), g, RULE, FMAX, EMAX)  # (BM/BR, BK/BC)
+        s = scale_from_amax(_block_max(abs_bits(v), BM, BK, BR, BC), big, RULE, FMAX, EMAX)  # (BM/BR, BK/BC)
         bi = pid_m * (BM // BR) + tl.arange(0, BM // BR)
         bj = pid_k * (BK // BC) + tl.arange(0, BK // BC)
         if TRANS:
@@ -205,9 +211,11 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
         else:
             tl.store(scale_ptr + bi[:, None] * s_cols + bj[None, :], s,
                      mask=(bi[:, None] < s_rows) & (bj[None, :] < s_cols))
-        if RULE == 3:
-            s = s * g
-        d, r, dead, ok = _divisor(s)
+        if RULE == 3:  # elements are multiplied by the encode scale (_divide's KIND 0), never divided
+            r = nvfp4_encode(s, g)
+            d, dead, ok = r, s != s, True
+        else:
+            d, r, dead, ok = _divisor(s)
         d = _expand(d, BM, BK, BR, BC)
         r = _expand(r, BM, BK, BR, BC)
         dead = _expand(dead, BM, BK, BR, BC)
@@ -282,12 +290,14 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
     v = _transform(v, h_ptr, x.dtype, HAD, TRANS, BM, BK)
     d, r, dead, ok = _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr, g_ptr,
                              s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC)
-    if (RULE == 1) | (RULE == 2):
+    if (RULE == 1) | (RULE == 2) | (RULE == 3):
         scaled = _divide(v, d, r, ok, 0)
-    elif (RULE == 3) | (MODE == 3):
+    elif MODE == 3:
         scaled = _divide(v, d, r, ok, 2)
     else:
         scaled = _divide(v, d, r, ok, 1)
+    if RULE == 3:  # a block whose E4M3 scale underflowed to 0 (r = FP32 max): TE clamps its x * r
+        scaled = tl.where(r == F32_MAX, tl.minimum(tl.maximum(scaled, -FMAX), FMAX), scaled)
     nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
     if HW and (MAN + EXP == 7) and SAT and ROUND == 0:
         codes = _hw_fp8(scaled, nan_sign, EXP, MODE == 3)

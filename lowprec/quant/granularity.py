@@ -42,8 +42,9 @@ class ScaleRule(enum.Enum):
     """E8M0 scale ``2^ceil(log2(amax / fmax))`` (the MXFP8 pre-training recipe, arXiv 2506.08027):
     rounding the scale up means no element saturates."""
     NVFP4 = "nvfp4"
-    """Two levels (arXiv 2509.25149): a global FP32 scale ``g = amax_tensor / (fmax * 448)`` and
-    per block an E4M3 scale ``e4m3(amax_block / fmax / g)``; elements are divided by ``s_block * g``."""
+    """Two levels (arXiv 2509.25149): a global FP32 scale ``g ~= amax_tensor / (fmax * 448)`` and per
+    block an E4M3 scale ``s ~= e4m3(amax_block / fmax / g)``; elements are multiplied by
+    ``fp32(1 / (s * g))``. The FP32 steps follow TransformerEngine's (see ``lowprec.quant.scales``)."""
 
     @property
     def scale_format(self) -> str:

@@ -15,6 +15,8 @@ from lowprec.quant import scales as S
 from lowprec.quant.granularity import Granularity, ScaleRule
 from lowprec.quant.tensor import QuantizedTensor, store
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
     """The (M, K) view of [Note: the 2-D view]; a 0-d or 1-d tensor is one row."""
@@ -63,6 +65,27 @@ def _check_args(x, fmt, granularity, rounding, scale, rand) -> tuple[F.Format, G
     return f, granularity
 
 
+def _divide(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``blocks / scale`` rounded once in FP32; zeros in blocks whose scale is NaN or zero (NaN lives
+    in the scale)."""
+    dead = ~torch.isfinite(scale) | (scale == 0)  # (Mb, 1, Kb, 1)
+    return torch.where(dead, 0.0, blocks / torch.where(dead, 1.0, scale))
+
+
+def _nvfp4(blocks: torch.Tensor, amax: torch.Tensor, f: F.Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(E4M3 block scales, global decode scale, scaled elements) in the order of [Note: NVFP4's
+    order of operations]: each element is multiplied by its block's encode scale."""
+    finite = torch.where(torch.isfinite(amax), amax, 0.0)  # (Mb, Kb)
+    tensor_amax = finite.amax() if finite.numel() else finite.new_zeros(())
+    global_encode, global_scale = S.nvfp4_global_scales(tensor_amax, f)
+    s = S.nvfp4_block_scale(amax, f, global_encode)  # (Mb, Kb)
+    e = S.nvfp4_encode_scale(s, global_scale)[:, None, :, None]  # (Mb, 1, Kb, 1)
+    scaled = torch.where(torch.isnan(e), 0.0, blocks * e)  # a block holding inf or NaN stores zeros
+    # A block whose E4M3 scale underflowed to 0 has e = FP32 max: its codes are x * e clamped, as TE's.
+    scaled = torch.where(e == _FP32_MAX, scaled.clamp(-f.max, f.max), scaled)
+    return s, global_scale, scaled
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str | F.Format,
@@ -86,24 +109,19 @@ def quantize(
     br, bc = g.blocks(*x2.shape)
     xp = pad_to_blocks(x2, br, bc).contiguous()  # (Mp, Kp)
     mp, kp = xp.shape
+    blocks = xp.view(mp // br, br, kp // bc, bc)
     global_scale = None
     if scale is not None:
         s = given_scale(scale, (mp // br, kp // bc))
         if not f.has_nan:  # the element format cannot hold inf/NaN: the block scale carries it
             s = torch.where(torch.isfinite(block_amax(xp, br, bc)), s, torch.nan)
+        scaled = _divide(blocks, s[:, None, :, None])
+    elif g.rule is ScaleRule.NVFP4:
+        s, global_scale, scaled = _nvfp4(blocks, block_amax(xp, br, bc), f)
     else:
-        amax = block_amax(xp, br, bc)
-        if g.rule is ScaleRule.NVFP4:
-            finite = torch.where(torch.isfinite(amax), amax, 0.0)  # (Mb, Kb)
-            finite_amax = finite.amax() if finite.numel() else finite.new_zeros(())
-            global_scale = S.nvfp4_global_scale(finite_amax, f)
-        s = S.block_scales(amax, f, g.rule, global_scale)
-    eff = s if global_scale is None else s * global_scale  # (Mb, Kb)
-    eff_full = eff[:, None, :, None]
-    blocks = xp.view(mp // br, br, kp // bc, bc)
-    # Blocks with a NaN or zero effective scale are stored as zeros: NaN lives in the scale.
-    dead = ~torch.isfinite(eff_full) | (eff_full == 0)
-    scaled = torch.where(dead, 0.0, blocks / torch.where(dead, 1.0, eff_full)).view(mp, kp)
+        s = S.block_scales(block_amax(xp, br, bc), f, g.rule)
+        scaled = _divide(blocks, s[:, None, :, None])
+    scaled = scaled.view(mp, kp)
     r = None
     if F.as_rounding(rounding) is F.Rounding.STOCHASTIC:
         r = rand if rand is not None else torch.rand(x.shape, generator=generator, device=x.device)
@@ -129,7 +147,8 @@ def error_bound(q: QuantizedTensor) -> torch.Tensor:
     """Largest error ``|dequantize(q) - x|`` per element of the padded 2-D view (float32), valid where
     the element did not saturate (nor, under NVFP4, sit in a block whose E4M3 scale underflowed to 0):
     half the grid spacing at the decoded value (at zero, the format's smallest step) times the scale,
-    plus the FP32 rounding of ``x / scale`` and of ``value * scale``."""
+    plus the FP32 rounding of ``x / scale`` (NVFP4: of ``x * fp32(1 / scale)``, two roundings) and of
+    ``value * scale``."""
     v = q.values().abs()  # (Mp, Kp)
     spacing = torch.where(v == 0, q.fmt.min_subnormal, F._quantum(v, q.fmt))  # grid step at each value
     mb, kb = q.scale.shape
@@ -138,6 +157,6 @@ def error_bound(q: QuantizedTensor) -> torch.Tensor:
     v4 = v.view(mb, br, kb, bc)  # (Mb, br, Kb, bc)
     half = spacing.view(mb, br, kb, bc) / 2
     # x / scale and value * scale each round once in FP32 (2^-24 relative, 2^-150 absolute among
-    # subnormals); 2^-22 leaves room for rounding this sum itself.
+    # subnormals), NVFP4's x * fp32(1 / scale) twice; 2^-22 leaves room for rounding this sum itself.
     bound = (half + (v4 + half) * 2.0**-22) * eff + 2.0**-149
     return bound.view(q.data.shape)

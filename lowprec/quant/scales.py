@@ -1,16 +1,37 @@
 """From a block's largest magnitude to its scale.
 
 [Note: the scale convention]
-A stored scale always *dequantizes*: ``x ~= decode(data) * scale``. Quantizing divides by it:
-``data = encode(x / scale)``. This holds for every granularity; NVFP4's effective scale is the product
-of its E4M3 block scale and its FP32 global scale, computed in FP32 as ``s_block * g``.
+A stored scale always *dequantizes*: ``x ~= decode(data) * scale``. Quantizing divides by it,
+``data = encode(x / scale)``, for every granularity but NVFP4, which multiplies by encode scales
+in TransformerEngine's order (see [Note: NVFP4's order of operations]).
 
 Degenerate blocks, the same for every rule:
-* all zeros (``amax == 0``): a finite scale (1 for FP32 scales, 2^-127 for E8M0, 1 for NVFP4's
-  global scale), so the block quantizes to zeros and nothing divides by zero;
+* all zeros (``amax == 0``): a finite scale (1 for FP32 scales, 2^-127 for E8M0, 0 for an NVFP4
+  block with 1 for its global scale), so the block quantizes to zeros and nothing divides by zero;
 * any inf or NaN in the block (``amax`` not finite): the scale is NaN, the block's data is zero, and
   the whole block dequantizes to NaN (the MX rule, applied to every granularity). Non-finite values
   are never made finite, and the NaN stays confined to its block.
+
+[Note: NVFP4's order of operations]
+NVFP4 scales and codes equal TransformerEngine's (its NVFP4 quantization kernels and their Python
+reference) bit for bit, ties included, so its FP32 operations are done in its order. With ``amax``
+the largest finite block amax of the tensor, ``fmax`` the element format's largest (6 for E2M1),
+each line one FP32 rounding:
+
+1. global encode scale ``G = min(448 * fmax / amax, FP32 max)``, 1 when ``amax`` is 0
+   (``448 * fmax`` = 2688 is exact);
+2. global decode scale ``g = 1 / G`` (what ``QuantizedTensor.global_scale`` stores);
+3. block scale ``s = e4m3(amax_block * (G * r))`` with ``r = fp32(1 / fmax)``, rounded to nearest
+   and saturating at 448: the multiplier ``G * r`` rounds once, the product once more, then E4M3;
+4. block encode scale ``e = min(1 / (s * g), FP32 max)``: the product rounds, then its reciprocal;
+5. element ``encode(x * e)``, the product rounded to FP32, then onto the format (saturating).
+
+The stored scales still dequantize, ``x ~= decode(data) * s * g``: TE's encode scales are
+``G ~= 1 / g`` and ``e ~= 1 / (s * g)``, each rounded once, so ``x * e`` can differ from
+``x / (s * g)`` in the last place, which moves a value sitting on a rounding tie to the other
+side. A block whose E4M3 scale underflows to 0 (its amax about 2^19 below the tensor's) gets
+``e = FP32 max``: its codes are ``x * e`` clamped to ``+-fmax`` (TE's codes) and it dequantizes to
+zeros whatever they are. Blocks holding inf or NaN stay lowprec's: NaN scale, zero data.
 """
 from __future__ import annotations
 
@@ -21,6 +42,7 @@ from lowprec.quant.granularity import ScaleRule
 
 _E4M3 = F.get("e4m3")
 _TINY = torch.finfo(torch.float32).tiny
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def _div(t: torch.Tensor, c: float) -> torch.Tensor:
@@ -65,25 +87,40 @@ def mx_scale(amax: torch.Tensor, fmt: F.Format, rule: ScaleRule) -> torch.Tensor
     return _nonfinite_to_nan(torch.ldexp(torch.ones_like(amax), exp), amax)
 
 
-def nvfp4_global_scale(amax: torch.Tensor, fmt: F.Format) -> torch.Tensor:
-    """FP32 global scale ``amax / (fmax * 448)``, so every block scale fits E4M3; 1 when zero."""
-    scale = torch.where(amax > 0, _div(amax, fmt.max * _E4M3.max).clamp_min(_TINY), 1.0)
-    return torch.where(torch.isfinite(amax), scale, torch.nan)
+def nvfp4_global_scales(amax: torch.Tensor, fmt: F.Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's global (encode ``G``, decode ``g = 1 / G``) scales from the tensor's finite ``amax``
+    (steps 1 and 2 of [Note: NVFP4's order of operations]); (1, 1) when ``amax`` is 0."""
+    encode = (torch.full_like(amax, fmt.max * _E4M3.max) / amax).clamp_max(_FP32_MAX)
+    encode = torch.where(amax > 0, encode, 1.0)
+    return encode, torch.ones_like(encode) / encode
 
 
-def nvfp4_block_scale(amax: torch.Tensor, fmt: F.Format, global_scale: torch.Tensor) -> torch.Tensor:
-    """E4M3 block scale (as FP32) ``e4m3(amax / fmax / g)``, saturating at 448; NaN for non-finite blocks."""
+def nvfp4_block_scale(amax: torch.Tensor, fmt: F.Format, global_encode: torch.Tensor) -> torch.Tensor:
+    """E4M3 block scale (as FP32) ``e4m3(amax * (G * fp32(1 / fmax)))``, saturating at 448 (step 3);
+    NaN for non-finite blocks."""
     finite = torch.isfinite(amax)
-    s = _div(torch.where(finite, amax, 0.0), fmt.max) / global_scale
-    return _nonfinite_to_nan(F.round_unchecked(torch.nan_to_num(s, nan=0.0), _E4M3), amax)
+    # 1 / fmax rounded to FP32 once, as a Python float that FP32 holds exactly, so the multiply
+    # below rounds once on every device whatever precision it widens the scalar to.
+    rcp = torch.tensor(1.0 / fmt.max, dtype=torch.float32).item()
+    multiplier = global_encode * rcp
+    s = (torch.where(finite, amax, 0.0) * multiplier).clamp_max(_FP32_MAX)
+    return _nonfinite_to_nan(F.round_unchecked(s, _E4M3), amax)
+
+
+def nvfp4_encode_scale(scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Per block, the FP32 factor elements are multiplied by: ``min(1 / (s * g), FP32 max)`` (step 4);
+    FP32's max where the E4M3 scale is 0, NaN where it is NaN."""
+    dequant = scale * global_scale
+    return (torch.ones_like(dequant) / dequant).clamp_max(_FP32_MAX)
 
 
 def block_scales(
-    amax: torch.Tensor, fmt: F.Format, rule: ScaleRule, global_scale: torch.Tensor | None = None
+    amax: torch.Tensor, fmt: F.Format, rule: ScaleRule, global_encode: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Scale per block from the blocks' ``amax``, by the granularity's rule."""
+    """Scale per block from the blocks' ``amax``, by the granularity's rule (NVFP4: given the
+    global encode scale of :func:`nvfp4_global_scales`)."""
     if rule is ScaleRule.AMAX:
         return amax_scale(amax, fmt)
     if rule is ScaleRule.NVFP4:
-        return nvfp4_block_scale(amax, fmt, global_scale)
+        return nvfp4_block_scale(amax, fmt, global_encode)
     return mx_scale(amax, fmt, rule)

@@ -34,7 +34,8 @@ class QuantizedTensor:
     ``data`` is ``(M_pad, K_pad)`` in ``fmt.storage_dtype`` (float8 dtypes for FP8, one uint8 code per
     element for FP6/FP4: :func:`lowprec.formats.pack` packs them for storage); ``scale`` is
     ``(M_pad / block_rows, K_pad / block_cols)`` float32 whose values are exact in the scale format
-    (FP32, E8M0 or E4M3). NVFP4 also has an FP32 ``global_scale`` (a 0-d tensor).
+    (FP32, E8M0 or E4M3). NVFP4 also has an FP32 ``global_scale`` (a 0-d tensor), TransformerEngine's
+    global decode scale ``1 / G`` (see [Note: NVFP4's order of operations] in ``lowprec.quant.scales``).
     """
 
     data: torch.Tensor

@@ -162,12 +162,41 @@ def test_nvfp4_block_scale_matches_the_reference():
     g = torch.Generator().manual_seed(3)
     amax = torch.cat([AMAXES, torch.exp(torch.empty(4000).uniform_(-30, 30, generator=g))]).float()
     for gamax in (torch.tensor(1e-37), torch.tensor(5.0), torch.tensor(1e20)):
-        gs = S.nvfp4_global_scale(gamax, f)
+        big, _ = S.nvfp4_global_scales(gamax, f)
         out = torch.empty_like(amax)
-        _scale_probe[(1,)](amax, out, float(gs), amax.numel(), RULE=N.RULE_NVFP4, FMAX=f.max, EMAX=f.emax,
+        _scale_probe[(1,)](amax, out, float(big), amax.numel(), RULE=N.RULE_NVFP4, FMAX=f.max, EMAX=f.emax,
                            BLOCK=_block(amax.numel()))
-        ref = S.nvfp4_block_scale(amax, f, gs)
+        ref = S.nvfp4_block_scale(amax, f, big)
         assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
+
+
+@triton.jit
+def _nvfp4_probe(a_ptr, s_ptr, big_out, g_out, enc_out, n, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    big = N.nvfp4_global_encode(N.abs_bits(tl.load(a_ptr + offs, mask=m, other=0.0)), FMAX)
+    g = tl.math.div_rn(1.0, big)
+    tl.store(big_out + offs, big, mask=m)
+    tl.store(g_out + offs, g, mask=m)
+    tl.store(enc_out + offs, N.nvfp4_encode(tl.load(s_ptr + offs, mask=m, other=0.0), g), mask=m)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # 2688 / 1e-45 and 1 / (s * g) overflow, as meant
+def test_nvfp4_global_and_encode_scales_match_the_reference():
+    # tensor amaxes from FP32's smallest subnormal (2688 / amax overflows) to its largest; block
+    # scales every E4M3 value, NaN (a dead block) and 0 (an underflowed block: encode is FP32's max)
+    f = F.get("e2m1")
+    g = torch.Generator().manual_seed(6)
+    e4m3 = F.decode_table("e4m3").abs()
+    amax = torch.cat([AMAXES[:-2], torch.exp(torch.empty(6000).uniform_(-103, 88, generator=g))]).float()
+    s = e4m3[torch.randint(0, e4m3.numel(), amax.shape, generator=g)]
+    outs = [torch.empty_like(amax) for _ in range(3)]
+    _nvfp4_probe[(1,)](amax, s, *outs, amax.numel(), FMAX=f.max, BLOCK=_block(amax.numel()))
+    big, gs = S.nvfp4_global_scales(amax, f)
+    for out, ref in zip(outs, (big, gs, S.nvfp4_encode_scale(s, gs))):
+        keep = ~torch.isnan(ref)  # the kernel gives a dead block FP32's max; its codes are zeroed anyway
+        assert torch.equal(out[keep].view(torch.int32), ref[keep].view(torch.int32))
+    assert (outs[0] == torch.finfo(torch.float32).max).any() and (s == 0).any() and torch.isnan(s).any()
 
 
 def test_exp2i_rounding_to_16_bit_dtypes_and_division():

@@ -1,8 +1,9 @@
 """An independent reference for ``lowprec.quant``: numpy (float64 where a rule asks for it) and ml_dtypes.
 
 Nothing here imports ``lowprec``. Every constant is written out by hand from the specs (OCP MX v1.0,
-arXiv 2209.05433, arXiv 2509.25149), and each scale rule is written from its formula, so a test
-that compares ``quantize`` with this module compares two implementations, not one with itself.
+arXiv 2209.05433, arXiv 2509.25149), and each scale rule is written from its formula (NVFP4's from
+TransformerEngine's order of float32 operations), so a test that compares ``quantize`` with this
+module compares two implementations, not one with itself.
 
 [Note: the reference 2-D view]
 As in ``lowprec.quant``, a tensor is seen as ``(M, K) = (prod(shape[:-1]), shape[-1])``, tiled into
@@ -26,6 +27,7 @@ MAN_BITS = {"e4m3": 3, "e5m2": 2, "e3m2": 2, "e2m3": 3, "e2m1": 1}
 MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16, "e3m2": 2.0**-4, "e2m3": 2.0**-3, "e2m1": 0.5}
 E4M3_MAX = 448.0
 FP32_TINY = np.float32(2.0**-126)
+FP32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -93,16 +95,22 @@ def ceil_rule(amax: np.ndarray, fmt: str) -> np.ndarray:
     return np.where(np.isfinite(amax), np.exp2(e), np.nan).astype(np.float32)
 
 
-def nvfp4_rule(amax: np.ndarray, fmt: str) -> tuple[np.ndarray, np.float32]:
-    """(E4M3 block scales, FP32 global scale): ``g = amax_t / (fmax * 448)`` over finite blocks
-    (1 when zero), block ``e4m3((amax_b / fmax) / g)`` in FP32 steps, NaN for non-finite blocks."""
+def nvfp4_rule(amax: np.ndarray, fmt: str) -> tuple[np.ndarray, np.float32, np.ndarray]:
+    """(E4M3 block scales, FP32 global decode scale, FP32 block encode scales) in TransformerEngine's
+    order, each step one float32 operation: global encode ``G = min(448 * fmax / amax_t, max)`` over
+    the finite blocks (1 when zero), ``g = 1 / G``, block ``s = e4m3(amax_b * (G * (1 / fmax)))``,
+    block encode ``e = min(1 / (s * g), max)``; NaN scales for non-finite blocks."""
     finite = np.isfinite(amax)
     amax_t = np.float32(amax[finite].max()) if finite.any() else np.float32(0)
-    g = np.float32(1) if amax_t == 0 else max(np.float32(amax_t / np.float32(FMAX[fmt] * E4M3_MAX)), FP32_TINY)
-    a32 = np.where(finite, amax, 0).astype(np.float32)
-    s = (a32 / np.float32(FMAX[fmt])) / g  # float32 all the way, as the rule is stated
-    s = cast(s, "e4m3").astype(np.float32)
-    return np.where(finite, s, np.nan).astype(np.float32), g
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        big = np.float32(FMAX[fmt] * E4M3_MAX) / amax_t if amax_t > 0 else np.float32(1)
+        big = np.minimum(big, FP32_MAX)
+        g = np.float32(1) / big
+        multiplier = big * (np.float32(1) / np.float32(FMAX[fmt]))
+        s = np.minimum(np.where(finite, amax, 0).astype(np.float32) * multiplier, FP32_MAX)
+        s = cast(s, "e4m3").astype(np.float32)
+        enc = np.minimum(np.float32(1) / (s * g), FP32_MAX)
+    return np.where(finite, s, np.nan).astype(np.float32), g, np.where(finite, enc, np.nan).astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -112,7 +120,7 @@ class Reference:
     eff: np.ndarray  # (Mb, Kb) float32, the scale that multiplies decoded values
     values: np.ndarray  # (Mp, Kp) float32 decoded element values
     codes: np.ndarray  # (Mp, Kp) uint8 bit codes (ml_dtypes' layout: one right-aligned code per byte)
-    scaled: np.ndarray  # (Mp, Kp) float64 |x / eff|, before rounding (0 in dead blocks)
+    scaled: np.ndarray  # (Mp, Kp) float64 |x / eff| (NVFP4: |x * e|), before rounding (0 in dead blocks)
 
 
 def quantize_ref(x: torch.Tensor, fmt: str, spec: Spec) -> Reference:
@@ -127,12 +135,17 @@ def quantize_ref(x: torch.Tensor, fmt: str, spec: Spec) -> Reference:
     elif spec.rule == "ceil":
         scale = ceil_rule(amax, fmt)
     else:
-        scale, g = nvfp4_rule(amax, fmt)
+        scale, g, enc = nvfp4_rule(amax, fmt)
     eff = scale if g is None else (scale * g).astype(np.float32)
-    e4 = eff[:, None, :, None]
-    dead = ~np.isfinite(e4) | (e4 == 0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        scaled = np.where(dead, np.float32(0), blocks / np.where(dead, np.float32(1), e4)).astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        if g is None:  # x / scale; blocks with a zero or NaN scale store zeros
+            e4 = eff[:, None, :, None]
+            dead = ~np.isfinite(e4) | (e4 == 0)
+            scaled = np.where(dead, np.float32(0), blocks / np.where(dead, np.float32(1), e4))
+        else:  # x * e; a NaN block stores zeros, an underflowed one x * e (cast saturates it)
+            e4 = enc[:, None, :, None]
+            scaled = np.where(np.isnan(e4), np.float32(0), blocks * e4)
+    scaled = scaled.astype(np.float32)
     mp, kp = blocks.shape[0] * blocks.shape[1], blocks.shape[2] * blocks.shape[3]
     lp = cast(scaled.reshape(mp, kp), fmt)
     return Reference(scale, g, eff, lp.astype(np.float32), lp.view(np.uint8),

@@ -78,8 +78,8 @@ def test_blockwise_1x128_scales_each_row_block_by_hand():
 
 def test_nvfp4_two_levels_by_hand():
     x = torch.zeros(1, 32)
-    x[0, 0] = 6 * 448.0  # block 0 holds the tensor amax: g = 2688 / 2688 = 1, s0 = 2688 / 6 = 448
-    x[0, 16], x[0, 17] = 3.0, -1.0  # block 1: s1 = 3 / 6 = 0.5 (exact in E4M3)
+    x[0, 0] = 6 * 448.0  # block 0 holds the tensor amax: G = 2688 / 2688 = 1 = g, s0 = 2688 / 6 = 448
+    x[0, 16], x[0, 17] = 3.0, -1.0  # block 1: s1 = 3 * fp32(1/6) = 0.5 in E4M3; elements times 1 / 0.5
     q = quantize(x, "e2m1", nvfp4(16))
     assert q.global_scale.item() == 1.0
     assert q.scale.tolist() == [[448.0, 0.5]]
@@ -90,11 +90,11 @@ def test_nvfp4_two_levels_by_hand():
 
 def test_nvfp4_global_scale_and_e4m3_rounding_of_block_scale_by_hand():
     x = torch.zeros(1, 32)
-    x[0, 0] = 1.0  # tensor amax 1: g = 1 / 2688
-    x[0, 16] = 0.35  # (0.35 / 6) / g = 156.8 -> E4M3 spacing 16 in [128, 256): 160
+    x[0, 0] = 1.0  # tensor amax 1: encode G = 2688, decode g = 1 / 2688
+    x[0, 16] = 0.35  # 0.35 * (2688 * fp32(1/6)) = 156.8 -> E4M3 spacing 16 in [128, 256): 160
     q = quantize(x, "e2m1", nvfp4(16))
     g = np.float32(1.0) / np.float32(2688.0)
     assert q.global_scale.item() == g
-    s1 = (np.float32(0.35) / np.float32(6.0)) / g
+    s1 = np.float32(0.35) * (np.float32(2688.0) * (np.float32(1.0) / np.float32(6.0)))
     assert 152 < s1 < 160
     assert q.scale[0, 1].item() == 160.0
