@@ -11,8 +11,8 @@ linear but the LM head (``skip_small=False``: the table is about the recipe's nu
 default policy would keep in BF16 for speed are converted; NVFP4 keeps its last blocks as the recipe
 says). BF16 trains with ``--bf16-seeds`` seeds (0, 1, ..), each recipe with seed 0 (the same
 initialisation and data order as BF16's seed 0). One process per visible GPU takes the runs in turn;
-a run that could not end by ``--deadline`` seconds (judged by the longest so far) is left for a later call (``--recipes``/``--bf16-seeds``
-name what to run; ``--report`` merges the results of several calls).
+a run that could not end by ``--deadline`` seconds (judged by the longest so far) is left for a later
+call (``--recipes``/``--bf16-seeds`` name what to run; ``--report`` merges several calls' results).
 
 The data: every UTF-8 ``.py`` file of this Python installation (standard library and installed
 packages, sorted by path, at most ``--corpus-mb``), as bytes. It needs no download and is the same
