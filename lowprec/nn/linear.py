@@ -107,6 +107,7 @@ class Linear(nn.Linear):
         """The plan, and a delayed-scaling state for it on the weight's device: made before a compiled
         forward needs them (creating them inside a graph would end the graph)."""
         plan = self.plan(recipe)
+        self.plan(recipe, nearest=True)  # the evaluation plan too: a compiled validation would trace it
         if plan.delayed:
             state = self.state.delayed
             if state is None or state.config != recipe.delayed:

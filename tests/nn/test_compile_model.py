@@ -51,3 +51,24 @@ def test_a_converted_model_compiles_and_trains_like_eager(recipe):
     # the same quantized values; only the order of a few float32 sums may differ under the compiler
     torch.testing.assert_close(torch.tensor(comp), torch.tensor(eager), rtol=2e-3, atol=0)
     assert sum(breaks.values()) == 0, dict(breaks)
+
+
+def test_a_compiled_evaluation_finds_its_plans_made(monkeypatch):
+    """The evaluation plan (every cast to nearest) is made with the training plan, when the layer gets its
+    recipe: a compiled validation forward would otherwise trace the planner inside its graph."""
+    import lowprec.nn.linear as linear_module
+
+    torch._dynamo.reset()
+    model = build_model(CFG, seed=0)
+    lowprec.convert(model, "mxfp4", POLICY)
+    calls = []
+    real = linear_module.layer_plan
+    monkeypatch.setattr(linear_module, "layer_plan", lambda *a, **k: calls.append(a) or real(*a, **k))
+    fwd = torch.compile(model, backend="aot_eager")
+    tokens = torch.randint(0, CFG.vocab_size, (2, 15))
+    model.eval()
+    with torch.no_grad():
+        fwd(tokens)
+    model.train()
+    fwd(tokens).sum().backward()
+    assert calls == []
