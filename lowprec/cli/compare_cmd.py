@@ -91,15 +91,14 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_see
                        + (f" ({runs}: {n_runs} runs)" if runs else "") + f"; data: {data.source}", err=True)
         report = compare(opts["model"], names, cfg, data, seeds=seeds, recipe_seeds=recipe_seeds, out_dir=out,
                          on_result=finished, on_step=watch.step if chatty else None)
-    if not main:
-        return
-    rows = report.rows()
-    if opts["as_json"]:
+    # every rank holds the same report (its losses are reduced across the ranks), so every rank gates alike
+    worst = overall(report.rows())
+    gate = (fail_on == "warn" and worst != "PASS") or (fail_on == "fail" and worst == "FAIL")
+    if main and opts["as_json"]:
         click.echo(json.dumps(report.to_json(), indent=1))
-    else:
+    elif main:
         click.echo(report.table())
         click.echo("\n" + "\n".join([report.band_line().replace("`", ""), *report.reasons()]))
         click.echo(f"\nreport: {out}/report.html (also report.md, report.json, loss_curves.png)")
-    worst = overall(rows)
-    if (fail_on == "warn" and worst != "PASS") or (fail_on == "fail" and worst == "FAIL"):
+    if gate:
         raise SystemExit(2)
