@@ -11,7 +11,7 @@ import html
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -196,15 +196,14 @@ class CompareReport:
         body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in cells[:-1])
                        + f"<td class=\"{row['verdict']}\">{e(cells[-1])}</td></tr>"
                        for cells, row in zip(self._cells(), self.rows()))
-        items = lambda lines: "".join(f"<li>{e(line).replace('`', '').replace('*', '')}</li>" for line in lines)  # noqa: E731
-        setup = items(f"{k}: {v}" for k, v in _setup(self.context))
+        setup = _items(f"{k}: {v}" for k, v in _setup(self.context))
         img = base64.b64encode(png).decode()
         return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>lowprec compare</title><style>"
                 f"body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}table{{border-collapse:collapse}}"
                 f"td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}.PASS{{background:#c8f0c8}}"
                 f".WARN{{background:#f8e8a0}}.FAIL{{background:#f4b8b8}}img{{max-width:100%}}</style></head><body>"
                 f"<h1>{e(self.title())}</h1><table><tr>{head}</tr>{body}</table><h2>Verdicts</h2>"
-                f"<ul>{items(self.reasons())}</ul><ul>{items(self.notes())}</ul>"
+                f"<ul>{_items(self.reasons())}</ul><ul>{_items(self.notes())}</ul>"
                 f"<img alt=\"loss curves\" src=\"data:image/png;base64,{img}\"><h2>Setup</h2><ul>{setup}</ul>"
                 f"</body></html>\n")
 
@@ -230,6 +229,11 @@ class CompareReport:
         paths["html"].write_text(self.to_html(png))
         paths["json"].write_text(json.dumps(self.to_json(), indent=1))
         return paths
+
+
+def _items(lines: Iterable[str]) -> str:
+    """HTML list items of Markdown lines (their backticks and emphasis dropped)."""
+    return "".join(f"<li>{html.escape(line).replace('`', '').replace('*', '')}</li>" for line in lines)
 
 
 def _curve(r: RunResult) -> list[dict[str, Any]]:

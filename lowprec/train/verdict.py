@@ -23,7 +23,8 @@ and the noise is unknown. Then, with ``tol`` the tolerance of the recipe's famil
 * PASS: ``gap <= tol``; written ``PASS (within noise)`` when also ``|gap| <= noise``, i.e. the runs
   tell the recipe from BF16 no better than they tell two BF16 seeds apart.
 * WARN: ``tol < gap <= max(warn_factor * tol, tol + noise)``: beyond the tolerance, but by less
-  than the warn margin or than the noise, so more seeds or steps could still bring it within.
+  than the warn margin or than the noise, so more seeds or steps could still bring it within
+  (``WARN (within noise)`` when ``gap <= noise``).
 * FAIL: beyond that: the gap exceeds the tolerance by more than the noise and the warn margin.
 
 So a FAIL is never a gap the noise explains, and a verdict that flips between two seeds' runs is a
