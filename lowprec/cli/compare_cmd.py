@@ -12,7 +12,7 @@ from tqdm import tqdm
 from lowprec.cli.app import main
 from lowprec.cli.train_cmd import Defaults, config_from_options, launched, training_options
 from lowprec.distributed.launch import Ranks
-from lowprec.train.compare import Progress, compare, parse_recipes
+from lowprec.train.compare import Progress, check_seeds, compare, parse_recipes
 from lowprec.train.data import load_data
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.models import check_model_spec
@@ -20,25 +20,30 @@ from lowprec.train.report import overall
 from lowprec.train.result import RunResult
 
 DEFAULT_RECIPES = "bf16,fp8-current,mxfp8,mxfp4,nvfp4"
-COMPARE_DEFAULTS = Defaults(steps=120, batch_size=4, seq_len=64, val_batches=8)
-"""The default recipes on the tiny model finish in about four minutes on two CPU cores (emulated GEMMs)."""
+COMPARE_DEFAULTS = Defaults(steps=100, batch_size=4, seq_len=64, val_batches=8)
+"""Seven runs (bf16 over three seeds, four recipes over one) of the tiny model: under five minutes on two
+CPU cores, four of the five recipes emulated."""
+DEFAULT_SEEDS, DEFAULT_RECIPE_SEEDS = 3, 1
+"""The baseline's seeds give the noise; one seed per other recipe keeps the default comparison short."""
 
 
 class ProgressLines:
-    """A line on stderr every tenth of a recipe's steps: which recipe of how many, the steps done over all
-    recipes, the loss and the recipe's median tokens/s so far (written through tqdm, so a progress
-    bar on a terminal is redrawn below it)."""
+    """A line on stderr every tenth of a run's steps: which run of how many (its recipe, and its seed when
+    there are several), the steps done over all runs, the loss and the run's median tokens/s so far
+    (written through tqdm, so a progress bar on a terminal is redrawn below it)."""
 
-    def __init__(self, n_recipes: int, steps: int) -> None:
-        self.n_recipes, self.every = n_recipes, max(1, steps // 10)
-        self.index, self.rates = 0, []
+    def __init__(self, n_runs: int, steps: int, seeds: int = 1) -> None:
+        self.n_runs, self.every, self.seeds = n_runs, max(1, steps // 10), seeds
+        self.index, self.seed, self.rates = 0, 0, []
 
     def prefix(self, recipe: str) -> str:
-        return f"[{self.index + 1}/{self.n_recipes}] {recipe}"
+        seed = f" seed {self.seed}" if self.seeds > 1 else ""
+        return f"[{self.index + 1}/{self.n_runs}] {recipe}{seed}"
 
     def step(self, p: Progress) -> None:
         if p.index != self.index:
             self.index, self.rates = p.index, []
+        self.seed = p.seed
         self.rates.append(p.row["tokens_per_s"])
         step = p.row["step"]
         if step % self.every and step != p.steps:
@@ -55,9 +60,16 @@ class ProgressLines:
               help="Directory for report.md, report.html, report.json, loss_curves.png and per-recipe logs.")
 @click.option("--fail-on", type=click.Choice(["never", "warn", "fail"]), default="never", show_default=True,
               help="Exit with status 2 when a verdict is at least this bad.")
+@click.option("--seeds", type=int, default=DEFAULT_SEEDS, show_default=True,
+              help="Seeds the baseline trains with (--seed and the next ones): their spread is the noise "
+                   "each gap is judged beside.")
+@click.option("--recipe-seeds", type=int, default=DEFAULT_RECIPE_SEEDS, show_default=True,
+              help="Seeds every other recipe trains with: the first of the baseline's (at most --seeds).")
 @training_options(COMPARE_DEFAULTS)
-def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
-    """Every recipe on identical data and initialisation; loss curves and a verdict per recipe against BF16."""
+def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_seeds: int, **opts: Any) -> None:
+    """Every recipe on identical data and initialisation; loss curves and a noise-aware verdict per recipe
+    against BF16."""
+    check_seeds(seeds, recipe_seeds)
     names = parse_recipes(recipe_list)  # unknown recipes and models are refused before anything is built
     check_model_spec(opts["model"])
     # the whole of --out is this comparison's (each recipe's run locks its own runs/<recipe> too)
@@ -65,7 +77,8 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
         cfg = config_from_options(names[0], opts, device=device)
         data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
         chatty = main and not opts["quiet"] and not opts["as_json"]
-        watch = ProgressLines(len(names), cfg.steps)
+        n_runs = seeds + (len(names) - 1) * recipe_seeds
+        watch = ProgressLines(n_runs, cfg.steps, seeds)
 
         def finished(r: RunResult) -> None:
             if chatty:
@@ -73,19 +86,20 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
                            f"{r.tokens_per_s:,.0f} tokens/s", err=True)
 
         if chatty:
-            click.echo(f"{opts['model']} model, {cfg.steps} steps per recipe on {cfg.device} ({cfg.dtype}"
-                       f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): " + ", ".join(names)
-                       + f"; data: {data.source}", err=True)
-        report = compare(opts["model"], names, cfg, data, out_dir=out, on_result=finished,
-                         on_step=watch.step if chatty else None)
-    if not main:
-        return
-    rows = report.rows()
-    if opts["as_json"]:
+            runs = f"{seeds} seeds of {names[0]}, {recipe_seeds} of each other recipe" if seeds > 1 else ""
+            click.echo(f"{opts['model']} model, {cfg.steps} steps per run on {cfg.device} ({cfg.dtype}"
+                       f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): " + ", ".join(map(str, names))
+                       + (f" ({runs}: {n_runs} runs)" if runs else "") + f"; data: {data.source}", err=True)
+        report = compare(opts["model"], names, cfg, data, seeds=seeds, recipe_seeds=recipe_seeds, out_dir=out,
+                         on_result=finished, on_step=watch.step if chatty else None)
+    # every rank holds the same report (its losses are reduced across the ranks), so every rank gates alike
+    worst = overall(report.rows())
+    gate = (fail_on == "warn" and worst != "PASS") or (fail_on == "fail" and worst == "FAIL")
+    if main and opts["as_json"]:
         click.echo(json.dumps(report.to_json(), indent=1))
-    else:
+    elif main:
         click.echo(report.table())
+        click.echo("\n" + "\n".join([report.band_line().replace("`", ""), *report.reasons()]))
         click.echo(f"\nreport: {out}/report.html (also report.md, report.json, loss_curves.png)")
-    worst = overall(rows)
-    if (fail_on == "warn" and worst != "PASS") or (fail_on == "fail" and worst == "FAIL"):
+    if gate:
         raise SystemExit(2)

@@ -5,7 +5,8 @@
     data = load_data()                                   # the embedded corpus, byte tokens
     model = build_model(preset("tiny"), seed=0)          # plain nn.Linear; train() converts it
     result = train(model, data, TrainConfig(recipe="mxfp8", steps=300), out_dir="runs/mxfp8")
-    report = compare("tiny", "bf16,fp8-current,mxfp4", TrainConfig(steps=120), data, out_dir="runs/cmp")
+    report = compare("tiny", "bf16,fp8-current,mxfp4", TrainConfig(steps=100), data, seeds=3,
+                     out_dir="runs/cmp")
 
 See ``docs/training.md``.
 """

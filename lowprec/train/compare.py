@@ -1,8 +1,11 @@
 """Compare recipes against BF16: the same model, initialisation and data order for every recipe.
 
-One model is built and initialised once; each recipe gets a fresh copy of that state dict before
-it is converted, and :meth:`TokenData.train_batch` gives every run the same batches. So the loss
-curves differ only by the recipe (and by the random draws of stochastic rounding it makes).
+For each seed, one model is built and initialised once; each recipe trained with that seed gets a
+fresh copy of that state dict before it is converted, and :meth:`TokenData.train_batch` gives every
+run of the seed the same batches. So a seed's loss curves differ only by the recipe (and by the random
+draws of stochastic rounding it makes). The baseline trains with ``seeds`` seeds, the other recipes
+with the first ``recipe_seeds`` of them; the spread of the baseline's runs is the noise the verdicts
+weigh each gap against (see :mod:`lowprec.train.verdict`).
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
-from lowprec.train.report import CompareReport, Thresholds
+from lowprec.train.report import CompareReport, RecipeRuns
 from lowprec.train.result import RunResult
+from lowprec.train.verdict import Family, Thresholds
 
 BASELINE = "bf16"
 RecipeLike = str | recipes.Recipe
@@ -75,69 +79,118 @@ def parse_recipes(text: str | Sequence[RecipeLike]) -> list[RecipeLike]:
     return [BASELINE] + [n for n, label in zip(entries, labels) if label != BASELINE]
 
 
+def check_seeds(seeds: int, recipe_seeds: int) -> None:
+    """``seeds`` (the baseline's runs) at least 1, ``recipe_seeds`` (every other recipe's) from 1 to ``seeds``."""
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        fail("seeds", "a whole number of seeds >= 1", describe(seeds))
+    if isinstance(recipe_seeds, bool) or not isinstance(recipe_seeds, int) or not 1 <= recipe_seeds <= seeds:
+        fail("recipe_seeds", f"a whole number from 1 to seeds ({seeds})", describe(recipe_seeds))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Which recipe trains with which seed, in the order the runs are made: seed by seed, the baseline
+    first in each, so every recipe's first run comes before any of the baseline's extra seeds."""
+
+    entries: tuple[RecipeLike, ...]
+    seeds: tuple[int, ...]
+    """The baseline's seeds: ``seed, seed + 1, ...``."""
+    recipe_seeds: int
+    """How many of them (the first) every other recipe trains with."""
+
+    def recipes_of(self, seed: int) -> list[RecipeLike]:
+        """The recipes that train with ``seed``."""
+        first = self.seeds.index(seed) < self.recipe_seeds
+        return [r for r in self.entries if first or recipe_label(r) == BASELINE]
+
+    @property
+    def n_runs(self) -> int:
+        return sum(len(self.recipes_of(s)) for s in self.seeds)
+
+    def run_dir(self, out_dir: str | Path | None, seed: int, recipe: RecipeLike) -> Path | None:
+        """``runs/<recipe>`` with one seed, ``runs/<recipe>/seed-<seed>`` with several."""
+        if out_dir is None:
+            return None
+        d = Path(out_dir) / "runs" / run_dir_name(recipe)
+        return d / f"seed-{seed}" if len(self.seeds) > 1 else d
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """Where a comparison is: handed to ``on_step`` after every step of every recipe."""
+    """Where a comparison is: handed to ``on_step`` after every step of every run."""
 
     recipe: str
     """The recipe being trained (:func:`recipe_label`)."""
     index: int
-    """Its place among the recipes, from 0."""
-    n_recipes: int
+    """The run's place among the comparison's runs, from 0."""
+    n_runs: int
+    """Runs in the comparison: every recipe's seeds."""
     steps: int
-    """Steps per recipe."""
+    """Steps per run."""
     row: dict[str, Any]
     """The step's log row (``step``, ``loss``, ``tokens_per_s``, ...)."""
+    seed: int = 0
 
     @property
     def done(self) -> int:
-        """Steps finished over all recipes."""
+        """Steps finished over all runs."""
         return self.index * self.steps + self.row["step"]
 
     @property
     def total(self) -> int:
-        return self.n_recipes * self.steps
+        return self.n_runs * self.steps
 
 
 def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: TrainConfig, data: TokenData, *,
-            out_dir: str | Path | None = None, thresholds: Thresholds | None = None,
-            on_result: Callable[[RunResult], None] | None = None,
+            seeds: int = 1, recipe_seeds: int = 1, out_dir: str | Path | None = None,
+            thresholds: Thresholds | None = None, on_result: Callable[[RunResult], None] | None = None,
             on_step: Callable[[Progress], None] | None = None) -> CompareReport:
-    """Train ``model_spec`` once per recipe from one initialisation; the report (written to ``out_dir``).
+    """Train ``model_spec`` per recipe and seed, each seed's recipes from one initialisation; the report
+    (written to ``out_dir``).
 
-    ``recipe_names``: names and user :class:`lowprec.recipes.Recipe` objects (see :func:`parse_recipes`);
-    each recipe's log goes to ``out_dir/runs/<run_dir_name(recipe)>``. ``on_step`` sees every step's
-    :class:`Progress`, ``on_result`` every recipe's result. Under ``cfg.parallel`` every rank calls this;
-    every rank gets the report, rank 0 writes it.
+    ``recipe_names``: names and user :class:`lowprec.recipes.Recipe` objects (see :func:`parse_recipes`).
+    The baseline trains with ``seeds`` seeds (``cfg.seed`` and the next ones), every other recipe with the
+    first ``recipe_seeds`` of them (see :class:`Plan`); each run's log goes to
+    ``out_dir/runs/<run_dir_name(recipe)>``, in ``seed-<seed>`` under it with several seeds. ``on_step``
+    sees every step's :class:`Progress`, ``on_result`` every run's result. Under
+    ``cfg.parallel`` every rank calls this; every rank gets the report, rank 0 writes it.
     """
+    check_seeds(seeds, recipe_seeds)
     entries = parse_recipes(recipe_names)
-    base, spec = load_model(model_spec, vocab_size=data.vocab_size, seed=cfg.seed)
-    init_state = copy.deepcopy(base.state_dict())
-    results = []
-    for index, recipe in enumerate(entries):
-        label = recipe_label(recipe)
-        model = copy.deepcopy(base)
-        model.load_state_dict(init_state)
-        run_dir = Path(out_dir) / "runs" / run_dir_name(recipe) if out_dir is not None else None
-        hook = None
-        if on_step is not None:
-            def hook(row: dict[str, Any], label: str = label, index: int = index) -> None:
-                on_step(Progress(label, index, len(entries), cfg.steps, row))
-        result = train(model, data, replace(cfg, recipe=recipe), out_dir=run_dir, checkpoints=False, on_step=hook)
-        result = replace(result, recipe=label)  # the report and its verdicts go by name
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
-        del model
+    plan = Plan(tuple(entries), tuple(cfg.seed + i for i in range(seeds)), recipe_seeds)
+    done: dict[str, list[tuple[int, RunResult]]] = {recipe_label(r): [] for r in entries}
+    index = 0
+    for seed in plan.seeds:
+        # one initialisation per seed, shared by every recipe that trains with it
+        base, spec = load_model(model_spec, vocab_size=data.vocab_size, seed=seed)
+        init_state = copy.deepcopy(base.state_dict())
+        for recipe in plan.recipes_of(seed):
+            label = recipe_label(recipe)
+            model = copy.deepcopy(base)
+            model.load_state_dict(init_state)
+            hook = None
+            if on_step is not None:
+                def hook(row: dict[str, Any], label: str = label, index: int = index, seed: int = seed) -> None:
+                    on_step(Progress(label, index, plan.n_runs, cfg.steps, row, seed))
+            result = train(model, data, replace(cfg, recipe=recipe, seed=seed), checkpoints=False, on_step=hook,
+                           out_dir=plan.run_dir(out_dir, seed, recipe))
+            result = replace(result, recipe=label)  # the report and its verdicts go by name
+            done[label].append((seed, result))
+            if on_result is not None:
+                on_result(result)
+            del model
+            index += 1
     context = {
         "model": {"name": spec.name, "params": spec.n_params, "config": spec.config},
         "data": {"source": data.source, "fingerprint": data.fingerprint},
         "train": {k: v for k, v in cfg.to_dict().items() if k not in ("recipe", "progress")},
+        "seeds": {"baseline": list(plan.seeds), "recipes": list(plan.seeds[:recipe_seeds])},
         "device": cfg.device, "lowprec_version": lowprec.__version__, "torch_version": torch.__version__,
         "python_version": platform.python_version(),
     }
-    report = CompareReport(results=tuple(results), baseline=BASELINE, context=context,
-                           thresholds=thresholds or Thresholds())
+    runs = tuple(RecipeRuns(recipe_label(r), Family.of(r), *map(tuple, zip(*done[recipe_label(r)])))
+                 for r in entries)
+    report = CompareReport(runs=runs, baseline=BASELINE, context=context, thresholds=thresholds or Thresholds())
     if out_dir is not None and Ranks.of(cfg.parallel).is_main:
         report.write(out_dir)
     return report

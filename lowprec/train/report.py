@@ -1,15 +1,8 @@
-"""The comparison report: recipes against the BF16 baseline, with a verdict each.
+"""The comparison report: recipes against the BF16 baseline over seeds, with a noise-aware verdict each.
 
 Written as Markdown, as one self-contained HTML page (the PNG inlined as base64), as JSON and
-as the PNG itself.
-
-[Note: verdicts]
-The measure is the relative gap of the final validation loss to the baseline's,
-``(val - val_bf16) / val_bf16``; a recipe that does better than the baseline has a negative gap
-and passes. The tolerance depends on the element width of the recipe: 8-bit and wider recipes
-must come within ``fp8`` (2%), 4- and 6-bit ones within ``fp4`` (5%). Within the tolerance is
-PASS, within ``warn_factor`` times it WARN, beyond it FAIL. A non-finite loss anywhere, or a run
-that diverged, is FAIL whatever the gap.
+as the PNG itself. The verdicts are :mod:`lowprec.train.verdict`'s: each recipe's gap to the
+baseline judged against its family's tolerance and beside the baseline's seed band.
 """
 from __future__ import annotations
 
@@ -17,139 +10,208 @@ import base64
 import html
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lowprec._checks import fail
 from lowprec._table import format_table
 from lowprec.train.result import FINAL_WINDOW, RunResult
+from lowprec.train.verdict import Family, Level, SeedBand, Thresholds, Verdict, gap_and_noise, judge, pct, worst
+
+__all__ = ["CompareReport", "PNG_NAME", "RecipeRuns", "Thresholds", "overall"]
 
 PNG_NAME = "loss_curves.png"
 _GIB = float(1 << 30)
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Thresholds:
-    """Tolerances on the relative final validation-loss gap to the baseline."""
+@dataclass(frozen=True, slots=True)
+class RecipeRuns:
+    """One recipe's runs in a comparison, one per seed."""
 
-    fp8: float = 0.02
-    """For recipes whose narrowest element is 8 bits or wider."""
-    fp4: float = 0.05
-    """For recipes with 4- or 6-bit elements (``mxfp4``, ``nvfp4``, ``mxfp6``)."""
-    warn_factor: float = 2.0
-    """A gap up to this many tolerances is WARN rather than FAIL."""
+    recipe: str
+    """The name the recipe goes by (a preset's name, or a user recipe's ``name``)."""
+    family: Family
+    """Which tolerance it is held to."""
+    seeds: tuple[int, ...]
+    results: tuple[RunResult, ...]
+    """The run of each seed, in the order of ``seeds``."""
 
     def __post_init__(self) -> None:
-        for name in ("fp8", "fp4"):
-            if not 0 < getattr(self, name) < 1:
-                fail(name, "a relative gap in (0, 1)", getattr(self, name))
-        if not self.warn_factor >= 1:
-            fail("warn_factor", "a number >= 1", self.warn_factor)
+        if not self.results or len(self.seeds) != len(self.results) or len(set(self.seeds)) != len(self.seeds):
+            fail("seeds", f"one distinct seed per run of {self.recipe!r} ({len(self.results)} runs)",
+                 list(self.seeds))
 
-    def tolerance(self, recipe: str) -> float:
-        return self.fp4 if ("fp4" in recipe or "fp6" in recipe) else self.fp8
+    @classmethod
+    def of(cls, result: RunResult, seed: int = 0) -> RecipeRuns:
+        """A preset's single run (the family from its name)."""
+        return cls(result.recipe, Family.of(result.recipe), (seed,), (result,))
+
+    @property
+    def band(self) -> SeedBand:
+        return SeedBand(self.seeds, tuple(r.final_val_loss for r in self.results))
+
+    @property
+    def failure(self) -> str | None:
+        """Why a run of it failed (diverged, a non-finite loss) and at which seed; None if none did."""
+        for seed, r in zip(self.seeds, self.results):
+            if r.has_nan:
+                return f"{'diverged' if r.diverged else 'non-finite loss'} (seed {seed})"
+        return None
 
 
-def verdict(result: RunResult, baseline_val: float, thresholds: Thresholds) -> tuple[str, float, str]:
-    """``(PASS|WARN|FAIL, relative gap, reason)`` of one recipe against the baseline's final val loss."""
-    if result.has_nan:
-        return "FAIL", math.nan, "diverged" if result.diverged else "non-finite loss"
-    if not math.isfinite(baseline_val):
-        return "FAIL", math.nan, "the baseline has no finite validation loss"
-    gap = (result.final_val_loss - baseline_val) / baseline_val
-    tol = thresholds.tolerance(result.recipe)
-    if gap <= tol:
-        return "PASS", gap, f"gap <= {tol:.0%}"
-    if gap <= tol * thresholds.warn_factor:
-        return "WARN", gap, f"{tol:.0%} < gap <= {tol * thresholds.warn_factor:.0%}"
-    return "FAIL", gap, f"gap > {tol * thresholds.warn_factor:.0%}"
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if all(math.isfinite(v) for v in values) else math.nan
 
 
 @dataclass(frozen=True, slots=True)
 class CompareReport:
-    results: tuple[RunResult, ...]
+    runs: tuple[RecipeRuns, ...]
+    """Every recipe's runs, the baseline's among them."""
     baseline: str
     context: dict[str, Any]
     """Model, data (with its sha256), training settings, versions and device: what makes a run reproducible."""
     thresholds: Thresholds = field(default_factory=Thresholds)
 
     def __post_init__(self) -> None:
-        if self.baseline not in [r.recipe for r in self.results]:
-            fail("baseline", f"one of the compared recipes {[r.recipe for r in self.results]}", self.baseline)
+        names = [r.recipe for r in self.runs]
+        if self.baseline not in names:
+            fail("baseline", f"one of the compared recipes {names}", self.baseline)
+
+    @property
+    def base(self) -> RecipeRuns:
+        return next(r for r in self.runs if r.recipe == self.baseline)
+
+    @property
+    def results(self) -> tuple[RunResult, ...]:
+        """Every run, recipe by recipe."""
+        return tuple(res for r in self.runs for res in r.results)
+
+    def verdict(self, runs: RecipeRuns) -> Verdict:
+        """The verdict on one recipe's runs against the baseline's (see :mod:`lowprec.train.verdict`)."""
+        t, base = self.thresholds, self.base
+        tol = t.tolerance(runs.family)
+        if runs is base:  # the baseline is judged only on whether its runs finished
+            level = Level.FAIL if runs.failure or not math.isfinite(base.band.mean) else Level.PASS
+            return Verdict(level, 0.0 if level is Level.PASS else math.nan, math.nan, tol,
+                           runs.failure or "the baseline")
+        gap, noise = gap_and_noise(runs.band, base.band, t.noise_z)
+        failure = runs.failure or (None if math.isfinite(base.band.mean) else
+                                   "the baseline has no finite validation loss")
+        return judge(gap, noise, tol, t, failure)
 
     def rows(self) -> list[dict[str, Any]]:
-        base = next(r for r in self.results if r.recipe == self.baseline).final_val_loss
         rows = []
-        for r in self.results:
-            v, gap, reason = verdict(r, base, self.thresholds)
+        for r in self.runs:
+            v = self.verdict(r)
             rows.append({
-                "recipe": r.recipe, "final_train_loss": r.final_train_loss, "final_val_loss": r.final_val_loss,
-                "gap_to_baseline": gap, "tokens_per_s": r.tokens_per_s, "peak_memory_bytes": r.peak_memory_bytes,
-                "skipped_steps": r.skipped_steps, "steps": r.steps, "verdict": v, "reason": reason,
+                "recipe": r.recipe, "family": r.family.value, "seeds": list(r.seeds),
+                "val_losses": [res.final_val_loss for res in r.results],
+                "final_train_loss": _mean([res.final_train_loss for res in r.results]),
+                "final_val_loss": r.band.mean, "gap_to_baseline": v.gap, "noise": v.noise,
+                "within_noise": v.within_noise, "tolerance": v.tolerance, "tolerance_source": r.family.source,
+                "tokens_per_s": statistics.fmean(res.tokens_per_s for res in r.results),
+                "peak_memory_bytes": max((res.peak_memory_bytes for res in r.results if res.peak_memory_bytes
+                                          is not None), default=None),
+                "skipped_steps": sum(res.skipped_steps for res in r.results), "steps": r.results[0].steps,
+                "verdict": v.level.value, "label": v.label, "reason": v.reason,
             })
         return rows
+
+    def band_line(self) -> str:
+        """The baseline's seed band in words: mean ± standard deviation and each seed's value."""
+        b = self.base.band
+        each = ", ".join(f"{_num(v)} (seed {s})" for s, v in zip(b.seeds, b.values))
+        if len(b.values) == 1:
+            return f"`{self.baseline}` band: one seed, {each}: noise unknown (use more seeds)"
+        return (f"`{self.baseline}` band over {len(b.values)} seeds: {_num(b.mean)} ± {_num(b.std)} "
+                f"(std, {pct(b.std / b.mean)} of the mean): {each}")
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON: a non-finite number becomes null, which every JSON reader accepts."""
         return _finite_or_none({
             "baseline": self.baseline, "thresholds": asdict(self.thresholds), **self.context,
-            "results": [{**row, "conversion": r.conversion,
-                         "curve": [{k: h[k] for k in ("step", "loss", "val_loss", "lr", "skipped")} for h in r.history]}
-                        for row, r in zip(self.rows(), self.results)],
+            "baseline_band": self.base.band.to_json(),
+            "results": [{**row, "conversion": r.results[0].conversion,
+                         "runs": [{"seed": s, "final_val_loss": res.final_val_loss,
+                                   "final_train_loss": res.final_train_loss, "curve": _curve(res)}
+                                  for s, res in zip(r.seeds, r.results)]}
+                        for row, r in zip(self.rows(), self.runs)],
         })
 
-    def table(self, markdown: bool = False) -> str:
-        headers = ["recipe", "train loss", "val loss", "gap to " + self.baseline, "tokens/s", "peak mem (GiB)",
-                   "skipped", "verdict"]
-        cells = [[row["recipe"], _num(row["final_train_loss"]), _num(row["final_val_loss"]),
-                  _gap(row["gap_to_baseline"]), f"{row['tokens_per_s']:,.0f}", _mem(row["peak_memory_bytes"]),
-                  row["skipped_steps"], row["verdict"]] for row in self.rows()]
-        return format_table(headers, cells, markdown=markdown)
+    _HEADERS = ("recipe", "seeds", "train loss", "val loss", "gap to {}", "noise ±", "tolerance", "tokens/s",
+                "peak mem (GiB)", "skipped", "verdict")
 
-    def _rules(self) -> list[str]:
+    def _cells(self) -> list[list[Any]]:
+        return [[row["recipe"], len(row["seeds"]), _num(row["final_train_loss"]), _num(row["final_val_loss"]),
+                 _gap(row["gap_to_baseline"]), _abs(row["noise"]), pct(row["tolerance"]),
+                 f"{row['tokens_per_s']:,.0f}", _mem(row["peak_memory_bytes"]), row["skipped_steps"], row["label"]]
+                for row in self.rows()]
+
+    def table(self, markdown: bool = False) -> str:
+        return format_table([h.format(self.baseline) for h in self._HEADERS], self._cells(), markdown=markdown)
+
+    def reasons(self) -> list[str]:
+        """One line per recipe: its verdict, why, and the tolerance it was held to with where that comes from."""
+        return [f"{row['recipe']}: {row['label']}: {row['reason']}; tolerance {pct(row['tolerance'])} for "
+                f"{Family(row['family']).title} ({row['tolerance_source']}, widened for short runs)"
+                for row in self.rows() if row["recipe"] != self.baseline]
+
+    def notes(self) -> list[str]:
+        """The lines under the table, in Markdown (the HTML page drops the backticks); one place to add one."""
         t = self.thresholds
+        tols = ", ".join(f"{f.title} {pct(t.tolerance(f))}" for f in Family)
         return [
-            f"Gap: relative difference of the final validation loss to `{self.baseline}`; lower is better.",
-            f"PASS: gap <= {t.fp8:.0%} for 8-bit recipes, <= {t.fp4:.0%} for 4/6-bit ones; WARN: up to "
-            f"{t.warn_factor:g}x that; FAIL: beyond, or any non-finite loss.",
+            self.band_line(),
+            f"Gap: relative difference of the mean final validation loss to `{self.baseline}`'s; lower is better. "
+            f"Noise: {t.noise_z:g} standard errors of the gap, from the seed-to-seed spread pooled over both "
+            "recipes' seeds; a gap no larger is *within noise*.",
+            f"PASS: gap <= the family's tolerance ({tols}); WARN: beyond it by less than the noise or "
+            f"{t.warn_factor:g}x the tolerance; FAIL: beyond both, or a non-finite loss at any seed. "
+            "See docs/verdicts.md for the sources.",
             f"Train loss: mean over the last {FINAL_WINDOW} steps. Validation: a fixed set of "
-            f"{self.context['train']['val_batches']} batches from the held-out split.",
+            f"{self.context['train']['val_batches']} batches from the held-out split, the same for every seed.",
             "Peak memory: the CUDA allocator's peak, or on a CPU the process's resident-set peak "
             "(interpreter and libraries included).",
         ]
 
+    def title(self) -> str:
+        c, k = self.context, len(self.base.seeds)
+        seeds = f", {self.baseline} over {k} seeds" if k > 1 else ""
+        return f"lowprec compare: {c['model']['name']} model, {c['train']['steps']} steps{seeds}"
+
     def to_markdown(self) -> str:
-        c = self.context
-        lines = [f"# lowprec compare: {c['model']['name']} model, {c['train']['steps']} steps", "",
-                 self.table(markdown=True), "", *[f"- {rule}" for rule in self._rules()], "",
-                 f"![loss curves]({PNG_NAME})", "", "## Setup", "", *[f"- {k}: {v}" for k, v in _setup(c)]]
-        for r in self.results:
-            lines += ["", f"### Conversion: {r.recipe}", "", "```", r.conversion, "```"]
+        lines = [f"# {self.title()}", "", self.table(markdown=True), "", "## Verdicts", "",
+                 *[f"- {line}" for line in self.reasons()], "", *[f"- {note}" for note in self.notes()], "",
+                 f"![loss curves]({PNG_NAME})", "", "## Setup", "", *[f"- {k}: {v}" for k, v in _setup(self.context)]]
+        for r in self.runs:
+            lines += ["", f"### Conversion: {r.recipe}", "", "```", r.results[0].conversion, "```"]
         return "\n".join(lines) + "\n"
 
     def to_html(self, png: bytes) -> str:
-        c = self.context
         e = html.escape
-        rows = self.rows()
-        head = "".join(f"<th>{e(h)}</th>" for h in ("recipe", "train loss", "val loss", f"gap to {self.baseline}",
-                                                     "tokens/s", "peak mem (GiB)", "skipped", "verdict"))
-        body = "".join(
-            f"<tr><td>{e(r['recipe'])}</td><td>{_num(r['final_train_loss'])}</td><td>{_num(r['final_val_loss'])}</td>"
-            f"<td>{_gap(r['gap_to_baseline'])}</td><td>{r['tokens_per_s']:,.0f}</td><td>{_mem(r['peak_memory_bytes'])}"
-            f"</td><td>{r['skipped_steps']}</td><td class=\"{r['verdict']}\">{r['verdict']}</td></tr>" for r in rows)
-        setup = "".join(f"<li>{e(k)}: {e(str(v))}</li>" for k, v in _setup(c))
-        rules = "".join(f"<li>{e(rule).replace('`', '')}</li>" for rule in self._rules())
+        head = "".join(f"<th>{e(h.format(self.baseline))}</th>" for h in self._HEADERS)
+        body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in cells[:-1])
+                       + f"<td class=\"{row['verdict']}\">{e(cells[-1])}</td></tr>"
+                       for cells, row in zip(self._cells(), self.rows()))
+        setup = _items(f"{k}: {v}" for k, v in _setup(self.context))
         img = base64.b64encode(png).decode()
         return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>lowprec compare</title><style>"
-                f"body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}"
+                f"body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}table{{border-collapse:collapse}}"
                 f"td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}.PASS{{background:#c8f0c8}}"
                 f".WARN{{background:#f8e8a0}}.FAIL{{background:#f4b8b8}}img{{max-width:100%}}</style></head><body>"
-                f"<h1>lowprec compare: {e(c['model']['name'])} model, {c['train']['steps']} steps</h1>"
-                f"<table><tr>{head}</tr>{body}</table><ul>{rules}</ul>"
+                f"<h1>{e(self.title())}</h1><table><tr>{head}</tr>{body}</table><h2>Verdicts</h2>"
+                f"<ul>{_items(self.reasons())}</ul><ul>{_items(self.notes())}</ul>"
                 f"<img alt=\"loss curves\" src=\"data:image/png;base64,{img}\"><h2>Setup</h2><ul>{setup}</ul>"
                 f"</body></html>\n")
+
+    def curves(self) -> list[RunResult]:
+        """The runs to draw, each named by its recipe and, when there are several, its seed."""
+        many = any(len(r.seeds) > 1 for r in self.runs)
+        return [replace(res, recipe=f"{r.recipe} seed {s}") if many else res
+                for r in self.runs for s, res in zip(r.seeds, r.results)]
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
         """``report.md``, ``report.html``, ``report.json`` and the PNG in ``out_dir``; returns their paths."""
@@ -158,8 +220,8 @@ class CompareReport:
 
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        png = loss_curves_png(self.results, f"{self.context['model']['name']} model, "
-                                            f"data sha256 {self.context['data']['fingerprint'][:12]}")
+        png = loss_curves_png(self.curves(), f"{self.context['model']['name']} model, "
+                                             f"data sha256 {self.context['data']['fingerprint'][:12]}")
         paths = {"png": out / PNG_NAME, "markdown": out / "report.md", "html": out / "report.html",
                  "json": out / "report.json"}
         paths["png"].write_bytes(png)
@@ -169,13 +231,25 @@ class CompareReport:
         return paths
 
 
+def _items(lines: Iterable[str]) -> str:
+    """HTML list items of Markdown lines (their backticks and emphasis dropped)."""
+    return "".join(f"<li>{html.escape(line).replace('`', '').replace('*', '')}</li>" for line in lines)
+
+
+def _curve(r: RunResult) -> list[dict[str, Any]]:
+    return [{k: h[k] for k in ("step", "loss", "val_loss", "lr", "skipped")} for h in r.history]
+
+
 def _setup(c: dict[str, Any]) -> list[tuple[str, Any]]:
     t = c["train"]
+    seeds = c.get("seeds", {"baseline": [t["seed"]], "recipes": [t["seed"]]})
     return [("model", f"{c['model']['name']} ({c['model']['params']:,} parameters)"),
             ("data", f"{c['data']['source']}, sha256 {c['data']['fingerprint']}"),
             ("batch", f"{t['batch_size']} x {t['seq_len']} tokens x {t['grad_accum']} micro-batches"),
             ("schedule", f"lr {t['lr']}, warmup {t['warmup_steps']}, cosine to {t['min_lr_ratio']} x lr"),
-            ("seed", t["seed"]), ("high-precision start", f"{t['hp_start_steps']} steps"),
+            ("seeds", f"baseline {seeds['baseline']}, other recipes {seeds['recipes']} (each seed: its own "
+                      "initialisation, data order and rounding draws)"),
+            ("high-precision start", f"{t['hp_start_steps']} steps"),
             ("device", f"{c['device']} ({t['dtype']} parameters)"),
             ("versions", f"lowprec {c['lowprec_version']}, torch {c['torch_version']}, "
                          f"Python {c['python_version']}")]
@@ -199,11 +273,14 @@ def _gap(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:+.2%}"
 
 
+def _abs(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{x:.2%}"
+
+
 def _mem(x: int | None) -> str:
     return "n/a" if x is None else f"{x / _GIB:.2f}"
 
 
 def overall(rows: Sequence[dict[str, Any]]) -> str:
-    """The worst verdict of a report: what a script gating on the comparison looks at."""
-    order = ["PASS", "WARN", "FAIL"]
-    return max((r["verdict"] for r in rows), key=order.index)
+    """The worst verdict of a report's rows: what a script gating on the comparison looks at."""
+    return worst([r["verdict"] for r in rows]).value

@@ -75,16 +75,17 @@ def test_compare_end_to_end_on_the_tiny_model(tmp_path):
     rows = {r["recipe"]: r for r in report["results"]}
     assert list(rows) == ["bf16", "fp8-current", "mxfp8", "mxfp4", "nvfp4"]  # the baseline added, first
     for r in rows.values():
-        assert r["verdict"] in ("PASS", "WARN", "FAIL") and len(r["curve"]) == 3 and r["steps"] == 3
+        assert r["verdict"] in ("PASS", "WARN", "FAIL") and len(r["runs"][0]["curve"]) == 3 and r["steps"] == 3
         assert r["final_val_loss"] is not None and r["tokens_per_s"] > 0
     assert rows["bf16"]["gap_to_baseline"] == 0.0
     # the first step's loss, before any update, differs from BF16's by quantization noise alone
-    first = {name: r["curve"][0]["loss"] for name, r in rows.items()}
+    first = {name: r["runs"][0]["curve"][0]["loss"] for name, r in rows.items()}
     assert all(abs(v - first["bf16"]) < 0.01 * first["bf16"] for v in first.values())
     assert report["data"]["fingerprint"] and report["model"]["params"] == 1_672_896
     for name in ("report.md", "report.html", "report.json", "loss_curves.png"):
         assert (out / name).stat().st_size > 0
-    assert (out / "runs" / "nvfp4" / "log.csv").is_file()
+    assert (out / "runs" / "nvfp4" / "seed-0" / "log.csv").is_file()  # the default: bf16 over 3 seeds
+    assert rows["bf16"]["seeds"] == [0, 1, 2] and rows["nvfp4"]["seeds"] == [0]
 
 
 def test_python_dash_m_lowprec_gives_a_one_line_error_not_a_traceback(tmp_path):

@@ -108,5 +108,61 @@ def test_every_step_of_every_recipe_reports_the_comparison_s_progress(monkeypatc
     seen = []
     compare("tiny", ["mxfp8", _mine("mine")], TrainConfig(steps=3, tensorboard=False, progress=False), load_data(),
             on_step=seen.append)
-    assert [(p.recipe, p.index, p.row["step"], p.done, p.total) for p in seen] == [
-        (name, i, s, 3 * i + s, 9) for i, name in enumerate(["bf16", "mxfp8", "mine"]) for s in (1, 2, 3)]
+    assert [(p.recipe, p.index, p.row["step"], p.done, p.total, p.seed) for p in seen] == [
+        (name, i, s, 3 * i + s, 9, 0) for i, name in enumerate(["bf16", "mxfp8", "mine"]) for s in (1, 2, 3)]
+    seen.clear()
+    compare("tiny", ["mxfp8"], TrainConfig(steps=2, seed=4, tensorboard=False, progress=False), load_data(),
+            seeds=3, recipe_seeds=2, on_step=seen.append)
+    assert [(p.recipe, p.seed, p.index, p.done, p.total) for p in seen if p.row["step"] == 2] == [
+        ("bf16", 4, 0, 2, 10), ("mxfp8", 4, 1, 4, 10), ("bf16", 5, 2, 6, 10), ("mxfp8", 5, 3, 8, 10),
+        ("bf16", 6, 4, 10, 10)]
+
+
+def _fake_val(losses):
+    """A train() that gives each (recipe, seed) the final validation loss ``losses`` names, and records
+    what it was given."""
+    calls = []
+
+    def fake_train(model, data, cfg, out_dir=None, **kw):
+        calls.append((cfg.recipe, cfg.seed, out_dir, next(iter(model.state_dict().values())).clone()))
+        val = losses[(cfg.recipe, cfg.seed)]
+        history = ({"step": 1, "loss": val, "val_loss": val, "lr": 1e-3, "skipped": False},)
+        return RunResult(recipe=cfg.recipe, history=history, tokens_per_s=1.0, peak_memory_bytes=None,
+                         diverged=False, conversion="")
+
+    return fake_train, calls
+
+
+def test_seeds_train_the_baseline_k_times_and_each_recipe_on_the_first_m(monkeypatch, tmp_path):
+    losses = {("bf16", 3): 2.0, ("bf16", 4): 2.2, ("bf16", 5): 2.1, ("mxfp8", 3): 2.15, ("mxfp8", 4): 2.35,
+              ("nvfp4", 3): 2.5, ("nvfp4", 4): 2.6}
+    fake, calls = _fake_val(losses)
+    monkeypatch.setattr(importlib.import_module("lowprec.train.compare"), "train", fake)
+    cfg = TrainConfig(steps=1, seed=3, tensorboard=False, progress=False)
+    report = compare("tiny", "mxfp8,nvfp4", cfg, load_data(), seeds=3, recipe_seeds=2, out_dir=tmp_path)
+    assert [(c[0], c[1]) for c in calls] == [("bf16", 3), ("mxfp8", 3), ("nvfp4", 3), ("bf16", 4), ("mxfp8", 4),
+                                             ("nvfp4", 4), ("bf16", 5)]
+    assert [c[2] for c in calls[:2]] == [tmp_path / "runs" / "bf16" / "seed-3", tmp_path / "runs" / "mxfp8" / "seed-3"]
+    # a seed's recipes start from one initialisation, and another seed from another
+    assert torch.equal(calls[0][3], calls[2][3]) and not torch.equal(calls[0][3], calls[3][3])
+    rows = {r["recipe"]: r for r in report.rows()}
+    assert rows["bf16"]["seeds"] == [3, 4, 5] and rows["mxfp8"]["val_losses"] == [2.15, 2.35]
+    # pooled over bf16 (mean 2.1, squares 0.02) and mxfp8 (mean 2.25, squares 0.02): s^2 = 0.04 / 3
+    noise = 2 * math.sqrt(0.04 / 3) * math.sqrt(1 / 2 + 1 / 3) / 2.1
+    assert rows["mxfp8"]["gap_to_baseline"] == pytest.approx(0.15 / 2.1)
+    assert rows["mxfp8"]["noise"] == pytest.approx(noise)
+    # +7.1% within the noise of ±10.0%; nvfp4's +21.4% beyond 5% + its noise (7.9%)
+    assert (rows["mxfp8"]["label"], rows["nvfp4"]["verdict"]) == ("WARN (within noise)", "FAIL")
+    assert report.context["seeds"] == {"baseline": [3, 4, 5], "recipes": [3, 4]}
+    assert "bf16 over 3 seeds" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("seeds, recipe_seeds, message", [
+    (0, 1, r"seeds: expected a whole number of seeds >= 1, got 0 \(int\)"),
+    (2.0, 1, r"seeds: expected a whole number of seeds >= 1, got 2.0 \(float\)"),
+    (2, 3, r"recipe_seeds: expected a whole number from 1 to seeds \(2\), got 3 \(int\)"),
+    (2, 0, r"recipe_seeds: expected a whole number from 1 to seeds \(2\), got 0 \(int\)"),
+])
+def test_bad_seed_counts_are_refused_before_anything_trains(seeds, recipe_seeds, message):
+    with pytest.raises(ValueError, match=message):
+        compare("tiny", "mxfp8", TrainConfig(steps=1), load_data(), seeds=seeds, recipe_seeds=recipe_seeds)

@@ -6,8 +6,9 @@ import re
 import pytest
 
 from lowprec.train.logs import RunLog, read_log
-from lowprec.train.report import CompareReport, Thresholds, overall, verdict
+from lowprec.train.report import CompareReport, RecipeRuns, overall
 from lowprec.train.result import RunResult
+from lowprec.train.verdict import Family
 
 
 def _result(recipe, val, *, losses=(3.0, 2.5, 2.2), diverged=False, skipped=()):
@@ -17,6 +18,13 @@ def _result(recipe, val, *, losses=(3.0, 2.5, 2.2), diverged=False, skipped=()):
                     for i, loss in enumerate(losses))
     return RunResult(recipe=recipe, history=history, tokens_per_s=1234.0, peak_memory_bytes=3 << 29,
                      diverged=diverged, conversion=f"{recipe}: 28 linears converted")
+
+
+def _one(recipe, val, base=2.0, **kw):
+    """The verdict on one seed of ``recipe`` against one seed of bf16 at ``base``."""
+    report = CompareReport(runs=(RecipeRuns.of(_result("bf16", base)), RecipeRuns.of(_result(recipe, val, **kw))),
+                           baseline="bf16", context=CONTEXT)
+    return report.rows()[1]
 
 
 @pytest.mark.parametrize("recipe, val, expected", [
@@ -30,30 +38,26 @@ def _result(recipe, val, *, losses=(3.0, 2.5, 2.2), diverged=False, skipped=()):
     ("nvfp4", 2.25, "FAIL"),             # +12.5%
     ("fp8-current", float("nan"), "FAIL"),
 ])
-def test_verdicts_follow_the_stated_thresholds(recipe, val, expected):
-    v, gap, _ = verdict(_result(recipe, val), 2.0, Thresholds())
-    assert v == expected
+def test_one_seed_verdicts_follow_the_stated_thresholds(recipe, val, expected):
+    row = _one(recipe, val)
+    assert row["verdict"] == expected
+    assert row["noise"] != row["noise"] and row["within_noise"] is None  # one seed: noise unknown
     if math.isfinite(val):
-        assert gap == pytest.approx((val - 2.0) / 2.0)
+        assert row["gap_to_baseline"] == pytest.approx((val - 2.0) / 2.0)
+        assert row["reason"].endswith("noise unknown (one seed)")
 
 
 def test_a_nan_anywhere_or_divergence_fails_whatever_the_gap():
-    assert verdict(_result("mxfp4", 2.0, losses=(3.0, float("nan"), 2.0), skipped=(2,)), 2.0, Thresholds())[0] == "FAIL"
-    assert verdict(_result("mxfp4", 2.0, diverged=True), 2.0, Thresholds())[:1] == ("FAIL",)
-    assert verdict(_result("fp8-current", 2.0), float("nan"), Thresholds())[0] == "FAIL"
+    assert _one("mxfp4", 2.0, losses=(3.0, float("nan"), 2.0), skipped=(2,))["reason"] == "non-finite loss (seed 0)"
+    assert _one("mxfp4", 2.0, diverged=True)["reason"] == "diverged (seed 0)"
+    row = _one("fp8-current", 2.0, base=float("nan"))
+    assert (row["verdict"], row["reason"]) == ("FAIL", "the baseline has no finite validation loss")
 
 
 def test_final_train_loss_is_the_mean_of_the_last_ten_finite_steps():
     r = _result("bf16", 2.0, losses=tuple(float(i) for i in range(20)) + (float("nan"),), skipped=(21,))
     assert r.final_train_loss == pytest.approx(sum(range(10, 20)) / 10)
     assert r.skipped_steps == 1 and r.steps == 21 and r.has_nan
-
-
-def test_thresholds_are_validated():
-    with pytest.raises(ValueError, match="fp8: expected a relative gap in \\(0, 1\\)"):
-        Thresholds(fp8=0)
-    with pytest.raises(ValueError, match="warn_factor: expected a number >= 1"):
-        Thresholds(warn_factor=0.5)
 
 
 CONTEXT = {"model": {"name": "tiny", "params": 1_672_896, "config": {}},
@@ -63,33 +67,65 @@ CONTEXT = {"model": {"name": "tiny", "params": 1_672_896, "config": {}},
            "device": "cpu", "lowprec_version": "0.1.0", "torch_version": "2.13.0", "python_version": "3.11.7"}
 
 
+def _seeds(recipe, vals, family=None):
+    return RecipeRuns(recipe, family or Family.of(recipe), tuple(range(len(vals))),
+                      tuple(_result(recipe, v) for v in vals))
+
+
 def test_report_files_are_consistent_and_self_contained(tmp_path):
-    results = (_result("bf16", 2.0), _result("fp8-current", 2.02), _result("nvfp4", float("nan")))
-    report = CompareReport(results=results, baseline="bf16", context=CONTEXT)
+    runs = (_seeds("bf16", (2.0, 2.1, 2.2)), _seeds("fp8-current", (2.12,)), _seeds("mxfp8", (2.3,)),
+            _seeds("nvfp4", (float("nan"),)))
+    report = CompareReport(runs=runs, baseline="bf16", context=CONTEXT)
     paths = report.write(tmp_path)
     png = paths["png"].read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
     page = paths["html"].read_text()
     assert base64.b64encode(png).decode() in page  # the same picture, inlined
     assert not re.search(r"(src|href)=\"(?!data:)", page)  # nothing fetched from elsewhere
-    assert page.count("<tr>") == 4 and "class=\"FAIL\"" in page and "class=\"PASS\"" in page
+    assert page.count("<tr>") == 5 and "class=\"FAIL\"" in page and "class=\"PASS\"" in page
     data = json.loads(paths["json"].read_text())
-    assert data["data"]["fingerprint"] == "ab" * 32 and data["thresholds"] == {"fp8": 0.02, "fp4": 0.05,
-                                                                               "warn_factor": 2.0}
+    assert data["data"]["fingerprint"] == "ab" * 32
+    assert data["thresholds"] == {"fp8": 0.02, "mx8": 0.02, "fp4": 0.05, "warn_factor": 2.0, "noise_z": 2.0}
+    band = data["baseline_band"]
+    assert band["seeds"] == [0, 1, 2] and band["val_losses"] == [2.0, 2.1, 2.2]
+    assert band["mean"] == pytest.approx(2.1) and band["std"] == pytest.approx(0.1)
     by_recipe = {r["recipe"]: r for r in data["results"]}
-    assert by_recipe["fp8-current"]["gap_to_baseline"] == pytest.approx(0.01)
+    # one seed against three: noise = 2 * 0.1 * sqrt(1 + 1/3) / 2.1 = 11.0%, the gap (2.12 - 2.1) / 2.1 within it
+    fp8 = by_recipe["fp8-current"]
+    assert fp8["gap_to_baseline"] == pytest.approx(0.02 / 2.1)
+    assert fp8["noise"] == pytest.approx(0.2 * math.sqrt(4 / 3) / 2.1)
+    assert (fp8["verdict"], fp8["label"], fp8["within_noise"]) == ("PASS", "PASS (within noise)", True)
+    assert fp8["seeds"] == [0] and fp8["family"] == "fp8" and "arXiv 2412.19437" in fp8["tolerance_source"]
+    # +9.5%: beyond MXFP8's 2% but inside the noise: WARN, and said to be within noise
+    mx = by_recipe["mxfp8"]
+    assert (mx["verdict"], mx["within_noise"], mx["tolerance"]) == ("WARN", True, 0.02)
+    assert mx["reason"] == "beyond tolerance 2% but within noise ±11%"
     assert by_recipe["nvfp4"]["final_val_loss"] is None and by_recipe["nvfp4"]["verdict"] == "FAIL"
-    assert len(by_recipe["bf16"]["curve"]) == 3
+    base_runs = by_recipe["bf16"]["runs"]
+    assert [r["seed"] for r in base_runs] == [0, 1, 2] and len(base_runs[2]["curve"]) == 3
     md = paths["markdown"].read_text()
-    assert "| fp8-current" in md and "+1.00%" in md and "PASS: gap <= 2% for 8-bit" in md and "abab" in md
+    assert "| fp8-current" in md and "+0.95%" in md and "abab" in md and "bf16 over 3 seeds" in md
+    assert "`bf16` band over 3 seeds: 2.1000 ± 0.1000 (std, 4.76% of the mean): 2.0000 (seed 0), " in md
+    assert "- mxfp8: WARN (within noise): beyond tolerance 2% but within noise ±11%; tolerance 2% for MXFP8 " \
+           "(MXFP8 recipe (arXiv 2506.08027)" in md
+    assert "arXiv 2509.25149" in md and "PASS (within noise)" in page
     assert overall(report.rows()) == "FAIL"
     # same inputs, same picture
     assert report.write(tmp_path / "again")["png"].read_bytes() == png
 
 
-def test_the_baseline_must_be_among_the_results():
+def test_the_baseline_s_own_failure_fails_it_and_every_recipe():
+    runs = (_seeds("bf16", (2.0, float("nan"))), _seeds("mxfp8", (2.0,)))
+    rows = CompareReport(runs=runs, baseline="bf16", context=CONTEXT).rows()
+    assert [(r["verdict"], r["reason"]) for r in rows] == [
+        ("FAIL", "non-finite loss (seed 1)"), ("FAIL", "the baseline has no finite validation loss")]
+
+
+def test_the_baseline_must_be_among_the_results_and_seeds_match_runs():
     with pytest.raises(ValueError, match="baseline: expected one of the compared recipes"):
-        CompareReport(results=(_result("mxfp8", 2.0),), baseline="bf16", context=CONTEXT)
+        CompareReport(runs=(RecipeRuns.of(_result("mxfp8", 2.0)),), baseline="bf16", context=CONTEXT)
+    with pytest.raises(ValueError, match=r"seeds: expected one distinct seed per run of 'bf16' \(2 runs\), got \[0\]"):
+        RecipeRuns("bf16", Family.FP8, (0,), (_result("bf16", 2.0), _result("bf16", 2.1)))
 
 
 def test_csv_keeps_losses_exact_and_resume_rewrites_it(tmp_path):
