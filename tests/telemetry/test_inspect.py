@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 import torch.nn as nn
 from click.testing import CliRunner
 
