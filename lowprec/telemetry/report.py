@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -106,3 +107,22 @@ Written to <a href="{policy_path.name}">{policy_path.name}</a>; train with it by
 """
     out.write_text(page)
     return policy_path, ranked
+
+
+def inspect_links(out_dir: Path, runs: list[tuple[str, str | None]]) -> str:
+    """For a comparison in ``out_dir``: write the inspect report of each run (recipe, its directory)
+    that has telemetry, into its directory; the HTML section linking them ("" when none has any)."""
+    from lowprec.telemetry.records import FILENAME, read_records
+
+    items = []
+    for recipe, run_dir in runs:
+        if run_dir is None or not (Path(run_dir) / FILENAME).is_file():
+            continue
+        records = read_records(Path(run_dir) / FILENAME)
+        if not records:
+            continue
+        page = Path(run_dir) / "inspect.html"
+        write_report(records, page, f"lowprec inspect: {recipe}")
+        rel = Path(os.path.relpath(page, out_dir)).as_posix()  # the comparison's pages move with their folder
+        items.append(f'<li><a href="{html.escape(rel)}">{html.escape(recipe)}</a></li>')
+    return f"<h2>Telemetry (lowprec inspect)</h2><ul>{''.join(items)}</ul>" if items else ""

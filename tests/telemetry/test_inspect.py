@@ -50,6 +50,7 @@ def test_an_input_scaled_by_1e4_mid_run_is_named_with_its_operand():
 
 
 def _write(run_dir, records):
+    run_dir.mkdir(parents=True, exist_ok=True)
     w = TelemetryWriter(run_dir / "telemetry.csv", None)
     w.write(records)
     w.close()
@@ -93,3 +94,15 @@ def test_sqnr_heatmap_marks_exact_casts_blank():
     assert layers == ["a", "b", "c"] and steps == [1, 2]
     assert rows[1] == [28.0, 20.0] and rows[2][0] == 31.0 and math.isnan(rows[2][1])
     assert rows[0] == [30.0, 30.0]
+
+
+def test_compare_links_the_inspect_report_of_each_recipe_with_telemetry(tmp_path):
+    from lowprec.telemetry.report import inspect_links
+
+    _write(tmp_path / "runs" / "fp8", RECORDS)
+    (tmp_path / "runs" / "bf16").mkdir()
+    runs = [(name, str(tmp_path / "runs" / name)) for name in ("bf16", "fp8")]
+    links = inspect_links(tmp_path, runs)
+    assert links.count("<li>") == 1 and 'href="runs/fp8/inspect.html"' in links
+    assert (tmp_path / "runs" / "fp8" / "inspect.html").is_file()
+    assert inspect_links(tmp_path, [("bf16", None)]) == ""
