@@ -1,8 +1,9 @@
-"""Command-line interface: ``lowprec formats / train / compare / plan / info``."""
+"""Command-line interface: ``lowprec formats / train / compare / inspect / plan / info``."""
 from lowprec.cli import (  # noqa: F401
     compare_cmd,
     formats_cmd,
     info_cmd,
+    inspect_cmd,
     plan_cmd,
     train_cmd,
 )

@@ -81,6 +81,9 @@ def _options(d: Defaults) -> list[Callable]:
                           "stay in high precision. Default: the default policy."),
         click.option("--compile", "compiled", is_flag=True,
                      help="torch.compile the model's forward and backward (inductor)."),
+        click.option("--telemetry-every", type=int, default=100, show_default=True,
+                     help="Every N steps, record each converted layer's operand figures (amax, scale, underflow, "
+                          "saturation, SQNR) to telemetry.csv for lowprec inspect; 0: off."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -122,7 +125,7 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
         grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
-        policy=_policy_option(opts["policy_file"]),
+        policy=_policy_option(opts["policy_file"]), telemetry_every=opts["telemetry_every"],
         compile="inductor" if opts["compiled"] else None, **extra)
 
 

@@ -22,6 +22,7 @@ from lowprec import kernels as K
 from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan
 from lowprec.quant import QuantizedTensor
+from lowprec.telemetry.collect import probe
 
 
 def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:
@@ -74,6 +75,10 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = input_casts(x, x2, plan.input, need_wgrad, state, record)
         qw, qw_t = weight_casts(weight, w_op, state, need_dgrad and not recast, record)
+        collector = probe()  # None but on a sampled step (see [Note: telemetry under torch.compile])
+        if collector is not None:
+            collector.forward(state, plan, x2, None if isinstance(weight, QuantizedWeight) else weight, qx, qx_t,
+                              qw, qw_t)
         y = gemm(qx, qw, plan.fprop, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -118,6 +123,9 @@ class LinearFunction(torch.autograd.Function):
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
             if need_dgrad or need_wgrad:  # a frozen input (the first layer) needs only wgrad's operand
                 qdy, qdy_t = cast_operand(dy2, plan.grad_output, need_dgrad, need_wgrad, ctx.state.delayed, True)
+                collector = probe()
+                if collector is not None:
+                    collector.backward(ctx.state, plan, dy2, qdy, qdy_t, weight, qw_t if weight is not None else None)
             if need_dgrad:
                 dx = gemm(qdy, qw_t, plan.dgrad, x_dtype).view(x_shape)  # (M, K)
             if need_wgrad:

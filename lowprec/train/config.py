@@ -81,11 +81,15 @@ class TrainConfig:
     """A ``torch.compile`` backend (``inductor``; ``aot_eager`` in tests) for the training and validation
     forward and backward, or None for eager. The optimizer step stays eager."""
 
+    telemetry_every: int = 100
+    """Sample the converted layers' operand figures (amax, scale, underflow, saturation, SQNR) every this many
+    steps into ``telemetry.csv`` (0: never); see ``lowprec.telemetry``. It changes no number of the run."""
+
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
                      "eval_every"):
             check_positive_int(name, getattr(self, name))
-        for name in ("warmup_steps", "save_every", "hp_start_steps", "seed"):
+        for name in ("warmup_steps", "save_every", "hp_start_steps", "seed", "telemetry_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 fail(name, "a non-negative int", describe(value))
@@ -129,7 +133,8 @@ class TrainConfig:
 
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
                           if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
-                                            "parallel", "grad_comm", "fp8_all_gather", "compile"))
+                                            "parallel", "grad_comm", "fp8_all_gather", "compile",
+                                            "telemetry_every"))
 """Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
 parallelism and number of ranks may change (the global batch does not)."""
 

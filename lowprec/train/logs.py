@@ -10,6 +10,10 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from lowprec.telemetry import OperandStats
+from lowprec.telemetry.records import FILENAME as TELEMETRY_CSV
+from lowprec.telemetry.records import TelemetryWriter
+
 COLUMNS = ("step", "lr", "loss", "val_loss", "grad_norm", "loss_scale", "skipped", "spike", "recipe",
            "tokens_per_s", "elapsed_s", "amax_outliers")
 """``val_loss`` is empty on steps without validation; ``recipe`` is ``bf16`` during a high-precision start;
@@ -45,6 +49,8 @@ class RunLog:
             last = history[-1]["step"] if history else 0
             # purge_step drops events a killed run wrote past the checkpoint being resumed
             self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=last + 1 if history else None)
+        # sampled operand figures: rows after a resumed checkpoint's step dropped, as above
+        self._telemetry = TelemetryWriter(out_dir / TELEMETRY_CSV, history[-1]["step"] if history else None)
 
     def write(self, row: dict[str, Any]) -> None:
         self._csv.writerow([_text(row.get(c)) for c in COLUMNS])
@@ -54,8 +60,19 @@ class RunLog:
                 if row.get(name) is not None:
                     self._tb.add_scalar(name, row[name], row["step"])
 
+    def write_telemetry(self, records: list[OperandStats]) -> None:
+        """A sampled step's operand figures: rows of ``telemetry.csv``, and TensorBoard scalars grouped
+        by figure (``telemetry_sqnr_db/<layer>/<gemm>.<operand>``)."""
+        self._telemetry.write(records)
+        if self._tb is not None:
+            for r in records:
+                for figure in ("sqnr_db", "underflow", "saturation", "amax", "scale"):
+                    self._tb.add_scalar(f"telemetry_{figure}/{r.layer}/{r.gemm}.{r.operand}", getattr(r, figure),
+                                        r.step)
+
     def close(self) -> None:
         self._file.close()
+        self._telemetry.close()
         if self._tb is not None:
             self._tb.close()
 

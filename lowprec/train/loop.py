@@ -51,6 +51,7 @@ from lowprec.distributed.launch import (
 from lowprec.nn import cached_weight_casts
 from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import Optimizer
+from lowprec.telemetry import Telemetry
 from lowprec.train.checkpoint import latest_checkpoint
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
@@ -60,6 +61,8 @@ from lowprec.train.memory import PeakMemory
 from lowprec.train.result import RunResult
 from lowprec.train.run_state import RunState, restore, save
 
+TELEMETRY_KEY = "telemetry"
+"""A sampled step's operand figures travel in its row to the log, which writes them to telemetry.csv."""
 HP_START_RECIPE = "bf16"
 """What the first ``hp_start_steps`` steps run in (DeepSeek-V3 starts its scales this way). Layers bound
 to a delayed recipe record their amaxes in those steps, so its first step scales from a history (see
@@ -119,7 +122,8 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
     # micro-batches of one step share each weight's casts; a single batch casts at its forward
     cached = cached_weight_casts(run.model) if cfg.grad_accum > 1 else contextlib.nullcontext()
-    with _recipe_region(cfg, step), cached:
+    sampling = Telemetry(cfg.telemetry_every).region(run.model, step)  # nothing, off the sampled steps
+    with _recipe_region(cfg, step), cached, sampling as sampled:
         for i, (x, y) in enumerate(zip(inputs, targets)):
             with grad_sync(run.model, enabled=i == cfg.grad_accum - 1):  # ranks reduce the sum, once
                 logits = run.forward(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
@@ -141,6 +145,8 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
            "recipe": _step_recipe(cfg, step), "tokens_per_s": cfg.tokens_per_step / seconds}
     if recipes.get(cfg.recipe).uses_delayed_scaling:  # capped amax outliers so far (one read of the device)
         row["amax_outliers"] = amax_outliers(unwrap(run.model))
+    if sampled is not None:
+        row[TELEMETRY_KEY] = sampled.records  # taken out of the row before it joins the history
     return row
 
 
@@ -172,6 +178,7 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
     in_a_row = 0
     for step in _steps(run, run.history[-1]["step"] + 1 if run.history else 1):
         row = _train_step(run, step)
+        records = row.pop(TELEMETRY_KEY, None)
         in_a_row = in_a_row + 1 if row["skipped"] else 0
         diverged = in_a_row >= cfg.max_skips_in_row
         if (step % cfg.eval_every == 0 or step == cfg.steps) and not diverged:
@@ -181,6 +188,8 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
         run.history.append(row)
         if log is not None:
             log.write(row)
+            if records:
+                log.write_telemetry(records)
         if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             save(run, ckpt_dir)
         if on_step is not None:

@@ -226,7 +226,10 @@ class CompareReport:
                  "json": out / "report.json"}
         paths["png"].write_bytes(png)
         paths["markdown"].write_text(self.to_markdown())
-        paths["html"].write_text(self.to_html(png))
+        from lowprec.telemetry.report import inspect_links  # each recipe's lowprec inspect report, linked
+
+        links = inspect_links(out, [(r.recipe, r.out_dir) for r in self.results])
+        paths["html"].write_text(self.to_html(png).replace("</body>", f"{links}</body>"))
         paths["json"].write_text(json.dumps(self.to_json(), indent=1))
         return paths
 

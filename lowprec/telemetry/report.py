@@ -1,0 +1,128 @@
+"""``lowprec inspect``'s report: an HTML page beside PNG heatmaps (layers x sampled steps) of the worst
+SQNR, underflow and saturation, the layers ranked by trouble, and a suggested policy file.
+
+Heatmaps are drawn on a bare ``matplotlib.figure.Figure`` with the Agg canvas (no pyplot state).
+Each cell is a layer's worst record at a step over its GEMM operands: the lowest SQNR, the largest
+underflow and saturation fractions.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from lowprec.policy_file import policy_to_dict, save_policy
+from lowprec.telemetry.stats import OperandStats
+from lowprec.telemetry.trouble import TROUBLE_THRESHOLD, LayerTrouble, rank_layers, suggest_policy
+
+HEATMAPS = (  # (figure, file suffix, title, worst of a cell's records, colour map)
+    ("sqnr_db", "sqnr", "worst SQNR (dB; white: exact)", min, "viridis"),
+    ("underflow", "underflow", "largest underflow (fraction flushed to 0)", max, "magma"),
+    ("saturation", "saturation", "largest saturation (fraction clipped)", max, "magma"),
+)
+POLICY_FILE = "suggested_policy.json"
+
+
+def grid(records: list[OperandStats], figure: str, worst: Callable) -> tuple[list[str], list[int], list[list[float]]]:
+    """(layers in order of appearance, sampled steps, rows of the worst ``figure`` per layer and step;
+    NaN where a layer has no record at a step, and for an exact cast's +inf SQNR)."""
+    layers = list(dict.fromkeys(r.layer for r in records))
+    steps = sorted({r.step for r in records})
+    cells: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        cells.setdefault((r.layer, r.step), []).append(getattr(r, figure))
+    def cell(layer: str, step: int) -> float:
+        v = worst(cells[(layer, step)]) if (layer, step) in cells else math.nan
+        return v if math.isfinite(v) else math.nan
+
+    return layers, steps, [[cell(layer, s) for s in steps] for layer in layers]
+
+
+def heatmap_png(records: list[OperandStats], figure: str, title: str, worst: Callable, cmap: str, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # a second to import: only inspect pays
+    from matplotlib.figure import Figure
+
+    layers, steps, rows = grid(records, figure, worst)
+    fig = Figure(figsize=(min(14, 4 + 0.25 * len(steps)), 1.5 + 0.16 * len(layers)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    image = ax.imshow(rows, aspect="auto", interpolation="nearest", cmap=cmap)
+    fig.colorbar(image, ax=ax)
+    ax.set_yticks(range(len(layers)), layers, fontsize=6)
+    every = max(1, len(steps) // 20)
+    ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=7)
+    ax.set(title=title, xlabel="step", ylabel="layer")
+    fig.savefig(path, format="png", metadata={"Software": None})  # same records, same bytes
+
+
+def _row(t: LayerTrouble, threshold: float) -> str:
+    mark = ' class="keep"' if t.score >= threshold else ""
+    cells = (t.layer, f"{t.score:.2f}", t.worst, f"{t.worst_sqnr_db:.1f}", f"{100 * t.max_saturation:.3f}%",
+             f"{100 * t.max_underflow:.3f}%")
+    return f"<tr{mark}>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+
+
+def write_report(records: list[OperandStats], out: Path, title: str,
+                 threshold: float = TROUBLE_THRESHOLD) -> tuple[Path, list[LayerTrouble]]:
+    """Write ``out`` (the HTML), its heatmaps beside it (``<stem>_sqnr.png``, ...) and the suggested
+    policy (``suggested_policy.json``, there too); the policy file's path and the ranking."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    images = []
+    for figure, suffix, caption, worst, cmap in HEATMAPS:
+        png = out.with_name(f"{out.stem}_{suffix}.png")
+        heatmap_png(records, figure, caption, worst, cmap, png)
+        images.append(f'<h3>{html.escape(caption)}</h3><img src="{png.name}" alt="{suffix} heatmap">')
+    ranked = rank_layers(records)
+    policy = suggest_policy(ranked, threshold)
+    policy_path = save_policy(policy, out.with_name(POLICY_FILE))
+    kept = [t.layer for t in ranked if t.score >= threshold]
+    steps = sorted({r.step for r in records})
+    table = "\n".join(_row(t, threshold) for t in ranked)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:2px 8px;text-align:left}}
+tr.keep{{background:#fdd}} img{{max-width:100%}}</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p>{len(records)} records: {len({r.layer for r in records})} layers, {len(steps)} sampled steps
+({steps[0]} to {steps[-1]}).</p>
+<h2>Layers ranked by trouble</h2>
+<p>A record's trouble is the SQNR it loses beyond the median of its peers (every layer's record for the same
+GEMM, operand and step), in dB, plus 1 per percent of elements saturated, plus 1 per percent flushed to zero
+beyond its peers' median; a layer scores its worst record (non-finite values: inf). Layers scoring
+{threshold:g} or more (shaded) are suggested for high precision.</p>
+<table><tr><th>layer</th><th>trouble</th><th>worst record</th><th>worst SQNR (dB)</th><th>max saturation</th>
+<th>max underflow</th></tr>
+{table}</table>
+<h2>Suggested policy</h2>
+<p>{html.escape(', '.join(kept)) if kept else 'No layer is in trouble: the default policy.'}
+Written to <a href="{policy_path.name}">{policy_path.name}</a>; train with it by
+<code>lowprec train --policy {policy_path.name}</code>.</p>
+<pre>{html.escape(json.dumps(policy_to_dict(policy), indent=1))}</pre>
+<h2>Heatmaps (layers x sampled steps)</h2>
+{''.join(images)}
+</body></html>
+"""
+    out.write_text(page)
+    return policy_path, ranked
+
+
+def inspect_links(out_dir: Path, runs: list[tuple[str, str | None]]) -> str:
+    """For a comparison in ``out_dir``: write the inspect report of each run (recipe, its directory)
+    that has telemetry, into its directory; the HTML section linking them ("" when none has any)."""
+    from lowprec.telemetry.records import FILENAME, read_records
+
+    items = []
+    for recipe, run_dir in runs:
+        if run_dir is None or not (Path(run_dir) / FILENAME).is_file():
+            continue
+        records = read_records(Path(run_dir) / FILENAME)
+        if not records:
+            continue
+        page = Path(run_dir) / "inspect.html"
+        write_report(records, page, f"lowprec inspect: {recipe}")
+        rel = Path(os.path.relpath(page, out_dir)).as_posix()  # the comparison's pages move with their folder
+        items.append(f'<li><a href="{html.escape(rel)}">{html.escape(recipe)}</a></li>')
+    return f"<h2>Telemetry (lowprec inspect)</h2><ul>{''.join(items)}</ul>" if items else ""
