@@ -16,6 +16,7 @@ from lowprec import recipes
 from lowprec.cli.app import check_device, main
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
+from lowprec.policy_file import policy_from_dict, read_policy_dict
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
@@ -75,6 +76,11 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--fp8-all-gather/--no-fp8-all-gather", default=True, show_default=True,
                      help="Under --parallel fsdp2, all-gather the weights of per-tensor FP8 recipes as E4M3 "
                           "(half of BF16's bytes)."),
+        click.option("--policy", "policy_file", default=None,
+                     help="A policy JSON file (see lowprec.policy_file; `lowprec check` writes one): which layers "
+                          "stay in high precision. Default: the default policy."),
+        click.option("--compile", "compiled", is_flag=True,
+                     help="torch.compile the model's forward and backward (inductor)."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -115,7 +121,18 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
-        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], **extra)
+        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
+        policy=_policy_option(opts["policy_file"]),
+        compile="inductor" if opts["compiled"] else None, **extra)
+
+
+def _policy_option(path: str | None) -> dict[str, Any] | None:
+    """The policy of ``--policy``'s file in the config's form; a bad field is named with the file."""
+    if path is None:
+        return None
+    data = read_policy_dict(path)
+    policy_from_dict(data, f"policy file {path!r}")
+    return data
 
 
 @contextlib.contextmanager
