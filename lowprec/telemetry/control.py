@@ -281,7 +281,7 @@ class PrecisionController:
         unknown = [k for k in gemms if k not in self.gemms]
         if unknown:
             fail("state_dict['control']", "levels of this model's converted layers", f"{unknown[0]} unknown")
-        for key, g in gemms.items():
+        for g in gemms.values():
             if g.level >= len(self.ladder):
                 fail("state_dict['control']", f"levels below {len(self.ladder)} for {self.recipe.name}", g.level)
         self.gemms = {k: gemms.get(k, _Gemm()) for k in self.gemms}
