@@ -92,7 +92,8 @@ def test_the_final_fraction_runs_in_bf16_without_auto():
     ctl = PrecisionController(model, R.mxfp8(), ControlConfig(hp_final_fraction=0.1), total_steps=100)
     assert ctl.before_step(90) == [] and model[0].recipe.name == "mxfp8"
     switches = ctl.before_step(91)
-    assert {(s.layer, s.to_recipe, s.reason) for s in switches} == {("0", "bf16", "schedule"), ("2", "bf16", "schedule")}
+    assert {(s.layer, s.to_recipe, s.reason) for s in switches} == {("0", "bf16", "schedule"),
+                                                                   ("2", "bf16", "schedule")}
     assert model[0].recipe.name == "bf16" and ctl.before_step(92) == []
     assert ctl.observe(92, [Rec("0", "fprop", "input", sqnr_db=0.0)]) == []  # auto is off
 
