@@ -51,6 +51,7 @@ from lowprec.distributed.launch import (
 from lowprec.nn import cached_weight_casts
 from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import Optimizer
+from lowprec.train import step_control
 from lowprec.train.checkpoint import latest_checkpoint
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
@@ -74,7 +75,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) 
     low_precision_params = cfg.torch_dtype != torch.float32
     loss_scale = "dynamic" if recipe.loss_scaling or cfg.torch_dtype == torch.float16 else None
     return Optimizer([g for g in groups if g["params"]], torch.optim.AdamW, lr=cfg.lr, betas=(0.9, 0.95),
-                     master_weights=low_precision_params, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm)
+                     master_weights=low_precision_params, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm,
+                     skip_spikes=cfg.on_spike != "log")
 
 
 @torch.no_grad()
@@ -112,8 +114,9 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     lr = run.schedule.lr_at(step)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len,
-                                           rank=run.ranks.rank, world_size=run.ranks.world_size)  # (M, B/W, T)
+    switches = step_control.before_step(run, step)
+    inputs, targets = run.data.train_batch(cfg.seed, step + run.data_offset, cfg.grad_accum, cfg.batch_size,
+                                           cfg.seq_len, rank=run.ranks.rank, world_size=run.ranks.world_size)  # (M, B/W, T)
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
@@ -141,6 +144,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
            "recipe": _step_recipe(cfg, step), "tokens_per_s": cfg.tokens_per_step / seconds}
     if recipes.get(cfg.recipe).uses_delayed_scaling:  # capped amax outliers so far (one read of the device)
         row["amax_outliers"] = amax_outliers(unwrap(run.model))
+    step_control.after_step(run, step, row, switches)
     return row
 
 
@@ -157,10 +161,13 @@ def _steps(run: RunState, first: int) -> Iterator[int]:
     bar = tqdm(range(first, run.cfg.steps + 1), initial=first - 1, total=run.cfg.steps, disable=not interactive,
                desc=run.cfg.recipe, unit="step", dynamic_ncols=True, file=sys.stderr)
     with contextlib.closing(bar):
-        for step in bar:
+        step = first
+        while step <= run.cfg.steps:
             yield step
             row = run.history[-1]
+            bar.n = row["step"]  # a roll-back (on_spike) goes back to its checkpoint's step
             bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
+            step = row["step"] + 1
 
 
 def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Callable[[dict], None] | None) -> bool:
@@ -181,6 +188,10 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
         run.history.append(row)
         if log is not None:
             log.write(row)
+            step_control.write_switches(log.path.parent, run.pending_switches)
+        if step_control.should_roll_back(run, row, ckpt_dir):
+            step_control.roll_back(run, step, ckpt_dir)  # the loop goes on from the checkpoint's step
+            continue
         if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             save(run, ckpt_dir)
         if on_step is not None:
@@ -262,4 +273,5 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) ->
     forward = torch.compile(model, backend=cfg.compile) if cfg.compile is not None else model
     run = RunState(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
                    val=val, ranks=ranks, forward=forward)
+    run.control = step_control.make_controller(run)
     return run, conversion
