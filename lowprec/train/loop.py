@@ -116,7 +116,8 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
         group["lr"] = lr
     switches = step_control.before_step(run, step)
     inputs, targets = run.data.train_batch(cfg.seed, step + run.data_offset, cfg.grad_accum, cfg.batch_size,
-                                           cfg.seq_len, rank=run.ranks.rank, world_size=run.ranks.world_size)  # (M, B/W, T)
+                                           cfg.seq_len, rank=run.ranks.rank,
+                                           world_size=run.ranks.world_size)  # (M, B/W, T)
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
