@@ -132,7 +132,12 @@ class DelayedScaling:
     history_len: int = 1024
     """How many past amaxes are kept."""
     algo: str = "max"
-    """``"max"`` of the history or the ``"most_recent"`` amax."""
+    """``"max"`` of the history, the ``"most_recent"`` amax, or ``"ema"``: their exponential moving
+    average, oldest to newest, with weight ``ema_coeff`` on each newer amax (see [Note: delayed scaling]
+    in ``lowprec.nn.delayed``)."""
+    ema_coeff: float = 0.1
+    """With ``algo="ema"``: ``e = (1 - ema_coeff) * e + ema_coeff * amax`` per recorded amax, in (0, 1]
+    (1 is ``most_recent``)."""
     margin: int = 0
     """The scale is multiplied by ``2^margin`` for headroom."""
     outlier_bits: int | None = 8
@@ -145,7 +150,10 @@ class DelayedScaling:
     def __post_init__(self) -> None:
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
             fail("history_len", "a positive int", describe(self.history_len))
-        check_choice("algo", self.algo, ("max", "most_recent"))
+        check_choice("algo", self.algo, ("max", "most_recent", "ema"))
+        c = self.ema_coeff
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
+            fail("ema_coeff", "a number in (0, 1] (the weight of each newer amax)", describe(c))
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             fail("margin", "a non-negative int (the scale is multiplied by 2^margin)", describe(self.margin))
         bits = self.outlier_bits

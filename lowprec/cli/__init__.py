@@ -1,5 +1,6 @@
-"""Command-line interface: ``lowprec formats / train / compare / inspect / plan / info``."""
+"""Command-line interface: ``lowprec formats / train / compare / check / inspect / plan / info``."""
 from lowprec.cli import (  # noqa: F401
+    check_cmd,
     compare_cmd,
     formats_cmd,
     info_cmd,

@@ -8,6 +8,13 @@ a compiled graph (forward and backward) holds it without a break or a recompilat
 Non-finite amaxes are recorded as 0, so one bad step cannot poison the scales of the following
 ``history_len`` steps (the step itself is caught by the guard).
 
+[Note: the EMA of a history]
+``algo="ema"`` averages the amaxes the history holds, oldest first: ``e = a_1``, then
+``e = (1 - c) * e + c * a_k`` for each newer ``a_k`` (``c`` = ``ema_coeff``). It is computed from the
+history at each cast (one weighted sum, in float64), so it needs no state beside the history and a
+checkpoint of any version restores it; amaxes older than ``history_len`` have left the average, which
+with the default 1024 changes it by less than ``(1 - c)^1023`` of its value.
+
 [Note: amax outliers]
 A finite outlier poisons a history too: one input element of 1e30 makes ``max`` of the history
 1e30 for ``history_len`` steps, and every clean tensor of those steps is scaled by it and quantizes
@@ -74,8 +81,21 @@ class DelayedState:
         return [int(v) for v in self.count.tolist()]
 
     def _history_scale(self, i: int, fmt: F.Format) -> torch.Tensor:
-        amax = self.history[:, i].amax() if self.config.algo == "max" else self._last(i)
+        algo = self.config.algo
+        amax = self.history[:, i].amax() if algo == "max" else self._ema(i) if algo == "ema" else self._last(i)
         return amax_scale(amax * 2.0**self.config.margin, fmt).reshape(1, 1)
+
+    def _ema(self, i: int) -> torch.Tensor:
+        """The exponential moving average of role ``i``'s history, oldest to newest (see [Note: the EMA
+        of a history]); tensor operations only."""
+        c, n_rows = self.config.ema_coeff, self.config.history_len
+        rows = torch.arange(n_rows, device=self.history.device)  # (L,)
+        age = (self.count[i] - 1 - rows) % n_rows  # (L,) 0 for the newest
+        held = torch.clamp(self.count[i], max=n_rows)  # amaxes in the window
+        weight = c * (1.0 - c) ** age.double()
+        weight = torch.where(age == held - 1, (1.0 - c) ** age.double(), weight)  # the oldest starts the average
+        weight = torch.where(age < held, weight, 0.0)
+        return (self.history[:, i].double() * weight).sum().float()
 
     def _last(self, i: int) -> torch.Tensor:
         row = ((self.count[i] - 1) % self.config.history_len).reshape(1)

@@ -3,7 +3,7 @@ stochastic rounding of BF16/FP16 weights, and :class:`Optimizer`, which composes
 torch optimizer. See ``docs/optim.md``.
 """
 from lowprec.optim.accumulate import GradAccumulator
-from lowprec.optim.guard import NONFINITE_GRADS, NONFINITE_LOSS, StepGuard, Verdict, grad_norm
+from lowprec.optim.guard import LOSS_SPIKE, NONFINITE_GRADS, NONFINITE_LOSS, StepGuard, Verdict, grad_norm
 from lowprec.optim.loss_scale import LossScaleConfig, LossScaler
 from lowprec.optim.master import MasterWeights
 from lowprec.optim.optimizer import Optimizer, StepResult
@@ -13,5 +13,5 @@ from lowprec.optim.stochastic import StochasticRounding, stochastic_round
 __all__ = [
     "Optimizer", "StepResult", "LossScaleConfig", "LossScaler", "StepGuard", "Verdict", "SpikeDetector",
     "GradAccumulator", "MasterWeights", "StochasticRounding", "stochastic_round", "grad_norm",
-    "NONFINITE_LOSS", "NONFINITE_GRADS",
+    "NONFINITE_LOSS", "NONFINITE_GRADS", "LOSS_SPIKE",
 ]

@@ -41,6 +41,8 @@ from lowprec.optim.spike import SpikeDetector
 
 NONFINITE_LOSS = "non-finite loss"
 NONFINITE_GRADS = "non-finite gradients"
+LOSS_SPIKE = "loss spike"
+"""The reason of a step skipped for its loss spike (``skip_spikes``)."""
 
 
 def by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
@@ -121,7 +123,8 @@ class Verdict:
 class StepGuard:
     """Clips, refuses non-finite steps and reports loss spikes; counts both."""
 
-    def __init__(self, max_grad_norm: float | None, spike_window: int = 100, spike_factor: float = 3.0) -> None:
+    def __init__(self, max_grad_norm: float | None, spike_window: int = 100, spike_factor: float = 3.0,
+                 skip_spikes: bool = False) -> None:
         if max_grad_norm is not None and (
             isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
             or not 0 < max_grad_norm < math.inf
@@ -129,6 +132,11 @@ class StepGuard:
             fail("max_grad_norm", "None or a finite number > 0", describe(max_grad_norm))
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.spikes = SpikeDetector(spike_window, spike_factor)
+        if not isinstance(skip_spikes, bool):
+            fail("skip_spikes", "a bool", describe(skip_spikes), TypeError)
+        self.skip_spikes = skip_spikes
+        """Skip a step whose loss is a spike, as a non-finite one (its loss still joins the window, so a
+        lasting change of level is skipped only until the window has caught up with it)."""
         self.steps = 0
         self.skipped_steps = 0
         self.spike_count = 0
@@ -160,6 +168,8 @@ class StepGuard:
         elif not grads_finite:
             reason = NONFINITE_GRADS
         spike = False if loss_value is None else self.spikes.observe(loss_value)
+        if spike and reason is None and self.skip_spikes:
+            reason = LOSS_SPIKE
         self.steps += 1
         self.skipped_steps += reason is not None
         self.spike_count += spike

@@ -52,14 +52,15 @@ class StepResult:
     skipped: bool
     """The step was not taken: params, masters and optimizer state are as they were."""
     reason: str | None
-    """Why it was skipped: ``"non-finite loss"`` or ``"non-finite gradients"``; ``None`` when taken."""
+    """Why it was skipped: ``"non-finite loss"``, ``"non-finite gradients"`` or (``skip_spikes``) ``"loss
+    spike"``; ``None`` when taken."""
     grad_norm: float
     """L2 norm of the unscaled gradients before clipping; inf or NaN when they were not finite. Under
     data parallelism, the norm of the whole reduced gradient (all shards), the same on every rank."""
     loss_scale: float | None
     """The scale this step's gradients carried (``None`` without loss scaling)."""
     spike: bool
-    """The loss was a spike against the running window (reported only; the step is still taken)."""
+    """The loss was a spike against the running window (the step is taken, unless ``skip_spikes``)."""
     loss: float | None = None
     """The loss passed to ``step``, as a float; under data parallelism the mean of the ranks' losses."""
     clipped: bool = False
@@ -88,7 +89,8 @@ class Optimizer(torch.optim.Optimizer):
     masters (with ``master_weights``) in place of the low-precision parameters.
     ``loss_scale``: ``None``, ``"dynamic"``, a number (static) or a :class:`LossScaleConfig`.
     ``stochastic_rounding`` (only without masters) rounds updated BF16/FP16 weights stochastically,
-    with random bits from generators seeded by ``seed``.
+    with random bits from generators seeded by ``seed``. ``skip_spikes`` skips a step whose loss is a
+    spike (see [Note: what counts as a spike] in ``spike``) as it skips a non-finite one.
     ``data_parallel``: whether gradients are reduced across ranks (DDP or FSDP2); ``None`` decides
     from torch.distributed (initialized with more than one rank in ``group``). ``group``: the
     data-parallel process group, ``None`` for the default one.
@@ -104,6 +106,7 @@ class Optimizer(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         spike_window: int = 100,
         spike_factor: float = 3.0,
+        skip_spikes: bool = False,
         stochastic_rounding: bool = False,
         seed: int = 0,
         data_parallel: bool | None = None,
@@ -126,7 +129,7 @@ class Optimizer(torch.optim.Optimizer):
             # hooks DDP reduces through; FSDP2 owns param.data outright
             fail("stochastic_rounding", "False under data parallelism (it swaps param.data for the step, which "
                  "DDP and FSDP2 rely on); use master_weights=True", True)
-        self.guard = StepGuard(max_grad_norm, spike_window, spike_factor)
+        self.guard = StepGuard(max_grad_norm, spike_window, spike_factor, skip_spikes)
         self.scaler = None if scale_config is None else LossScaler(scale_config)
         self._sr = StochasticRounding(seed) if stochastic_rounding else None
         self._masters = MasterWeights(master_weights)

@@ -7,8 +7,8 @@ deviation keeps a flat window (a constant loss, std 0) from calling every tiny r
 Only rises count: a falling loss is what training is for. Detection starts once ``min_history``
 losses have been seen, since a mean of two or three early losses says little. Every finite loss
 enters the window, spikes included, so a lasting shift in level stops being reported once the
-window has caught up with it. Spikes are reported, never skipped: the step guard skips only steps
-that are not finite.
+window has caught up with it. Spikes are reported; the step guard skips them only when asked to
+(``skip_spikes``), and a training loop may roll back instead (``TrainConfig.on_spike``).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
 from lowprec.policy import Policy
 from lowprec.policy_file import policy_from_dict
+from lowprec.telemetry.control import ControlConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,6 +78,12 @@ class TrainConfig:
     policy: dict[str, Any] | None = None
     """Which layers stay in high precision: a :class:`lowprec.policy.Policy` in the JSON form of
     :mod:`lowprec.policy_file` (None: the default policy). Part of the run, so a resume keeps it."""
+    on_spike: str = "log"
+    """What a loss spike does: ``log`` (flagged in the log only), ``skip`` (the step is not taken: weights
+    and optimizer state untouched) or ``rollback`` (the step is not taken, the run goes back to its last
+    checkpoint and skips the data of the steps since; ``save_every`` sets how far back that is)."""
+    control: ControlConfig = field(default_factory=ControlConfig)
+    """Automatic precision control and the BF16 final fraction (:mod:`lowprec.telemetry.control`)."""
     compile: str | None = None
     """A ``torch.compile`` backend (``inductor``; ``aot_eager`` in tests) for the training and validation
     forward and backward, or None for eager. The optimizer step stays eager."""
@@ -102,6 +109,9 @@ class TrainConfig:
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 fail(name, "a number in [0, 1]", describe(value))
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("on_spike", self.on_spike, ("log", "skip", "rollback"))
+        if not isinstance(self.control, ControlConfig):
+            fail("control", "a lowprec.telemetry.control.ControlConfig", describe(self.control), TypeError)
         if self.policy is not None:
             self.policy_object()  # refuses a bad field, naming it
         if self.compile is not None and (not isinstance(self.compile, str) or not self.compile):

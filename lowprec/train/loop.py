@@ -52,6 +52,7 @@ from lowprec.nn import cached_weight_casts
 from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import Optimizer
 from lowprec.telemetry import Telemetry
+from lowprec.train import step_control
 from lowprec.train.checkpoint import latest_checkpoint
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
@@ -77,7 +78,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) 
     low_precision_params = cfg.torch_dtype != torch.float32
     loss_scale = "dynamic" if recipe.loss_scaling or cfg.torch_dtype == torch.float16 else None
     return Optimizer([g for g in groups if g["params"]], torch.optim.AdamW, lr=cfg.lr, betas=(0.9, 0.95),
-                     master_weights=low_precision_params, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm)
+                     master_weights=low_precision_params, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm,
+                     skip_spikes=cfg.on_spike != "log")
 
 
 @torch.no_grad()
@@ -115,8 +117,10 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     lr = run.schedule.lr_at(step)
     for group in run.opt.param_groups:
         group["lr"] = lr
-    inputs, targets = run.data.train_batch(cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len,
-                                           rank=run.ranks.rank, world_size=run.ranks.world_size)  # (M, B/W, T)
+    switches = step_control.before_step(run, step)
+    inputs, targets = run.data.train_batch(cfg.seed, step + run.data_offset, cfg.grad_accum, cfg.batch_size,
+                                           cfg.seq_len, rank=run.ranks.rank,
+                                           world_size=run.ranks.world_size)  # (M, B/W, T)
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
@@ -124,9 +128,11 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     cached = cached_weight_casts(run.model) if cfg.grad_accum > 1 else contextlib.nullcontext()
     sampling = Telemetry(cfg.telemetry_every).region(run.model, step)  # nothing, off the sampled steps
     with _recipe_region(cfg, step), cached, sampling as sampled:
+        # a sampled step runs eagerly: compiled graphs never see the collector (see docs/telemetry.md)
+        forward = run.forward if sampled is None else run.model
         for i, (x, y) in enumerate(zip(inputs, targets)):
             with grad_sync(run.model, enabled=i == cfg.grad_accum - 1):  # ranks reduce the sum, once
-                logits = run.forward(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
+                logits = forward(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
@@ -147,6 +153,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
         row["amax_outliers"] = amax_outliers(unwrap(run.model))
     if sampled is not None:
         row[TELEMETRY_KEY] = sampled.records  # taken out of the row before it joins the history
+    step_control.after_step(run, step, row, switches)
     return row
 
 
@@ -163,10 +170,13 @@ def _steps(run: RunState, first: int) -> Iterator[int]:
     bar = tqdm(range(first, run.cfg.steps + 1), initial=first - 1, total=run.cfg.steps, disable=not interactive,
                desc=run.cfg.recipe, unit="step", dynamic_ncols=True, file=sys.stderr)
     with contextlib.closing(bar):
-        for step in bar:
+        step = first
+        while step <= run.cfg.steps:
             yield step
             row = run.history[-1]
+            bar.n = row["step"]  # a roll-back (on_spike) goes back to its checkpoint's step
             bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
+            step = row["step"] + 1
 
 
 def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Callable[[dict], None] | None) -> bool:
@@ -190,6 +200,10 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
             log.write(row)
             if records:
                 log.write_telemetry(records)
+            step_control.write_switches(log.path.parent, run.pending_switches)
+        if step_control.should_roll_back(run, row, ckpt_dir):
+            step_control.roll_back(run, step, ckpt_dir)  # the loop goes on from the checkpoint's step
+            continue
         if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             save(run, ckpt_dir)
         if on_step is not None:
@@ -271,4 +285,5 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) ->
     forward = torch.compile(model, backend=cfg.compile) if cfg.compile is not None else model
     run = RunState(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
                    val=val, ranks=ranks, forward=forward)
+    run.control = step_control.make_controller(run)
     return run, conversion

@@ -67,6 +67,12 @@ class RunState:
     forward: nn.Module | None = None
     """What the steps and validation call: ``model`` compiled (``cfg.compile``), or ``model`` itself. It
     shares ``model``'s parameters; state is always saved and loaded through ``model``."""
+    control: Any = None
+    """The precision controller (``lowprec.telemetry.control``), or None."""
+    data_offset: int = 0
+    """Added to the step to draw its batch: moved past the data of rolled-back steps (``on_spike``)."""
+    rollbacks: int = 0
+    pending_switches: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.forward is None:
@@ -99,6 +105,7 @@ def _run_info(run: RunState) -> dict[str, Any]:
     return {"train_config": run.cfg.to_dict(), "data": {"source": run.data.source,
                                                         "fingerprint": run.data.fingerprint,
                                                         "position": {"seed": run.cfg.seed,
+                                                                     "data_offset": run.data_offset,
                                                                      "next_step": run.history[-1]["step"] + 1}},
             "schedule": run.schedule.to_dict(), "param_shapes": _param_shapes(unwrap(run.model)),
             "lowprec_version": lowprec.__version__, "torch_version": torch.__version__,
@@ -111,12 +118,24 @@ def save(run: RunState, directory: Path) -> None:
     if run.ranks.distributed:
         from lowprec.distributed import checkpoint as dist_checkpoint  # torch's DCP takes seconds to import
         dist_checkpoint.save(directory, step, run.model, run.opt, run.ranks, keep=run.cfg.keep,
-                             state={"history": run.history, "run": _run_info(run)},
+                             state={"history": run.history, "run": _run_info(run), **_control(run)},
                              rng=dist_checkpoint.rank_rng_state(run.device))
         return
     state = {"model": run.model.state_dict(), "optimizer": run.opt.state_dict(), "rng": _rng_state(run.device),
-             "history": run.history, "run": _run_info(run)}
+             "history": run.history, "run": _run_info(run), **_control(run)}
     save_checkpoint(directory, step, state, keep=run.cfg.keep)
+
+
+def _control(run: RunState) -> dict[str, Any]:
+    return {"control": run.control.state_dict()} if run.control is not None else {}
+
+
+def _restore_control(run: RunState, state: Any) -> None:
+    """The controller's levels, bound before the model's state loads (a layer's delayed-scaling
+    history loads under the recipe it ran), and the data offset."""
+    if run.control is not None and isinstance(state, dict) and "control" in state:
+        run.control.load_state_dict(state["control"])
+    run.data_offset = int(state["run"]["data"]["position"].get("data_offset", 0))
 
 
 def saved_train_config(directory: str | Path) -> dict[str, Any] | None:
@@ -165,11 +184,13 @@ def restore(run: RunState, directory: Path) -> None:
         meta = dist_checkpoint.read(path, run.ranks)
         step, state = meta["step"], meta["state"]
         history, schedule = _check_run(run, step, state, where)
+        _restore_control(run, state)
         rng = dist_checkpoint.load(path, meta, run.model, run.opt, run.ranks)
         dist_checkpoint.set_rank_rng_state(rng, run.device, where)
     else:
         step, state = load_checkpoint(path)  # under torchrun, every rank reads it whole
         history, schedule = _check_run(run, step, state, where)
+        _restore_control(run, state)
         _load_single(run, state, where)
     _check_finite(run, where)
     run.history, run.schedule = history, schedule

@@ -54,7 +54,7 @@ def _delayed(algo: str):
     return replace(R.fp8_delayed(), name=f"fp8-delayed-{algo}", delayed=R.DelayedScaling(history_len=4, algo=algo))
 
 
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("algo", ["max", "most_recent", "ema"])
 def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step(algo):
     # the amax histories are tensors recorded by tensor operations, forward and backward, so the
     # compiled layer neither breaks its graph nor recompiles as the history fills

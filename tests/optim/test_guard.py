@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from lowprec.optim import NONFINITE_GRADS, NONFINITE_LOSS, Optimizer, SpikeDetector, StepGuard
+from lowprec.optim import LOSS_SPIKE, NONFINITE_GRADS, NONFINITE_LOSS, Optimizer, SpikeDetector, StepGuard
 from tests.optim.common import assert_same_state, batch, bits, clone_state, mlp, mse
 
 CONFIGS = {
@@ -178,3 +178,30 @@ def test_guard_rejects_bad_arguments():
         opt.step(loss="1.0")
     with pytest.raises(ValueError, match="^loss: expected"):
         opt.step(loss=torch.ones(3))
+
+
+def test_skip_spikes_skips_the_spike_step_leaving_weights_and_optimizer_state_as_they_were():
+    model = mlp()
+    opt = Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, spike_window=8, spike_factor=3.0,
+                    skip_spikes=True)
+    results = []
+    for step in range(12):
+        if step == 10:
+            params_before = [p.detach().clone() for p in model.parameters()]
+            state_before = clone_state(opt.state_dict()["optimizer"])
+        opt.zero_grad()
+        x, y = batch(step)
+        loss = mse(model, x, y)
+        opt.backward(loss)
+        results.append(opt.step(loss=loss * (10.0 if step == 10 else 1.0)))
+        if step == 10:
+            assert all(torch.equal(bits(a), bits(p.detach())) for a, p in zip(params_before, model.parameters()))
+            assert_same_state(opt.state_dict()["optimizer"], state_before)
+    assert [r.skipped for r in results] == [r.spike for r in results] == [step == 10 for step in range(12)]
+    assert results[10].reason == LOSS_SPIKE and opt.guard.skipped_steps == 1
+    assert results[11].reason is None  # the next ordinary loss steps
+
+
+def test_skip_spikes_must_be_a_bool():
+    with pytest.raises(TypeError, match="^skip_spikes: expected a bool"):
+        StepGuard(max_grad_norm=None, skip_spikes="yes")

@@ -44,7 +44,7 @@ def recipe(**kw) -> Recipe:
     (lambda: recipe(hp_last_fraction=1.0), ValueError, r"hp_last_fraction: expected a fraction in \[0, 1\), got 1.0"),
     (lambda: DelayedScaling(history_len=0), ValueError, r"history_len: expected a positive int, got 0"),
     (lambda: DelayedScaling(history_len=True), ValueError, r"history_len: expected a positive int, got True"),
-    (lambda: DelayedScaling(algo="mean"), ValueError, r"algo: expected one of 'max', 'most_recent', got 'mean'"),
+    (lambda: DelayedScaling(algo="mean"), ValueError, r"algo: expected one of 'max', 'most_recent', 'ema', got 'mean'"),
 ], ids=["unknown-name", "name-case", "none", "format", "no-granularity", "rounding", "scaling-str",
         "delayed-rowwise", "delayed-mx", "delayed-block", "gemm-type", "hadamard-fprop", "hadamard-mismatch",
         "hp-fraction", "history-0", "history-bool", "algo"])
