@@ -75,6 +75,10 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--fp8-all-gather/--no-fp8-all-gather", default=True, show_default=True,
                      help="Under --parallel fsdp2, all-gather the weights of per-tensor FP8 recipes as E4M3 "
                           "(half of BF16's bytes)."),
+        click.option("--fp8-weights", is_flag=True,
+                     help="Store the converted layers' weights in FP8 (E4M3 codes and FP32 scales, no BF16 copy), "
+                          "their FP32 masters in the optimizer alone; needs --dtype bfloat16 or float16. Under "
+                          "compare, recipes that cast no weights (bf16) keep theirs."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -115,7 +119,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
-        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], **extra)
+        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], fp8_weights=opts["fp8_weights"],
+        **extra)
 
 
 @contextlib.contextmanager

@@ -123,7 +123,10 @@ def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: Trai
         if on_step is not None:
             def hook(row: dict[str, Any], label: str = label, index: int = index) -> None:
                 on_step(Progress(label, index, len(entries), cfg.steps, row))
-        result = train(model, data, replace(cfg, recipe=recipe), out_dir=run_dir, checkpoints=False, on_step=hook)
+        # FP8 weights where the recipe casts weights; the BF16 baseline keeps its own
+        fp8 = cfg.fp8_weights and recipes.get(recipe).fprop.rhs.quantized
+        run_cfg = replace(cfg, recipe=recipe, fp8_weights=fp8)
+        result = train(model, data, run_cfg, out_dir=run_dir, checkpoints=False, on_step=hook)
         result = replace(result, recipe=label)  # the report and its verdicts go by name
         results.append(result)
         if on_result is not None:

@@ -72,6 +72,9 @@ class TrainConfig:
     """Under ``fsdp2``, all-gather the weights of per-tensor FP8 recipes (fp8-current, fp8-delayed) as
     E4M3 codes with their scales (``lowprec.distributed.fp8_weights``); other recipes, and False,
     all-gather in the parameters' dtype."""
+    fp8_weights: bool = False
+    """Store the converted layers' weights in FP8 with their FP32 masters in the optimizer alone
+    (``lowprec.convert(..., fp8_weights=True)``); needs ``dtype`` bfloat16 or float16 and one process."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -94,10 +97,21 @@ class TrainConfig:
         GradComm.parse(self.grad_comm, "grad_comm")
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
+        self._check_fp8_weights()
         try:
             torch.device(self.device)
         except RuntimeError:
             fail("device", "a torch device such as 'cpu' or 'cuda:0'", repr(self.device))
+
+    def _check_fp8_weights(self) -> None:
+        if not isinstance(self.fp8_weights, bool):
+            fail("fp8_weights", "a bool", describe(self.fp8_weights), TypeError)
+        if self.fp8_weights and self.dtype == "float32":
+            fail("fp8_weights", "dtype bfloat16 or float16 (float32 weights have no master to drop: FP8 codes "
+                 "beside an FP32 master would add memory)", "dtype float32")
+        if self.fp8_weights and self.parallel != "none":
+            fail("fp8_weights", "parallel 'none' (DDP and FSDP2 with FP8 primary weights are not supported yet)",
+                 repr(self.parallel))
 
     @property
     def torch_dtype(self) -> torch.dtype:
