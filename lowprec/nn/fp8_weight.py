@@ -76,10 +76,10 @@ def serves(granularity: Granularity, op: OperandPlan | None) -> bool:
                           and s.hadamard_seed is None for s in sides)
 
 
-def _quantize(hp: torch.Tensor, granularity: Granularity) -> tuple[QuantizedTensor, torch.Tensor]:
+def _quantize(hp: torch.Tensor, granularity: Granularity, amax: bool) -> tuple[QuantizedTensor, torch.Tensor | None]:
     # the weight's own current scale, on the backend the device takes (same bits on every backend)
     q = K.quantize(hp, E4M3, granularity)
-    return q, hp.detach().abs().amax().float()
+    return q, hp.detach().abs().amax().float() if amax else None
 
 
 class FP8Weight(QuantizedWeight):
@@ -90,19 +90,20 @@ class FP8Weight(QuantizedWeight):
     def __new__(cls, data, scale, amax, granularity, shape, dtype, initial=None):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device)
 
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, granularity: Granularity,
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, granularity: Granularity,
                  shape: torch.Size, dtype: torch.dtype, initial: torch.Tensor | None = None) -> None:
         self._data = data  # (N_pad, K_pad) float8_e4m3fn
         self._scale = scale  # (1, 1) or (N_pad / 128, K_pad / 128) float32
-        self._amax = amax  # () float32
+        self._amax = amax  # () float32, for a delayed recipe's history only (None otherwise)
         self._granularity = granularity
         self._initial = initial
 
     @classmethod
-    def of(cls, weight: torch.Tensor, granularity: Granularity) -> FP8Weight:
-        """``weight`` (2-D, bfloat16 or float16) quantized; it is kept until :meth:`take_initial`."""
+    def of(cls, weight: torch.Tensor, granularity: Granularity, amax: bool = False) -> FP8Weight:
+        """``weight`` (2-D, bfloat16 or float16) quantized; it is kept until :meth:`take_initial`.
+        ``amax``: also keep the weight's amax (for a recipe that records it in a delayed history)."""
         hp = weight.detach()
-        q, amax = _quantize(hp, granularity)
+        q, amax = _quantize(hp, granularity, amax)
         return cls(q.data, q.scale, amax, granularity, hp.shape, hp.dtype, hp)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -133,6 +134,9 @@ class FP8Weight(QuantizedWeight):
 
     @property
     def amax(self) -> torch.Tensor:
+        if self._amax is None:
+            fail("weight", "an FP8 weight made for a delayed recipe to record its amax (convert with that recipe)",
+                 "one made for a recipe without delayed weight scaling")
         return self._amax
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -150,18 +154,19 @@ class FP8Weight(QuantizedWeight):
         """Store ``src`` (an FP32 master, or any tensor of this shape), rounded to the parameter's dtype
         and quantized; counts as a write for autograd's version checks."""
         src = src.dequantize() if isinstance(src, FP8Weight) else src
-        q, amax = _quantize(src.detach().to(self.dtype), self._granularity)
+        q, amax = _quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None)
         self._data.copy_(q.data)
         self._scale.copy_(q.scale)
-        self._amax.copy_(amax)
+        if amax is not None:
+            self._amax.copy_(amax)
         self._initial = None
         torch.autograd.graph.increment_version(self)
 
     @property
     def nbytes_held(self) -> int:
         """Bytes of the tensors this parameter holds (codes, scales, amax; the initial value until taken)."""
-        held = [self._data, self._scale, self._amax] + ([self._initial] if self._initial is not None else [])
-        return sum(t.numel() * t.element_size() for t in held)
+        held = [self._data, self._scale, self._amax, self._initial]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
 
     # ---- torch ---------------------------------------------------------------------------------
 
@@ -177,8 +182,8 @@ class FP8Weight(QuantizedWeight):
         if func is aten._to_copy.default and isinstance(args[0], cls) and _moves_only(args[0], kwargs):
             t, device = args[0], kwargs.get("device", args[0].device)
             initial = t._initial.to(device) if t._initial is not None else None
-            return cls(t._data.to(device), t._scale.to(device), t._amax.to(device), t._granularity, t.shape,
-                       t.dtype, initial)
+            amax = t._amax.to(device) if t._amax is not None else None
+            return cls(t._data.to(device), t._scale.to(device), amax, t._granularity, t.shape, t.dtype, initial)
         schema = func._schema
         if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
             fail("weight", "no in-place write into an FP8 weight but copy_ (lowprec.optim.Optimizer updates its "
@@ -190,12 +195,13 @@ class FP8Weight(QuantizedWeight):
         return func(*pytree.tree_map(hp, args), **pytree.tree_map(hp, kwargs))
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale", "_amax"], (self._granularity, self.dtype)
+        names = ["_data", "_scale"] + (["_amax"] if self._amax is not None else [])
+        return names, (self._granularity, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         granularity, dtype = meta
-        return FP8Weight(inner["_data"], inner["_scale"], inner["_amax"], granularity, outer_size, dtype)
+        return FP8Weight(inner["_data"], inner["_scale"], inner.get("_amax"), granularity, outer_size, dtype)
 
 
 _ALIASING = {aten.detach.default, aten.alias.default}
@@ -233,7 +239,8 @@ def store_fp8(layer) -> bool:
     granularity, direct = storage_for(plan.weight)
     w = layer.weight
     if not isinstance(w, FP8Weight):
-        layer.weight = torch.nn.Parameter(FP8Weight.of(w, granularity), requires_grad=w.requires_grad)
+        fp8 = FP8Weight.of(w, granularity, amax=plan.weight.delayed)
+        layer.weight = torch.nn.Parameter(fp8, requires_grad=w.requires_grad)
         layer.register_state_dict_post_hook(_decoded_state)
     return direct
 
