@@ -14,6 +14,7 @@ from lowprec._table import format_table
 from lowprec.kernels import capability, gemm_path
 from lowprec.nn import Linear
 from lowprec.nn.casts import InputShare
+from lowprec.nn.fp8_weight import check_fp8_weights, store_fp8
 from lowprec.nn.plan import layer_plan
 from lowprec.policy import Policy, find_blocks, policy_reason, share_groups
 
@@ -44,6 +45,10 @@ class ConversionReport:
     min_features: int | None = None
     shared_inputs: list[tuple[str, ...]] = field(default_factory=list)
     """Groups of converted layers that read one input and share its casts (``Policy.share_inputs``)."""
+    fp8_weights: list[str] = field(default_factory=list)
+    """Converted layers whose weight is stored in FP8 (``convert(..., fp8_weights=True)``)."""
+    fp8_decoded: list[str] = field(default_factory=list)
+    """Of those, the layers whose recipe casts weights to another format: decoded, then cast."""
 
     @property
     def converted(self) -> list[LayerReport]:
@@ -73,12 +78,17 @@ class ConversionReport:
             out.append(f"{len(self.small_elsewhere)} converted linear(s) have a dimension under {self.min_features}: "
                        f"where {self.recipe.name} runs natively they stay in high precision, too small to gain "
                        "(Policy(skip_small=False) converts them there too)")
+        if self.fp8_weights:
+            how = (f", {len(self.fp8_decoded)} of them decoded and cast again at each forward"
+                   if self.fp8_decoded else ", read by the GEMMs as stored")
+            out.append(f"{len(self.fp8_weights)} weight(s) stored in FP8 with their FP32 masters in the optimizer{how}")
         return out
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
                 "layers": [asdict(lr) for lr in self.layers], "small_elsewhere": self.small_elsewhere,
-                "shared_inputs": [list(g) for g in self.shared_inputs]}
+                "shared_inputs": [list(g) for g in self.shared_inputs],
+                "fp8_weights": self.fp8_weights, "fp8_decoded": self.fp8_decoded}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -113,11 +123,16 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = None) -> ConversionReport:
+def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = None, *,
+            fp8_weights: bool = False) -> ConversionReport:
     """Swap every ``nn.Linear`` of ``model`` in place for a ``lowprec.nn.Linear`` bound to ``recipe``
     (sharing its parameters), except those ``policy`` keeps in high precision, and return a report of
     every linear. Layers whose shape the recipe's GEMMs cannot take are converted but run in high
     precision; the report and a warning say so, as they say when GEMMs are emulated on this device.
+
+    ``fp8_weights``: the weights of the layers that run the recipe are stored as E4M3 codes with FP32
+    scales and no high-precision copy, their FP32 masters kept by ``lowprec.optim.Optimizer`` alone
+    (see [Note: FP8 primary weights] in ``lowprec.nn.fp8_weight``); the model must be BF16 or FP16.
     """
     if not isinstance(model, nn.Module):
         fail("model", "a torch.nn.Module", describe(model), TypeError)
@@ -125,6 +140,10 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     policy = policy if policy is not None else Policy()
     if not isinstance(policy, Policy):
         fail("policy", "a lowprec.Policy or None", describe(policy), TypeError)
+    if not isinstance(fp8_weights, bool):
+        fail("fp8_weights", "a bool", describe(fp8_weights), TypeError)
+    if fp8_weights:
+        check_fp8_weights(recipe, model)
     device = _model_device(model)
     report = ConversionReport(recipe, str(device), gemm_paths=recipe_paths(recipe, device),
                               min_features=policy.small_rule)
@@ -155,8 +174,25 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
         share = InputShare(group)
         for name in group:
             converted[name].state.share = share
+    if fp8_weights:
+        _store_fp8(converted, report)
     _warn(report)
     return report
+
+
+def _store_fp8(converted: dict[str, Linear], report: ConversionReport) -> None:
+    """FP8 weights for the converted layers that run the recipe here; a warning where they are decoded."""
+    ran = {lr.name for lr in report.converted}
+    for name, lin in converted.items():
+        if name in ran:
+            report.fp8_weights.append(name)
+            if not store_fp8(lin):
+                report.fp8_decoded.append(name)
+    if report.fp8_decoded:
+        warnings.warn(f"lowprec: {len(report.fp8_decoded)} FP8 weight(s) are stored as E4M3 128x128 blocks, which "
+                      f"{report.recipe.name} does not cast weights to: each forward decodes them and casts them "
+                      "again (two roundings); fp8-current, fp8-delayed and fp8-blockwise read the codes directly",
+                      stacklevel=3)
 
 
 def _layer_report(name: str, lin: Linear, recipe: R.Recipe, device: torch.device, policy: Policy) -> LayerReport:

@@ -39,6 +39,8 @@ def _show(table: Callable[[], str]) -> Callable:
 @click.option("--recompute", default="none", show_default=True, help="none, selective or full.")
 @click.option("--optimizer", default="adamw", show_default=True, help="One of " + ", ".join(OPTIMIZERS) + ".")
 @click.option("--grad-dtype", default="bf16", show_default=True, help="One of " + ", ".join(GRAD_BYTES) + ".")
+@click.option("--fp8-weights", is_flag=True,
+              help="Quantized linears' weights stored in FP8 (no BF16 copy), as lowprec train --fp8-weights.")
 @click.option("--tokens", type=float, default=None, help="Tokens to train on (e.g. 15e12), for days and cost.")
 @click.option("--mfu", type=float, default=0.4, show_default=True, help="Fraction of dense peak achieved.")
 @click.option("--price-per-gpu-hour", type=float, default=None, help="US dollars per GPU-hour, for the cost.")
@@ -49,10 +51,11 @@ def _show(table: Callable[[], str]) -> Callable:
               help="Print the model presets and exit.")
 def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp: int, pp: int, ep: int,
              seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str, grad_dtype: str,
-             tokens: float | None, mfu: float, price_per_gpu_hour: float | None, as_json: bool) -> None:
+             fp8_weights: bool, tokens: float | None, mfu: float, price_per_gpu_hour: float | None,
+             as_json: bool) -> None:
     """Memory per GPU by component, whether it fits, the fewest GPUs that fit, and time and cost."""
     training = Training(seq=seq, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
-                        optimizer=optimizer, grad_dtype=grad_dtype)
+                        optimizer=optimizer, grad_dtype=grad_dtype, fp8_weights=fp8_weights)
     config = PlanConfig(model=model, recipe=recipe, gpu=gpu, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero,
                         training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
     result = plan(config)

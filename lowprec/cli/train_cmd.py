@@ -84,6 +84,10 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--telemetry-every", type=int, default=100, show_default=True,
                      help="Every N steps, record each converted layer's operand figures (amax, scale, underflow, "
                           "saturation, SQNR) to telemetry.csv for lowprec inspect; 0: off."),
+        click.option("--fp8-weights", is_flag=True,
+                     help="Store the converted layers' weights in FP8 (E4M3 codes and FP32 scales, no BF16 copy), "
+                          "their FP32 masters in the optimizer alone; needs --dtype bfloat16 or float16. Under "
+                          "compare, recipes that cast no weights (bf16) keep theirs."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -126,7 +130,7 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
         grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
         policy=_policy_option(opts["policy_file"]), telemetry_every=opts["telemetry_every"],
-        compile="inductor" if opts["compiled"] else None, **extra)
+        compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"], **extra)
 
 
 def _policy_option(path: str | None) -> dict[str, Any] | None:

@@ -71,6 +71,20 @@ class QuantizedWeight(torch.Tensor):
         """The high-precision weight's amax, for the delayed-scaling history."""
         raise NotImplementedError
 
+    def serves(self, op: OperandPlan | None) -> bool:
+        """The stored codes are exactly ``op``'s weight casts (else the layer decodes and casts them)."""
+        return True
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded weight, a plain tensor."""
+        return self.quantized().dequantize(dtype or self.dtype)
+
+    @property
+    def resident(self) -> bool:
+        """The parameter itself (FP8 primary weights), alive from forward to backward: backward takes
+        weight.T from it rather than keep a transposed copy (an all-gathered weight is freed between)."""
+        return False
+
 
 @dataclass(frozen=True, slots=True)
 class WeightCasts:
@@ -162,12 +176,17 @@ def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t
     """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
     :func:`lowprec.nn.cached_weight_casts` taken from the cache until the weight changes. ``record``:
     add the weight's amax to the delayed-scaling history (training forwards, not evaluation)."""
-    if isinstance(weight, QuantizedWeight):
-        if record and op.delayed and state.delayed is not None:
-            state.delayed.record(op.role, weight.amax)
-        return weight.quantized(), weight.quantized(transposed=True) if need_t else None
     caching = state.caching
-    key = (weight._version, weight.data_ptr(), op) if caching else None
+    if isinstance(weight, QuantizedWeight):
+        if weight.serves(op):
+            if record and op.delayed and state.delayed is not None:
+                state.delayed.record(op.role, weight.amax)
+            return weight.quantized(), weight.quantized(transposed=True) if need_t else None
+        # FP8 weights stored in another format than the recipe's: decoded, then cast as it says
+        key = (weight._version, weight._data.data_ptr(), op) if caching else None
+        weight = weight.dequantize()
+    else:
+        key = (weight._version, weight.data_ptr(), op) if caching else None
     cached = state.weight_cache
     if (caching and cached is not None and cached.key == key and (cached.dgrad is not None or not need_t)
             and (cached.recorded or not record)):  # a training forward needs a cast whose amax was recorded

@@ -65,10 +65,13 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
     (see [Note: what backward keeps]). ``record``: add the amaxes to the delayed-scaling history
     (training, not evaluation)."""
     out_dtype = output_dtype(x)
-    recast = need_dgrad and plan.recast_weight_t and not state.caching and not isinstance(weight, QuantizedWeight)
     w_op = plan.weight
+    direct = isinstance(weight, QuantizedWeight) and weight.serves(w_op)
+    # an FP8 primary weight's transposed codes are taken from the parameter in backward, never kept
+    recast = need_dgrad and (weight.resident if direct else plan.recast_weight_t and not state.caching)
     scale_t = None
-    if recast and state.delayed is not None and w_op.transposed is not None and w_op.transposed.transposed.delayed:
+    delayed_t = w_op.transposed is not None and w_op.transposed.transposed.delayed
+    if recast and not direct and state.delayed is not None and delayed_t:
         # taken before this forward records the weight's amax, as the forward's own cast takes it
         scale_t = state.delayed.scale(w_op.role, w_op.transposed.transposed.fmt, weight)
     with torch.autocast(x.device.type, enabled=False):
@@ -88,6 +91,10 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
 def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None) -> Operand:
     """weight.T's cast made again in backward, with forward's delayed scale and no amax recorded: the
     same bits as forward would have made (every backend equals the reference)."""
+    if isinstance(weight, QuantizedWeight):  # an FP8 primary weight (see lowprec.nn.fp8_weight)
+        if weight.serves(plan.weight):
+            return weight.quantized(transposed=True)
+        weight = weight.dequantize()
     route = plan.weight.transposed
     return K.cast(weight, route, scale_t=scale_t).transposed
 

@@ -9,6 +9,10 @@ optimizer is built over the masters, so its state (moments) is float32 too.
 
 The master of an FSDP2 parameter (a DTensor shard) is a float32 DTensor with the same mesh and
 placements: each rank holds a float32 copy of its own shard only, and rounds it into that shard.
+
+An FP8 primary weight (:class:`lowprec.nn.fp8_weight.FP8Weight`) always has a master, whatever
+``enabled`` says: its codes cannot take an update. The master starts from the high-precision weight
+the FP8 one was made from (handed over once), and after each step is quantized into the codes in place.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.agree import local
+from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.optim.accumulate import is_low_precision
 
 
@@ -34,6 +39,9 @@ class MasterWeights:
         """Adopt ``params``; returns what the inner optimizer should hold in their place."""
         for p in params:
             self.params.append(p)
+            if isinstance(p, FP8Weight):  # the only high-precision copy of the weight from now on
+                self.masters.append(p.take_initial().float().clone())
+                continue
             # a DTensor's float() is a DTensor of the same placements: the master is sharded like p
             self.masters.append(p.detach().float().clone() if self.enabled and is_low_precision(p) else None)
         return [self.target(i) for i in range(len(self.params) - len(params), len(self.params))]
@@ -64,7 +72,9 @@ class MasterWeights:
         """Round each master to nearest onto its parameter's dtype."""
         groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
         for p, m in zip(self.params, self.masters):
-            if m is not None:
+            if isinstance(p, FP8Weight):
+                p.requantize_(m)  # rounded to p's dtype, then quantized: see [Note: FP8 primary weights]
+            elif m is not None:
                 dst, src = groups[(p.device, p.dtype)]
                 dst.append(local(p))  # in place into the shard FSDP2 all-gathers from
                 src.append(local(m))

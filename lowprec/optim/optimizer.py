@@ -35,6 +35,7 @@ import torch
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.agree import data_parallel_group, is_dtensor, is_sharded, local
+from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.optim.accumulate import GradAccumulator
 from lowprec.optim.guard import StepGuard, by_device
 from lowprec.optim.loss_scale import LossScaleConfig, LossScaler
@@ -149,6 +150,9 @@ class Optimizer(torch.optim.Optimizer):
                 fail("params", "float32, bfloat16 or float16 tensors", describe(p), TypeError)
             if not p.is_leaf:
                 fail("params", "leaf tensors (parameters), not results of an operation", describe(p))
+            if isinstance(p, FP8Weight) and (not self._masters.enabled or self._sr is not None):
+                fail("master_weights", "True for FP8 weights (their codes cannot take an update; the FP32 master "
+                     "does)", "False")
             if id(p) in self._seen:
                 fail("params", "each parameter once", f"{describe(p)} twice")
             if is_dtensor(p) and self.group is None and p.device_mesh.size() > 1:

@@ -20,6 +20,15 @@ differ): each forward saves its own for backward, one per micro-batch in flight,
 accumulation the one cached cast. A layer casts the weight it computes with, gathered under ZeRO-3,
 so ZeRO shards none of these.
 
+[Note: FP8 primary weights]
+With ``fp8_weights`` (``lowprec.convert(..., fp8_weights=True)``) the quantized linears hold no BF16
+weight: their weights are E4M3 codes with FP32 scales, per tensor where the recipe's weight casts are
+per-tensor E4M3 (1 + 4/numel bytes per parameter), else in 128x128 blocks (1 + 4/16384). Where the
+stored codes are the recipe's weight casts (fp8-current, fp8-delayed, fp8-blockwise) the GEMMs read
+them and no cast is made, but backward copies one layer's codes transposed at a time; other recipes
+decode and cast as without FP8 weights. Masters and gradients are as before (each weight keeps its
+FP32 master in the optimizer), so the option saves 1 byte per quantized parameter.
+
 Tensor parallelism (``tp``) splits every block linear and the vocabulary; norms and latent
 down-projections stay whole. Pipeline parallelism (``pp``) gives each stage a balanced share of
 the layers; stage 0 holds the embedding and the last stage the LM head. Expert parallelism
@@ -87,6 +96,9 @@ class Training:
     optimizer: str = "adamw"
     grad_dtype: str = "bf16"
     """Dtype gradients are kept and reduced in; ``fp32`` for FP32 accumulation."""
+    fp8_weights: bool = False
+    """Quantized linears' weights stored in FP8 with no BF16 copy (``convert(..., fp8_weights=True)``):
+    see [Note: FP8 primary weights]."""
     overhead_gb: float = 2.0
     """Fixed allowance per GPU: CUDA context, communication buffers, GEMM workspaces."""
     fragmentation: float = 0.05
@@ -236,9 +248,31 @@ def _weight_casts(p: _Params, recipe: RecipeCost, par: Parallel, train: Training
     return out
 
 
+def _fp8_weights(p: _Params, recipe: RecipeCost, par: Parallel) -> list[Component]:
+    """[Note: FP8 primary weights]: the quantized linears' weights as stored codes and scales."""
+    div = par.dp if par.zero >= 3 else 1  # experts' codes counted as sharded over dp alike
+    stored = p.lp if recipe.fp8_weight_direct else p.quantized * recipe.fp8_weight.bytes_per_element(1, p.quantized)
+    hp = _sharded("weights (bf16)", HP_BYTES, p, par, par.zero >= 3)
+    rest = count(p.dense + p.expert - p.quantized)
+    hp = Component(hp.name, hp.bytes - HP_BYTES * p.quantized / div,
+                   f"{HP_BYTES} B x {rest} params not stored in FP8" + (f" / dp {div}" if div > 1 else ""))
+    how = "read by the GEMMs as stored" if recipe.fp8_weight_direct else "decoded and cast at each forward"
+    fp8 = Component("weights (fp8)", stored / div, f"{stored / p.quantized if p.quantized else 0:.4g} B x "
+                    f"{count(p.quantized)} params" + (f" / dp {div}" if div > 1 else "") + f", {how}")
+    out = [hp, fp8]
+    if recipe.fp8_weight_direct:  # backward transposes one layer's codes at a time
+        out.append(Component(f"weight casts ({recipe.name}), one layer at a time", p.lp_t_max,
+                             f"the largest transposed copy of the codes ({count(p.lp_t_max)} B), dropped after dgrad"))
+    return out
+
+
 def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training, stage: int) -> list[Component]:
-    out = [_sharded("weights (bf16)", HP_BYTES, p, par, par.zero >= 3)]
-    out += _weight_casts(p, recipe, par, train, stage)
+    if train.fp8_weights and recipe.fp8_weight is not None:
+        out = _fp8_weights(p, recipe, par)
+        out += [] if recipe.fp8_weight_direct else _weight_casts(p, recipe, par, train, stage)
+    else:
+        out = [_sharded("weights (bf16)", HP_BYTES, p, par, par.zero >= 3)]
+        out += _weight_casts(p, recipe, par, train, stage)
     grad = GRAD_BYTES[train.grad_dtype]
     out.append(_sharded(f"gradients ({train.grad_dtype})", grad, p, par, par.zero >= 2))
     out.append(_sharded("master weights (fp32)", MASTER_BYTES, p, par, par.zero >= 1))

@@ -143,6 +143,11 @@ class RecipeCost:
     gemms: tuple[str, str, str]
     """GEMM format of fprop, dgrad and wgrad (keys of the accelerator table's peaks)."""
     note: str
+    fp8_weight: Storage | None = None
+    """How ``convert(..., fp8_weights=True)`` stores a quantized weight: E4M3 per tensor or in 128x128
+    blocks (``lowprec.nn.fp8_weight.storage_for``); None when the recipe casts no weight."""
+    fp8_weight_direct: bool = False
+    """The GEMMs read the stored FP8 codes as they are (no weight casts); else they are decoded and cast."""
 
     @property
     def quantizes(self) -> bool:
@@ -154,6 +159,17 @@ def _note(recipe: R.Recipe) -> str:
     """The docstring's first paragraph on one line; the casts where the recipe has no doc."""
     para = recipe.doc.strip().split("\n\n")[0]
     return " ".join(para.split()) or recipe.summary()
+
+
+def _fp8_weight(recipe: R.Recipe) -> tuple[Storage | None, bool]:
+    """(storage, direct) of FP8 primary weights, as ``lowprec.nn.fp8_weight.storage_for`` decides."""
+    w, w_t = recipe.fprop.rhs, recipe.dgrad.rhs
+    if not (recipe.low_precision and w.quantized):
+        return None, False
+    g = w.granularity
+    direct = (w.format == w_t.format == "e4m3" and w_t.granularity == g and not w.stochastic and not w_t.stochastic
+              and not w.hadamard and not w_t.hadamard and (g.per_tensor or (g.block_rows, g.block_cols) == (128, 128)))
+    return Storage(elem_bytes=1, scale_bytes=4, scale_every=TENSOR if direct and g.per_tensor else 128 * 128), direct
 
 
 def cost_of(recipe: R.Recipe) -> RecipeCost:
@@ -172,6 +188,7 @@ def cost_of(recipe: R.Recipe) -> RecipeCost:
         saved_input=storage_of(recipe.wgrad.rhs),
         gemms=(gemm_format(recipe.fprop), gemm_format(recipe.dgrad), gemm_format(recipe.wgrad)),
         note=_note(recipe),
+        fp8_weight=_fp8_weight(recipe)[0], fp8_weight_direct=_fp8_weight(recipe)[1],
     )
 
 

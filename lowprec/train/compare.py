@@ -172,7 +172,10 @@ def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: Trai
             if on_step is not None:
                 def hook(row: dict[str, Any], label: str = label, index: int = index, seed: int = seed) -> None:
                     on_step(Progress(label, index, plan.n_runs, cfg.steps, row, seed))
-            result = train(model, data, replace(cfg, recipe=recipe, seed=seed), checkpoints=False, on_step=hook,
+            # FP8 weights where the recipe casts weights; the BF16 baseline keeps its own
+            fp8 = cfg.fp8_weights and recipes.get(recipe).fprop.rhs.quantized
+            run_cfg = replace(cfg, recipe=recipe, seed=seed, fp8_weights=fp8)
+            result = train(model, data, run_cfg, checkpoints=False, on_step=hook,
                            out_dir=plan.run_dir(out_dir, seed, recipe))
             result = replace(result, recipe=label)  # the report and its verdicts go by name
             done[label].append((seed, result))

@@ -87,10 +87,12 @@ class TrainConfig:
     compile: str | None = None
     """A ``torch.compile`` backend (``inductor``; ``aot_eager`` in tests) for the training and validation
     forward and backward, or None for eager. The optimizer step stays eager."""
-
     telemetry_every: int = 100
     """Sample the converted layers' operand figures (amax, scale, underflow, saturation, SQNR) every this many
     steps into ``telemetry.csv`` (0: never); see ``lowprec.telemetry``. It changes no number of the run."""
+    fp8_weights: bool = False
+    """Store the converted layers' weights in FP8 with their FP32 masters in the optimizer alone
+    (``lowprec.convert(..., fp8_weights=True)``); needs ``dtype`` bfloat16 or float16 and one process."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -120,6 +122,7 @@ class TrainConfig:
         GradComm.parse(self.grad_comm, "grad_comm")
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
+        self._check_fp8_weights()
         try:
             torch.device(self.device)
         except RuntimeError:
@@ -128,6 +131,16 @@ class TrainConfig:
     def policy_object(self) -> Policy | None:
         """The conversion policy, or None for the default one."""
         return None if self.policy is None else policy_from_dict(self.policy, "policy")
+
+    def _check_fp8_weights(self) -> None:
+        if not isinstance(self.fp8_weights, bool):
+            fail("fp8_weights", "a bool", describe(self.fp8_weights), TypeError)
+        if self.fp8_weights and self.dtype == "float32":
+            fail("fp8_weights", "dtype bfloat16 or float16 (float32 weights have no master to drop: FP8 codes "
+                 "beside an FP32 master would add memory)", "dtype float32")
+        if self.fp8_weights and self.parallel != "none":
+            fail("fp8_weights", "parallel 'none' (DDP and FSDP2 with FP8 primary weights are not supported yet)",
+                 repr(self.parallel))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,0 +1,252 @@
+"""FP8 primary weights: a converted layer's weight held as E4M3 codes and FP32 scales, with no
+high-precision copy in the model.
+
+[Note: FP8 primary weights]
+``lowprec.convert(model, recipe, fp8_weights=True)`` replaces the weight of every layer that runs the
+recipe by an :class:`FP8Weight`: a parameter that autograd, ``nn.Module`` and the optimizer see as a
+tensor of the model's dtype (BF16 or FP16) and shape, but that stores only the E4M3 codes (1 byte per
+element), their FP32 scales (one per tensor, or one per 128x128 block) and the amax of the weight they
+were made from. Its gradient is a plain tensor of the model's dtype, accumulated in FP32 as any.
+
+*How it computes.* Where the recipe's two weight casts (fprop's ``weight``, dgrad's ``weight.T``) are
+exactly the stored format -- E4M3 per tensor (``fp8-current``, ``fp8-delayed``) or E4M3 in 128x128
+blocks (``fp8-blockwise``) -- the GEMMs take the codes as they are: the forward GEMM reads them, and
+backward reads them transposed (a per-tensor scale serves both; a 128x128 block of W.T is the transpose
+of a block of W, with the same amax), made again from the parameter rather than saved from forward.
+Nothing is cast. Other recipes (row-wise, MX, NVFP4) store 128x128 blocks, the finest FP8 storage with
+FP32 scales, and decode the weight at every forward and cast it as the recipe says: two roundings, and
+the conversion warns.
+
+*Where the scale comes from.* Codes are always scaled by the current amax of the weight (never by a
+delayed history: a weight's amax is known exactly when it changes, in the optimizer step). Under
+``fp8-delayed`` the forward then records the stored amax into the weight's history as before, so the
+history spans the same steps; only the weight's scale differs from a BF16-weight layer's (current where
+that one would take the delayed scale), as under FSDP2's FP8 all-gather.
+
+*How it trains.* The FP32 master of each FP8 weight lives only in ``lowprec.optim.Optimizer`` (see
+[Note: master weights] there); after every step the optimizer writes the master into the parameter
+with :meth:`FP8Weight.requantize_`. The master is first rounded to the parameter's dtype and then
+quantized, which is exactly the cast a layer with BF16 weights and FP32 masters makes of its weight at
+each forward: the model computes bit for bit as that one, under ``fp8-current`` and ``fp8-blockwise``,
+while it stores 1 byte per weight instead of 2. Until an optimizer takes it, an :class:`FP8Weight`
+keeps the high-precision value it was made from (:meth:`FP8Weight.take_initial`), so that the master
+starts from the model's weights, not from their FP8 rounding; the optimizer then drops it.
+
+*Everything else.* Any other op on the parameter (a high-precision layer, ``torch.norm``, a
+``state_dict`` copy) sees the decoded weight, in the parameter's dtype. ``copy_`` into it quantizes
+(``load_state_dict``); other in-place writes are refused, since the codes cannot take an update. Its
+``state_dict`` entry is the decoded weight, so a plain model loads it; a checkpoint's masters are in
+the optimizer's state.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lowprec import formats as F
+from lowprec import kernels as K
+from lowprec._checks import fail
+from lowprec.nn.casts import QuantizedWeight
+from lowprec.nn.plan import OperandPlan
+from lowprec.quant import Granularity, GranularityKind, QuantizedTensor, blockwise, tensorwise
+
+aten = torch.ops.aten
+E4M3 = F.get("e4m3")
+BLOCK = 128
+"""The side of the square blocks of the blockwise storage (DeepSeek-V3's weight blocks)."""
+
+
+def storage_for(op: OperandPlan) -> tuple[Granularity, bool]:
+    """``(granularity, direct)``: how a layer whose weight casts are ``op`` stores its FP8 weight, and
+    whether the GEMMs take the stored codes as they are (see [Note: FP8 primary weights])."""
+    if serves(tensorwise(), op):
+        return tensorwise(), True
+    block = blockwise(BLOCK, BLOCK)
+    return block, serves(block, op)
+
+
+def serves(granularity: Granularity, op: OperandPlan | None) -> bool:
+    """Whether codes stored with ``granularity`` are exactly the operands of ``op``'s two weight casts:
+    E4M3, deterministic, the same granularity on both sides, no Hadamard transform."""
+    if op is None or op.both is None:
+        return False
+    sides = (op.both.along_k, op.both.transposed)
+    square = granularity.kind is GranularityKind.TENSOR or granularity.block_rows == granularity.block_cols
+    return square and all(s is not None and s.fmt is E4M3 and s.granularity == granularity and not s.stochastic
+                          and s.hadamard_seed is None for s in sides)
+
+
+def _quantize(hp: torch.Tensor, granularity: Granularity, amax: bool) -> tuple[QuantizedTensor, torch.Tensor | None]:
+    # the weight's own current scale, on the backend the device takes (same bits on every backend)
+    q = K.quantize(hp, E4M3, granularity)
+    return q, hp.detach().abs().amax().float() if amax else None
+
+
+class FP8Weight(QuantizedWeight):
+    """A weight stored as E4M3 codes with FP32 scales, seen as a tensor of ``dtype`` (see [Note: FP8
+    primary weights]). Make one with :meth:`of`."""
+
+    @staticmethod
+    def __new__(cls, data, scale, amax, granularity, shape, dtype, initial=None):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, granularity: Granularity,
+                 shape: torch.Size, dtype: torch.dtype, initial: torch.Tensor | None = None) -> None:
+        self._data = data  # (N_pad, K_pad) float8_e4m3fn
+        self._scale = scale  # (1, 1) or (N_pad / 128, K_pad / 128) float32
+        self._amax = amax  # () float32, for a delayed recipe's history only (None otherwise)
+        self._granularity = granularity
+        self._initial = initial
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, granularity: Granularity, amax: bool = False) -> FP8Weight:
+        """``weight`` (2-D, bfloat16 or float16) quantized; it is kept until :meth:`take_initial`.
+        ``amax``: also keep the weight's amax (for a recipe that records it in a delayed history)."""
+        hp = weight.detach()
+        q, amax = _quantize(hp, granularity, amax)
+        return cls(q.data, q.scale, amax, granularity, hp.shape, hp.dtype, hp)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"FP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, granularity={self._granularity})"
+
+    # ---- what the layer and the optimizer use ----------------------------------------------------
+
+    @property
+    def granularity(self) -> Granularity:
+        return self._granularity
+
+    def serves(self, op: OperandPlan | None) -> bool:
+        return serves(self._granularity, op)
+
+    @property
+    def resident(self) -> bool:
+        return True
+
+    def quantized(self, transposed: bool = False) -> QuantizedTensor:
+        """The stored codes as the fprop operand, or transposed as dgrad's (``weight.T``, (K, N))."""
+        data, scale = self._data, self._scale
+        shape = self.shape
+        if transposed:
+            data, scale, shape = data.t().contiguous(), scale.t().contiguous(), torch.Size(reversed(shape))
+        return QuantizedTensor(data, scale, E4M3, self._granularity, shape, self.dtype)
+
+    @property
+    def amax(self) -> torch.Tensor:
+        if self._amax is None:
+            fail("weight", "an FP8 weight made for a delayed recipe to record its amax (convert with that recipe)",
+                 "one made for a recipe without delayed weight scaling")
+        return self._amax
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded weight, a plain tensor of ``dtype`` (default: the parameter's)."""
+        return self.quantized().dequantize(dtype or self.dtype)
+
+    def take_initial(self) -> torch.Tensor:
+        """The high-precision weight this was made from, handed over once (to become the FP32 master);
+        without it (taken already, or loaded), the decoded weight."""
+        hp, self._initial = self._initial, None
+        return hp if hp is not None else self.dequantize()
+
+    @torch.no_grad()
+    def requantize_(self, src: torch.Tensor) -> None:
+        """Store ``src`` (an FP32 master, or any tensor of this shape), rounded to the parameter's dtype
+        and quantized; counts as a write for autograd's version checks."""
+        src = src.dequantize() if isinstance(src, FP8Weight) else src
+        q, amax = _quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None)
+        self._data.copy_(q.data)
+        self._scale.copy_(q.scale)
+        if amax is not None:
+            self._amax.copy_(amax)
+        self._initial = None
+        torch.autograd.graph.increment_version(self)
+
+    @property
+    def nbytes_held(self) -> int:
+        """Bytes of the tensors this parameter holds (codes, scales, amax; the initial value until taken)."""
+        held = [self._data, self._scale, self._amax, self._initial]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+    # ---- torch ---------------------------------------------------------------------------------
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIASING:  # nn.Parameter and .detach(): the same storage, still FP8
+            t = args[0]
+            return cls(t._data, t._scale, t._amax, t._granularity, t.shape, t.dtype, t._initial)
+        if func is aten.copy_.default and isinstance(args[0], cls):
+            args[0].requantize_(args[1])
+            return args[0]
+        if func is aten._to_copy.default and isinstance(args[0], cls) and _moves_only(args[0], kwargs):
+            t, device = args[0], kwargs.get("device", args[0].device)
+            initial = t._initial.to(device) if t._initial is not None else None
+            amax = t._amax.to(device) if t._amax is not None else None
+            return cls(t._data.to(device), t._scale.to(device), amax, t._granularity, t.shape, t.dtype, initial)
+        schema = func._schema
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            fail("weight", "no in-place write into an FP8 weight but copy_ (lowprec.optim.Optimizer updates its "
+                 "FP32 master and requantizes it)", func.name())
+
+        def hp(t):
+            return t.dequantize() if isinstance(t, cls) else t
+
+        return func(*pytree.tree_map(hp, args), **pytree.tree_map(hp, kwargs))
+
+    def __tensor_flatten__(self):
+        names = ["_data", "_scale"] + (["_amax"] if self._amax is not None else [])
+        return names, (self._granularity, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        granularity, dtype = meta
+        return FP8Weight(inner["_data"], inner["_scale"], inner.get("_amax"), granularity, outer_size, dtype)
+
+
+_ALIASING = {aten.detach.default, aten.alias.default}
+
+
+def _moves_only(t: FP8Weight, kwargs: dict) -> bool:
+    """A ``.to()`` that changes at most the device (``module.to(device)``)."""
+    return set(kwargs) <= {"device", "dtype", "layout", "non_blocking", "copy"} and \
+        kwargs.get("dtype", t.dtype) == t.dtype and kwargs.get("layout", torch.strided) == torch.strided
+
+
+def fp8_weights(module: torch.nn.Module) -> list[FP8Weight]:
+    """The :class:`FP8Weight` parameters of ``module``, in order."""
+    return [p for p in module.parameters() if isinstance(p, FP8Weight)]
+
+
+def check_fp8_weights(recipe, model: torch.nn.Module) -> None:
+    """Refuse, before anything changes, a recipe that casts no weight or weights that have no master to drop."""
+    if not recipe.fprop.rhs.quantized:
+        fail("fp8_weights", "a recipe that casts weights to a scaled low-precision format (fp8-current, "
+             "fp8-delayed, fp8-blockwise store what the GEMMs read)", f"{recipe.name}, whose GEMMs read the "
+             "weights in high precision")
+    for name, m in model.named_modules():
+        p = m.weight if isinstance(m, torch.nn.Linear) else None
+        if p is not None and p.dtype not in (torch.bfloat16, torch.float16):
+            fail("fp8_weights", "bfloat16 or float16 parameters (their FP32 masters move into the optimizer; "
+                 "float32 ones have none to drop, and 1-byte codes beside a 4-byte master would add memory)",
+                 f"a {p.dtype} weight in {name!r}; cast the model first, e.g. model.to(torch.bfloat16)")
+
+
+def store_fp8(layer) -> bool:
+    """Replace ``layer``'s weight (a :class:`lowprec.nn.Linear` running its recipe) by an
+    :class:`FP8Weight` in the storage its plan takes; True when the GEMMs read the codes directly."""
+    plan = layer.plan()
+    granularity, direct = storage_for(plan.weight)
+    w = layer.weight
+    if not isinstance(w, FP8Weight):
+        fp8 = FP8Weight.of(w, granularity, amax=plan.weight.delayed)
+        layer.weight = torch.nn.Parameter(fp8, requires_grad=w.requires_grad)
+        layer.register_state_dict_post_hook(_decoded_state)
+    return direct
+
+
+def _decoded_state(module, state_dict, prefix, local_metadata) -> None:
+    # checkpoints and plain models take the decoded weight (the masters are in the optimizer's state)
+    key = prefix + "weight"
+    if isinstance(state_dict.get(key), FP8Weight):
+        state_dict[key] = state_dict[key].dequantize()
