@@ -12,7 +12,7 @@ from tqdm import tqdm
 from lowprec.cli.app import main
 from lowprec.cli.train_cmd import Defaults, config_from_options, launched, training_options
 from lowprec.distributed.launch import Ranks
-from lowprec.train.compare import Progress, compare, parse_recipes
+from lowprec.train.compare import Progress, compare, compare_runs, parse_recipes
 from lowprec.train.data import load_data
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.models import check_model_spec
@@ -65,7 +65,7 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
         cfg = config_from_options(names[0], opts, device=device)
         data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
         chatty = main and not opts["quiet"] and not opts["as_json"]
-        watch = ProgressLines(len(names), cfg.steps)
+        watch = ProgressLines(len(compare_runs(names, cfg)), cfg.steps)
 
         def finished(r: RunResult) -> None:
             if chatty:
@@ -74,7 +74,8 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, **opts: Any) -> None:
 
         if chatty:
             click.echo(f"{opts['model']} model, {cfg.steps} steps per recipe on {cfg.device} ({cfg.dtype}"
-                       f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): " + ", ".join(names)
+                       f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): "
+                       + ", ".join(label for label, _ in compare_runs(names, cfg))
                        + f"; data: {data.source}", err=True)
         report = compare(opts["model"], names, cfg, data, out_dir=out, on_result=finished,
                          on_step=watch.step if chatty else None)

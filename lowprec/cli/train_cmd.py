@@ -16,6 +16,7 @@ from lowprec import recipes
 from lowprec.cli.app import check_device, main
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
+from lowprec.optim.states import StateFormat
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
@@ -75,6 +76,13 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--fp8-all-gather/--no-fp8-all-gather", default=True, show_default=True,
                      help="Under --parallel fsdp2, all-gather the weights of per-tensor FP8 recipes as E4M3 "
                           "(half of BF16's bytes)."),
+        click.option("--optim-states", type=click.Choice([f.value for f in StateFormat]), default="fp32",
+                     show_default=True, help="How AdamW stores its moments: fp32, bf16, fp8 (E4M3 per group of "
+                     "128, range-expanded) or int8 (blockwise 8 bits). compare also runs each recipe with FP32 "
+                     "moments, to show the gap."),
+        click.option("--master-weights/--no-master-weights", default=True, show_default=True,
+                     help="FP32 master weights for bfloat16/float16 parameters; without, updated weights are "
+                          "rounded back stochastically (one process only)."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -115,7 +123,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
-        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], **extra)
+        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], optim_states=opts["optim_states"],
+        master_weights=opts["master_weights"], **extra)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Optimizer layer: FP32 master weights, loss scaling, FP32 gradient accumulation, the step guard,
-stochastic rounding of BF16/FP16 weights, AdamW with BF16/FP8/8-bit moments (``AdamWLP``), and :class:`Optimizer`, which composes them around any
-torch optimizer. See ``docs/optim.md``.
+stochastic rounding of BF16/FP16 weights, AdamW with BF16/FP8/8-bit moments (``AdamWLP``), and
+:class:`Optimizer`, which composes them around any torch optimizer. See ``docs/optim.md``.
 """
 from lowprec.optim.accumulate import GradAccumulator
 from lowprec.optim.adamw_lp import AdamWLP

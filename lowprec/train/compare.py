@@ -75,6 +75,29 @@ def parse_recipes(text: str | Sequence[RecipeLike]) -> list[RecipeLike]:
     return [BASELINE] + [n for n, label in zip(entries, labels) if label != BASELINE]
 
 
+def optimizer_suffix(cfg: TrainConfig) -> str:
+    """The label suffix of a run with ``cfg``'s optimizer memory options: ``""`` with FP32 moments and
+    masters, else e.g. ``"+fp8-states"`` or ``"+int8-states+sr-weights"`` (no master weights)."""
+    parts = [f"+{cfg.optim_states}-states"] if cfg.optim_states != "fp32" else []
+    return "".join(parts + ([] if cfg.master_weights else ["+sr-weights"]))
+
+
+def compare_runs(entries: Sequence[RecipeLike], cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
+    """Each run of a comparison, its label and settings. [Note: comparing optimizer states] With low-precision
+    moments or without master weights, each recipe runs twice: as it is, with FP32 moments and masters (under
+    its own name, the baseline ``bf16`` included), and with ``cfg``'s options (its name plus
+    :func:`optimizer_suffix`); so ``bf16+fp8-states``'s gap to ``bf16`` is the loss the FP8 moments cost."""
+    suffix = optimizer_suffix(cfg)
+    reference = replace(cfg, optim_states="fp32", master_weights=True)
+    runs = []
+    for recipe in entries:
+        label = recipe_label(recipe)
+        if suffix:
+            runs.append((label, replace(reference, recipe=recipe)))
+        runs.append((label + suffix, replace(cfg, recipe=recipe)))
+    return runs
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
     """Where a comparison is: handed to ``on_step`` after every step of every recipe."""
@@ -110,20 +133,19 @@ def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: Trai
     :class:`Progress`, ``on_result`` every recipe's result. Under ``cfg.parallel`` every rank calls this;
     every rank gets the report, rank 0 writes it.
     """
-    entries = parse_recipes(recipe_names)
+    runs = compare_runs(parse_recipes(recipe_names), cfg)
     base, spec = load_model(model_spec, vocab_size=data.vocab_size, seed=cfg.seed)
     init_state = copy.deepcopy(base.state_dict())
     results = []
-    for index, recipe in enumerate(entries):
-        label = recipe_label(recipe)
+    for index, (label, run_cfg) in enumerate(runs):
         model = copy.deepcopy(base)
         model.load_state_dict(init_state)
-        run_dir = Path(out_dir) / "runs" / run_dir_name(recipe) if out_dir is not None else None
+        run_dir = Path(out_dir) / "runs" / run_dir_name(label) if out_dir is not None else None
         hook = None
         if on_step is not None:
             def hook(row: dict[str, Any], label: str = label, index: int = index) -> None:
-                on_step(Progress(label, index, len(entries), cfg.steps, row))
-        result = train(model, data, replace(cfg, recipe=recipe), out_dir=run_dir, checkpoints=False, on_step=hook)
+                on_step(Progress(label, index, len(runs), cfg.steps, row))
+        result = train(model, data, run_cfg, out_dir=run_dir, checkpoints=False, on_step=hook)
         result = replace(result, recipe=label)  # the report and its verdicts go by name
         results.append(result)
         if on_result is not None:

@@ -10,6 +10,7 @@ import torch
 from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
+from lowprec.optim.states import StateFormat
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +73,12 @@ class TrainConfig:
     """Under ``fsdp2``, all-gather the weights of per-tensor FP8 recipes (fp8-current, fp8-delayed) as
     E4M3 codes with their scales (``lowprec.distributed.fp8_weights``); other recipes, and False,
     all-gather in the parameters' dtype."""
+    optim_states: str = "fp32"
+    """How AdamW keeps its moments: ``fp32`` (torch's AdamW), ``bf16``, ``fp8`` (E4M3 with range expansion)
+    or ``int8`` (blockwise 8 bits); see :mod:`lowprec.optim.states`. Not under ``fsdp2`` but for ``fp32``."""
+    master_weights: bool = True
+    """FP32 master weights for bfloat16/float16 parameters; False rounds the updated weights back
+    stochastically instead (one process only: it swaps ``param.data``, which DDP and FSDP2 rely on)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -94,10 +101,24 @@ class TrainConfig:
         GradComm.parse(self.grad_comm, "grad_comm")
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
+        self._check_optimizer()
         try:
             torch.device(self.device)
         except RuntimeError:
             fail("device", "a torch device such as 'cpu' or 'cuda:0'", repr(self.device))
+
+    def _check_optimizer(self) -> None:
+        check_choice("optim_states", self.optim_states, [f.value for f in StateFormat])
+        if self.optim_states != "fp32" and self.parallel == "fsdp2":
+            fail("optim_states", "'fp32' under fsdp2 (per-group scales of a shard cannot be resharded)",
+                 repr(self.optim_states))
+        if not isinstance(self.master_weights, bool):
+            fail("master_weights", "a bool", describe(self.master_weights), TypeError)
+        if not self.master_weights and self.dtype == "float32":
+            fail("master_weights", "True for float32 parameters (they are their own masters); False needs "
+                 "dtype bfloat16 or float16", False)
+        if not self.master_weights and self.parallel != "none":
+            fail("master_weights", "True under ddp/fsdp2 (stochastic rounding swaps param.data)", False)
 
     @property
     def torch_dtype(self) -> torch.dtype:
