@@ -52,8 +52,9 @@ def check_optimizer_shapes(by_name: Mapping[str, Any], targets: Mapping[str, Seq
     """The optimizer state of a checkpoint, keyed by parameter name (see
     :func:`lowprec.distributed.named_state.optimizer_state_by_name`), against ``targets``: the (global)
     shape of what the optimizer updates for each name. A per-parameter state tensor is a scalar (a step
-    count), one value per group (the scales of low-precision moments) or shaped like its target; a master weight is shaped like it. ``shape_of``: the shape of a saved
-    value, None if it is not a tensor."""
+    count), one value per group (the scales of low-precision moments, which ``AdamWLP`` checks) or shaped
+    like its target; a master weight is shaped like it. ``shape_of``: the shape of a saved value, None if
+    it is not a tensor."""
     try:
         states, masters = by_name["optimizer"]["state"], by_name["master_weights"]
         entries = [(name, key, value) for name, entry in states.items() for key, value in entry.items()]
