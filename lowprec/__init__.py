@@ -9,11 +9,12 @@ from lowprec import formats, optim, quant, recipes
 from lowprec.autocast import autocast
 from lowprec.convert import ConversionReport, convert, recipe_paths
 from lowprec.policy import Policy
+from lowprec.policy_file import load_policy, save_policy
 from lowprec.quant import QuantizedTensor, dequantize, quantize
 from lowprec.recipes import Recipe
 
 __version__ = "0.1.0"
 __all__ = [
     "ConversionReport", "Policy", "QuantizedTensor", "Recipe", "autocast", "convert", "dequantize", "formats",
-    "optim", "quant", "quantize", "recipe_paths", "recipes", "__version__",
+    "load_policy", "optim", "quant", "quantize", "recipe_paths", "recipes", "save_policy", "__version__",
 ]

@@ -17,6 +17,7 @@ from lowprec.cli.app import check_device, main
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
 from lowprec.optim.states import StateFormat
+from lowprec.policy_file import policy_from_dict, read_policy_dict
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
@@ -83,6 +84,11 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--master-weights/--no-master-weights", default=True, show_default=True,
                      help="FP32 master weights for bfloat16/float16 parameters; without, updated weights are "
                           "rounded back stochastically (one process only)."),
+        click.option("--policy", "policy_file", default=None,
+                     help="A policy JSON file (see lowprec.policy_file; `lowprec check` writes one): which layers "
+                          "stay in high precision. Default: the default policy."),
+        click.option("--compile", "compiled", is_flag=True,
+                     help="torch.compile the model's forward and backward (inductor)."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -123,8 +129,19 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
-        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], optim_states=opts["optim_states"],
-        master_weights=opts["master_weights"], **extra)
+        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
+        optim_states=opts["optim_states"], master_weights=opts["master_weights"],
+        policy=_policy_option(opts["policy_file"]),
+        compile="inductor" if opts["compiled"] else None, **extra)
+
+
+def _policy_option(path: str | None) -> dict[str, Any] | None:
+    """The policy of ``--policy``'s file in the config's form; a bad field is named with the file."""
+    if path is None:
+        return None
+    data = read_policy_dict(path)
+    policy_from_dict(data, f"policy file {path!r}")
+    return data
 
 
 @contextlib.contextmanager

@@ -11,6 +11,8 @@ from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
 from lowprec.optim.states import StateFormat
+from lowprec.policy import Policy
+from lowprec.policy_file import policy_from_dict
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,6 +81,12 @@ class TrainConfig:
     master_weights: bool = True
     """FP32 master weights for bfloat16/float16 parameters; False rounds the updated weights back
     stochastically instead (one process only: it swaps ``param.data``, which DDP and FSDP2 rely on)."""
+    policy: dict[str, Any] | None = None
+    """Which layers stay in high precision: a :class:`lowprec.policy.Policy` in the JSON form of
+    :mod:`lowprec.policy_file` (None: the default policy). Part of the run, so a resume keeps it."""
+    compile: str | None = None
+    """A ``torch.compile`` backend (``inductor``; ``aot_eager`` in tests) for the training and validation
+    forward and backward, or None for eager. The optimizer step stays eager."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -97,6 +105,10 @@ class TrainConfig:
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:
                 fail(name, "a number in [0, 1]", describe(value))
         check_choice("dtype", self.dtype, DTYPES)
+        if self.policy is not None:
+            self.policy_object()  # refuses a bad field, naming it
+        if self.compile is not None and (not isinstance(self.compile, str) or not self.compile):
+            fail("compile", "None or a torch.compile backend name such as 'inductor'", describe(self.compile))
         Parallel.parse(self.parallel)
         GradComm.parse(self.grad_comm, "grad_comm")
         if not isinstance(self.fp8_all_gather, bool):
@@ -120,6 +132,10 @@ class TrainConfig:
         if not self.master_weights and self.parallel != "none":
             fail("master_weights", "True under ddp/fsdp2 (stochastic rounding swaps param.data)", False)
 
+    def policy_object(self) -> Policy | None:
+        """The conversion policy, or None for the default one."""
+        return None if self.policy is None else policy_from_dict(self.policy, "policy")
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
@@ -134,7 +150,7 @@ class TrainConfig:
 
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
                           if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
-                                            "parallel", "grad_comm", "fp8_all_gather"))
+                                            "parallel", "grad_comm", "fp8_all_gather", "compile"))
 """Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
 parallelism and number of ranks may change (the global batch does not)."""
 

@@ -127,7 +127,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     with _recipe_region(cfg, step), cached:
         for i, (x, y) in enumerate(zip(inputs, targets)):
             with grad_sync(run.model, enabled=i == cfg.grad_accum - 1):  # ranks reduce the sum, once
-                logits = run.model(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
+                logits = run.forward(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
@@ -151,7 +151,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
 
 def _validate(run: RunState) -> float:
     """The validation loss over all ranks' rows (each rank evaluates its own)."""
-    local = evaluate(run.model, run.val, run.device)
+    local = evaluate(run.forward, run.val, run.device)
     if not run.ranks.distributed:
         return local
     return mean_over_ranks(torch.tensor(local, dtype=torch.float64, device=run.device), run.ranks).item()
@@ -256,13 +256,15 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) ->
     device = torch.device(cfg.device)
     # cast before converting, so scaling state the converted layers hold stays float32
     model.to(device=device, dtype=cfg.torch_dtype)
-    conversion = str(lowprec.convert(model, recipe))
+    conversion = str(lowprec.convert(model, recipe, cfg.policy_object()))
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers
     model = wrap(model, cfg.parallel, cfg.grad_comm, fp8_weights=cfg.fp8_all_gather)
     apply_grad_comm(model, cfg.parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
+    # compiled after wrapping (DDP's hooks stay outside the graph), sharing the wrapped model's parameters
+    forward = torch.compile(model, backend=cfg.compile) if cfg.compile is not None else model
     run = RunState(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
-                   val=val, ranks=ranks)
+                   val=val, ranks=ranks, forward=forward)
     return run, conversion

@@ -64,8 +64,13 @@ class RunState:
     history: list[dict[str, Any]] = field(default_factory=list)
     schedule: Schedule | None = None
     """The learning rates; a fresh run's follow ``cfg``, a grown run's continue its checkpoint's."""
+    forward: nn.Module | None = None
+    """What the steps and validation call: ``model`` compiled (``cfg.compile``), or ``model`` itself. It
+    shares ``model``'s parameters; state is always saved and loaded through ``model``."""
 
     def __post_init__(self) -> None:
+        if self.forward is None:
+            self.forward = self.model
         if self.schedule is None:
             c = self.cfg
             self.schedule = Schedule.of(lr=c.lr, warmup_steps=c.warmup_steps, total_steps=c.steps,

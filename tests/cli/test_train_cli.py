@@ -33,6 +33,8 @@ def _invoke(*args):
     (["compare", "--model", "huge", "--steps", "2"], "Error: model: expected one of 'tiny'"),
     (["compare", "--steps", "0"], "Error: steps: expected a positive int, got 0"),
     (["compare", "--data", "missing-dir/"], "Error: data: expected an existing file or directory"),
+    (["train", "--policy", "no/such/policy.json"], "Error: policy: expected a policy JSON file, got "
+                                                   "'no/such/policy.json', which is not a file"),
 ])
 def test_bad_input_is_one_line_and_exit_1(args, message, tmp_path):
     result = _invoke(*args, "--out", str(tmp_path / "out"))
@@ -200,3 +202,20 @@ def test_a_directory_another_run_writes_is_refused(tmp_path):
                             f"Error: out_dir: expected a directory no other run is writing, got '{out}', locked by "
                             f"process {os.getpid()} ")
     assert _invoke("train", "--steps", "2", "--out", str(out), *SMALL).exit_code == 0  # free again
+
+
+def test_train_takes_a_policy_file_and_keeps_it_in_the_run(tmp_path):
+    from lowprec.policy import Policy
+    from lowprec.policy_file import save_policy
+    from lowprec.train.run_state import saved_train_config
+    path = save_policy(Policy(exclude=("layers.0.*",), skip_small=False), tmp_path / "policy.json")
+    out = tmp_path / "run"
+    result = _invoke("train", "--recipe", "fp8-current", "--steps", "1", "--policy", str(path), "--out", str(out),
+                     *SMALL)
+    assert result.exit_code == 0, result.output
+    saved = saved_train_config(out / "checkpoints")
+    assert saved["policy"] == {"exclude": ["layers.0.*"], "skip_small": False}, saved
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "lowprec-policy", "version": 1, "policy": {"exlcude": []}}')
+    result = _invoke("train", "--policy", str(bad), "--out", str(tmp_path / "r2"), *SMALL)
+    assert result.exit_code == 1 and "unknown field(s) 'exlcude'" in result.output, result.output

@@ -188,3 +188,21 @@ def test_refusals_name_the_setting(data, tmp_path):
         _run(data, CFG, out_dir=tmp_path / "empty", resume=True)
     with pytest.raises(ValueError, match="recipe: expected one of bf16"):
         _run(data, replace(CFG, recipe="fp3"))
+
+
+def test_a_compiled_run_trains_as_the_eager_one(data):
+    """cfg.compile compiles the forward and backward; aot_eager keeps eager's kernels, so the curves agree
+    to float32 rounding of a differently ordered graph."""
+    cfg = replace(CFG, recipe="fp8-current", steps=3, eval_every=3)
+    eager, compiled = _run(data, cfg), _run(data, replace(cfg, compile="aot_eager"))
+    for a, b in zip(_curve(eager), _curve(compiled), strict=True):
+        assert a[0] == b[0] and a[1] == pytest.approx(b[1], rel=1e-4) and a[3] == pytest.approx(b[3], rel=1e-4)
+
+
+def test_the_policy_of_the_config_decides_the_conversion(data):
+    cfg = replace(CFG, recipe="fp8-current", steps=1, eval_every=1)
+    kept = _run(data, replace(cfg, policy={"exclude": ["layers.*"]}))
+    assert kept.conversion.startswith("recipe fp8-current: 0 of 15 linears converted")
+    assert _run(data, cfg).conversion.startswith("recipe fp8-current: 14 of 15 linears converted")
+    with pytest.raises(ValueError, match=r"policy: expected fields among .*unknown field\(s\) .bogus."):
+        replace(cfg, policy={"bogus": 1})

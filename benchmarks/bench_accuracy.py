@@ -1,0 +1,225 @@
+"""Benchmark 6: the accuracy table: every preset recipe's final validation loss against BF16's seed band.
+
+    python benchmarks/bench_accuracy.py --out results/acc [--model 125m] [--tokens 50e6] [--bf16-seeds 2]
+        [--recipes fp8-current,...] [--deadline 540]
+    python benchmarks/bench_accuracy.py --report results/acc results/acc2     # the table of earlier runs
+    python benchmarks/bench_accuracy.py --dry-run --out /tmp/acc              # tiny model, CPU, seconds
+
+Each run is ``lowprec.train.train`` as ``lowprec train`` runs it (AdamW, warmup + cosine, BF16
+parameters with FP32 masters on CUDA), compiled (``--compile``), with a policy that converts every
+linear but the LM head (``skip_small=False``: the table is about the recipe's numerics, so layers the
+default policy would keep in BF16 for speed are converted; NVFP4 keeps its last blocks as the recipe
+says). BF16 trains with ``--bf16-seeds`` seeds (0, 1, ..), each recipe with seed 0 (the same
+initialisation and data order as BF16's seed 0). One process per visible GPU takes the runs in turn;
+a run that could not end by ``--deadline`` seconds (judged by the longest so far) is left for a later
+call (``--recipes``/``--bf16-seeds`` name what to run; ``--report`` merges several calls' results).
+
+The data: every UTF-8 ``.py`` file of this Python installation (standard library and installed
+packages, sorted by path, at most ``--corpus-mb``), as bytes. It needs no download and is the same
+bytes for every run of one call (its sha256 is in each result); the last 10% is the validation split.
+
+Prints, per recipe: final validation loss, gap to BF16's seed mean, BF16's seed band (mean, spread,
+two standard errors), tokens/s and peak memory, each with its ratio to BF16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _common import environment, print_table
+
+from lowprec import recipes
+from lowprec.train.config import TrainConfig
+from lowprec.train.data import load_data
+from lowprec.train.loop import train
+from lowprec.train.models import load_model
+
+ALL_RECIPES = ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4")
+CONVERT_ALL = {"skip_small": False}
+
+
+def build_corpus(path: Path, limit_bytes: int) -> Path:
+    """Concatenate the installation's UTF-8 ``.py`` files (sorted) into one text file."""
+    roots = sorted({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+    seen, size = set(), 0
+    with open(path, "wb") as out:
+        for root in roots:
+            for f in sorted(Path(root).rglob("*.py")):
+                if f in seen or not f.is_file() or "__pycache__" in f.parts:
+                    continue
+                seen.add(f)
+                raw = f.read_bytes()
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                out.write(raw + b"\n\n")
+                size += len(raw) + 2
+                if size >= limit_bytes:
+                    return path
+    return path
+
+
+def jobs(args) -> list[tuple[str, int]]:
+    """(recipe, seed) to run: BF16 with each seed first, then the recipes with seed 0."""
+    return [("bf16", s) for s in range(args.bf16_seeds)] + [(r, 0) for r in args.recipes if r != "bf16"]
+
+
+def run_one(args, recipe: str, seed: int) -> dict:
+    data = load_data(args.data)
+    steps = max(1, math.ceil(args.tokens / (args.batch_size * args.seq_len)))
+    cfg = TrainConfig(recipe=recipe, steps=steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                      warmup_steps=max(1, steps // 20), eval_every=max(1, steps // 8), val_batches=args.val_batches,
+                      seed=seed, device="cuda" if torch.cuda.is_available() else "cpu",
+                      dtype="bfloat16" if torch.cuda.is_available() else "float32", policy=CONVERT_ALL,
+                      compile=None if args.dry_run else "inductor", tensorboard=False, progress=False)
+    model, spec = load_model(args.model, vocab_size=data.vocab_size, seed=seed)
+    out = Path(args.out) / f"{recipe}-seed{seed}"
+    start = time.perf_counter()
+    result = train(model, data, cfg, out_dir=out, checkpoints=False)
+    return {"recipe": recipe, "seed": seed, "model": spec.name, "params": spec.n_params, "steps": steps,
+            "tokens": steps * cfg.tokens_per_step, "final_val_loss": result.final_val_loss,
+            "final_train_loss": result.final_train_loss, "tokens_per_s": result.tokens_per_s,
+            "peak_memory_gib": (result.peak_memory_bytes or 0) / 2**30, "skipped": result.skipped_steps,
+            "diverged": result.diverged, "first_step_s": result.history[0]["elapsed_s"],
+            "wall_s": time.perf_counter() - start, "data": data.source, "conversion": result.conversion.split("\n")[0],
+            "val_curve": [(r["step"], r["val_loss"]) for r in result.history if r.get("val_loss") is not None]}
+
+
+def worker(args) -> None:
+    """Run ``--only recipe:seed`` and write its JSON (the parent process schedules the workers)."""
+    recipe, seed = args.only.rsplit(":", 1)
+    row = run_one(args, recipe, int(seed))
+    (Path(args.out) / f"{recipe}-seed{seed}.json").write_text(json.dumps(row, indent=1))
+
+
+def schedule(args, argv: list[str], todo: list[tuple[str, int]]) -> None:
+    """One worker process per GPU, each taking the next run when its last ends, until the deadline."""
+    n_gpus = max(1, torch.cuda.device_count())
+    started = time.monotonic()
+    running: dict[int, tuple[subprocess.Popen, str, float]] = {}
+    queue = list(todo)
+    base = [sys.executable, __file__, *argv] + (["--data", args.data] if args.data else [])
+    longest = 0.0  # the longest run so far: a run that could not end by the deadline is not started
+    while queue or running:
+        for gpu in range(n_gpus):
+            if gpu in running or not queue:
+                continue
+            if time.monotonic() - started + longest > args.deadline:
+                print(f"deadline: left for a later call: {', '.join(f'{r}:{s}' for r, s in queue)}", flush=True)
+                queue = []
+                break
+            recipe, seed = queue.pop(0)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)) if torch.cuda.is_available() else None
+            log = open(Path(args.out) / f"{recipe}-seed{seed}.log", "w")
+            proc = subprocess.Popen([*base, "--only", f"{recipe}:{seed}"], env=env, stdout=log, stderr=log)
+            running[gpu] = (proc, f"{recipe}:{seed}", time.monotonic())
+            print(f"[{time.monotonic() - started:6.0f} s] gpu {gpu}: {recipe} seed {seed}", flush=True)
+        for gpu, (proc, label, t0) in list(running.items()):
+            if proc.poll() is not None:
+                longest = max(longest, time.monotonic() - t0)
+                print(f"[{time.monotonic() - started:6.0f} s] gpu {gpu}: {label} exit {proc.returncode}: "
+                      f"{_summary(Path(args.out), label)}", flush=True)
+                del running[gpu]
+        time.sleep(1.0)
+
+
+def _summary(out: Path, label: str) -> str:
+    path = out / (label.replace(":", "-seed") + ".json")
+    if not path.exists():
+        return "no result (see its .log)"
+    r = json.loads(path.read_text())
+    return (f"val {r['final_val_loss']:.4f}, {r['tokens_per_s']:,.0f} tokens/s, {r['peak_memory_gib']:.1f} GiB, "
+            f"first step {r['first_step_s']:.0f} s, {r['wall_s']:.0f} s")
+
+
+def load_results(dirs: list[str]) -> list[dict]:
+    rows = []
+    for d in dirs:
+        rows += [json.loads(p.read_text()) for p in sorted(Path(d).glob("*-seed*.json"))]
+    return rows
+
+
+def table(rows: list[dict]) -> dict:
+    base = [r for r in rows if r["recipe"] == "bf16" and math.isfinite(r["final_val_loss"])]
+    if not base:
+        print("no finished BF16 run: no table")
+        return {}
+    vals = [r["final_val_loss"] for r in base]
+    mean = statistics.fmean(vals)
+    spread = statistics.stdev(vals) if len(vals) > 1 else math.nan
+    # two standard errors of a one-seed recipe's difference to the mean of K BF16 seeds
+    noise = 2 * spread * math.sqrt(1 + 1 / len(vals)) / mean if len(vals) > 1 else math.nan
+    tps = statistics.fmean(r["tokens_per_s"] for r in base)
+    mem = statistics.fmean(r["peak_memory_gib"] for r in base)
+    print(f"BF16 over {len(vals)} seeds: val loss {mean:.4f} (seeds: {', '.join(f'{v:.4f}' for v in vals)}; "
+          f"spread {spread:.4f}, two standard errors of a one-seed gap {100 * noise:.2f}%)")
+    out = []
+    for r in sorted(rows, key=lambda r: (r["recipe"] != "bf16", r["recipe"], r["seed"])):
+        gap = (r["final_val_loss"] - mean) / mean
+        out.append([r["recipe"], str(r["seed"]), f"{r['final_val_loss']:.4f}", f"{100 * gap:+.2f}%",
+                    "yes" if abs(gap) <= noise else "no", f"{r['tokens_per_s']:,.0f}",
+                    f"{r['tokens_per_s'] / tps:.2f}x", f"{r['peak_memory_gib']:.1f}",
+                    f"{r['peak_memory_gib'] / mem:.2f}x", f"{r['tokens'] / 1e6:.1f}M", str(r["skipped"])])
+    print_table(f"{base[0]['model']}: final validation loss against BF16's seeds",
+                ["recipe", "seed", "val loss", "gap", "in noise", "tokens/s", "vs bf16", "peak GiB", "vs bf16",
+                 "tokens", "skipped"], out)
+    return {"bf16_mean": mean, "bf16_spread": spread, "noise_rel": noise, "rows": rows}
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="results/accuracy")
+    ap.add_argument("--model", default="125m")
+    ap.add_argument("--tokens", type=float, default=50e6)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--bf16-seeds", type=int, default=2)
+    ap.add_argument("--recipes", default=",".join(ALL_RECIPES))
+    ap.add_argument("--deadline", type=float, default=math.inf, help="Seconds after which no run starts.")
+    ap.add_argument("--data", default=None, help="Default: the installation's Python sources (see above).")
+    ap.add_argument("--corpus-mb", type=float, default=150)
+    ap.add_argument("--report", nargs="+", default=None, help="Only print the table of these result directories.")
+    ap.add_argument("--dry-run", action="store_true", help="The tiny model for a few steps on the CPU, eagerly.")
+    ap.add_argument("--only", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    for r in args.recipes:
+        recipes.get(r)
+    if args.dry_run:
+        args.model, args.tokens, args.batch_size, args.seq_len, args.val_batches = "tiny", 4 * 4 * 64, 4, 64, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.report:
+        return table(load_results(args.report))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.only is not None:
+        worker(args)
+        return {}
+    print(json.dumps(environment()))
+    with tempfile.TemporaryDirectory() as tmp:  # the corpus stays out of --out: results only there
+        if args.data is None and not args.dry_run:  # a dry run reads the embedded corpus
+            args.data = str(build_corpus(Path(tmp) / "corpus.txt", int(args.corpus_mb * 1e6)))
+        schedule(args, list(argv if argv is not None else sys.argv[1:]), jobs(args))
+    result = table(load_results([args.out]))
+    (Path(args.out) / "accuracy.json").write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
