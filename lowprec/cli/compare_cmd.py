@@ -12,7 +12,7 @@ from tqdm import tqdm
 from lowprec.cli.app import main
 from lowprec.cli.train_cmd import Defaults, config_from_options, launched, training_options
 from lowprec.distributed.launch import Ranks
-from lowprec.train.compare import Progress, check_seeds, compare, parse_recipes
+from lowprec.train.compare import Progress, check_seeds, compare, compare_plan, parse_recipes
 from lowprec.train.data import load_data
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.models import check_model_spec
@@ -77,7 +77,8 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_see
         cfg = config_from_options(names[0], opts, device=device)
         data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
         chatty = main and not opts["quiet"] and not opts["as_json"]
-        n_runs = seeds + (len(names) - 1) * recipe_seeds
+        plan, _ = compare_plan(names, cfg, seeds, recipe_seeds)
+        n_runs = plan.n_runs
         watch = ProgressLines(n_runs, cfg.steps, seeds)
 
         def finished(r: RunResult) -> None:
@@ -88,7 +89,7 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_see
         if chatty:
             runs = f"{seeds} seeds of {names[0]}, {recipe_seeds} of each other recipe" if seeds > 1 else ""
             click.echo(f"{opts['model']} model, {cfg.steps} steps per run on {cfg.device} ({cfg.dtype}"
-                       f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): " + ", ".join(map(str, names))
+                       f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): " + ", ".join(plan.entries)
                        + (f" ({runs}: {n_runs} runs)" if runs else "") + f"; data: {data.source}", err=True)
         report = compare(opts["model"], names, cfg, data, seeds=seeds, recipe_seeds=recipe_seeds, out_dir=out,
                          on_result=finished, on_step=watch.step if chatty else None)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import click
 
 from lowprec.cli.app import main
+from lowprec.optim.states import StateFormat
 from lowprec.plan.gpus import GPUS
 from lowprec.plan.memory import Training
 from lowprec.plan.planner import PlanConfig, plan
@@ -38,6 +39,10 @@ def _show(table: Callable[[], str]) -> Callable:
               help="Micro-batches per optimizer step; above 1 every layer keeps its weight casts for the step.")
 @click.option("--recompute", default="none", show_default=True, help="none, selective or full.")
 @click.option("--optimizer", default="adamw", show_default=True, help="One of " + ", ".join(OPTIMIZERS) + ".")
+@click.option("--optim-states", type=click.Choice([f.value for f in StateFormat]), default="fp32",
+              show_default=True, help="How AdamW stores its moments (as lowprec train --optim-states).")
+@click.option("--master-weights/--no-master-weights", default=True, show_default=True,
+              help="FP32 master weights; without, BF16 weights rounded stochastically.")
 @click.option("--grad-dtype", default="bf16", show_default=True, help="One of " + ", ".join(GRAD_BYTES) + ".")
 @click.option("--fp8-weights", is_flag=True,
               help="Quantized linears' weights stored in FP8 (no BF16 copy), as lowprec train --fp8-weights.")
@@ -50,12 +55,13 @@ def _show(table: Callable[[], str]) -> Callable:
 @click.option("--list-models", is_flag=True, expose_value=False, is_eager=True, callback=_show(model_table),
               help="Print the model presets and exit.")
 def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp: int, pp: int, ep: int,
-             seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str, grad_dtype: str,
-             fp8_weights: bool, tokens: float | None, mfu: float, price_per_gpu_hour: float | None,
-             as_json: bool) -> None:
+             seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str, optim_states: str,
+             master_weights: bool, grad_dtype: str, fp8_weights: bool, tokens: float | None, mfu: float,
+             price_per_gpu_hour: float | None, as_json: bool) -> None:
     """Memory per GPU by component, whether it fits, the fewest GPUs that fit, and time and cost."""
     training = Training(seq=seq, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
-                        optimizer=optimizer, grad_dtype=grad_dtype, fp8_weights=fp8_weights)
+                        optimizer=optimizer, optim_states=optim_states, master_weights=master_weights,
+                        grad_dtype=grad_dtype, fp8_weights=fp8_weights)
     config = PlanConfig(model=model, recipe=recipe, gpu=gpu, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero,
                         training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
     result = plan(config)

@@ -16,6 +16,7 @@ from lowprec import recipes
 from lowprec.cli.app import check_device, main
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
+from lowprec.optim.states import StateFormat
 from lowprec.policy_file import policy_from_dict, read_policy_dict
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import load_data
@@ -76,6 +77,13 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--fp8-all-gather/--no-fp8-all-gather", default=True, show_default=True,
                      help="Under --parallel fsdp2, all-gather the weights of per-tensor FP8 recipes as E4M3 "
                           "(half of BF16's bytes)."),
+        click.option("--optim-states", type=click.Choice([f.value for f in StateFormat]), default="fp32",
+                     show_default=True, help="How AdamW stores its moments: fp32, bf16, fp8 (E4M3 per group of "
+                     "128, range-expanded) or int8 (blockwise 8 bits). compare also runs each recipe with FP32 "
+                     "moments, to show the gap."),
+        click.option("--master-weights/--no-master-weights", default=True, show_default=True,
+                     help="FP32 master weights for bfloat16/float16 parameters; without, updated weights are "
+                          "rounded back stochastically (one process only)."),
         click.option("--policy", "policy_file", default=None,
                      help="A policy JSON file (see lowprec.policy_file; `lowprec check` writes one): which layers "
                           "stay in high precision. Default: the default policy."),
@@ -130,7 +138,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
         grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
         policy=_policy_option(opts["policy_file"]), telemetry_every=opts["telemetry_every"],
-        compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"], **extra)
+        compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
+        optim_states=opts["optim_states"], master_weights=opts["master_weights"], **extra)
 
 
 def _policy_option(path: str | None) -> dict[str, Any] | None:

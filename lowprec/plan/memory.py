@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowprec._checks import check_choice, check_positive_int, fail
+from lowprec.optim.states import StateFormat
 from lowprec.plan.activations import RECOMPUTE, block_bytes, output_saved
 from lowprec.plan.layers import block_kinds, block_linears, block_norm_params, check_parallel_fits
 from lowprec.plan.models import ModelSpec
@@ -94,6 +95,11 @@ class Training:
     recompute: str = "none"
     """``none``, ``selective`` or ``full`` activation recomputation."""
     optimizer: str = "adamw"
+    optim_states: str = "fp32"
+    """How AdamW stores its moments, as ``lowprec train --optim-states``: ``fp32``, ``bf16``, ``fp8`` or ``int8``
+    (bytes per value from :class:`lowprec.optim.states.StateFormat`, per-group scales included)."""
+    master_weights: bool = True
+    """FP32 master weights; False: BF16 weights rounded stochastically instead (``--no-master-weights``)."""
     grad_dtype: str = "bf16"
     """Dtype gradients are kept and reduced in; ``fp32`` for FP32 accumulation."""
     fp8_weights: bool = False
@@ -110,6 +116,12 @@ class Training:
         check_positive_int("grad_accum", self.grad_accum)
         check_choice("recompute", self.recompute, RECOMPUTE)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        check_choice("optim_states", self.optim_states, [f.value for f in StateFormat])
+        if self.optim_states != "fp32" and self.optimizer != "adamw":
+            fail("optim_states", f"'fp32' with optimizer {self.optimizer!r} (its moments are its own)",
+                 repr(self.optim_states))
+        if not isinstance(self.master_weights, bool):
+            fail("master_weights", "a bool", repr(self.master_weights), TypeError)
         check_choice("grad_dtype", self.grad_dtype, GRAD_BYTES)
         if not self.overhead_gb >= 0:
             fail("overhead_gb", "a non-negative number of GB", self.overhead_gb)
@@ -275,9 +287,14 @@ def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training, stag
         out += _weight_casts(p, recipe, par, train, stage)
     grad = GRAD_BYTES[train.grad_dtype]
     out.append(_sharded(f"gradients ({train.grad_dtype})", grad, p, par, par.zero >= 2))
-    out.append(_sharded("master weights (fp32)", MASTER_BYTES, p, par, par.zero >= 1))
+    if train.master_weights:
+        out.append(_sharded("master weights (fp32)", MASTER_BYTES, p, par, par.zero >= 1))
     opt = OPTIMIZERS[train.optimizer]
-    out.append(_sharded(f"optimizer moments ({opt.name})", opt.moment_bytes, p, par, par.zero >= 1))
+    if train.optim_states == "fp32":
+        out.append(_sharded(f"optimizer moments ({opt.name})", opt.moment_bytes, p, par, par.zero >= 1))
+    else:  # what lowprec.optim.AdamWLP stores: two moments, codes and per-group scales
+        per_param = 2 * StateFormat(train.optim_states).bytes_per_value
+        out.append(_sharded(f"optimizer moments ({opt.name}, {train.optim_states})", per_param, p, par, par.zero >= 1))
     return out
 
 

@@ -27,7 +27,8 @@ def plan_to_dict(p: Plan) -> dict:
         "gpu": {"name": p.gpu.key, "memory_gb": p.gpu.memory_gb, "source": p.gpu.source, "note": p.gpu.note},
         "parallel": {"gpus": par.gpus, "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "zero": par.zero},
         "training": {"seq": train.seq, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
-                     "recompute": train.recompute, "optimizer": train.optimizer, "grad_dtype": train.grad_dtype},
+                     "recompute": train.recompute, "optimizer": train.optimizer, "grad_dtype": train.grad_dtype,
+                     "optim_states": train.optim_states, "master_weights": train.master_weights},
         "memory": {
             "stage": p.memory.stage,
             "components": [{"name": x.name, "bytes": x.bytes, "gb": _gb(x.bytes), "formula": x.formula}
@@ -80,7 +81,8 @@ def format_plan(p: Plan) -> str:
         f"ZeRO-{par.zero})",
         f"seq {train.seq} x micro-batch {train.micro_batch}, grad accumulation {train.grad_accum}, "
         f"recompute {train.recompute}, "
-        f"optimizer {train.optimizer}, gradients {train.grad_dtype}",
+        f"optimizer {train.optimizer} ({train.optim_states} moments"
+        f"{'' if train.master_weights else ', no master weights'}), gradients {train.grad_dtype}",
         "",
         f"memory per GPU (pipeline stage {p.memory.stage}, the fullest; "
         f"{p.memory.layers[0] + p.memory.layers[1]} layers)",

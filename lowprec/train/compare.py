@@ -113,6 +113,36 @@ class Plan:
             return None
         d = Path(out_dir) / "runs" / run_dir_name(recipe)
         return d / f"seed-{seed}" if len(self.seeds) > 1 else d
+def optimizer_suffix(cfg: TrainConfig) -> str:
+    """The label suffix of a run with ``cfg``'s optimizer memory options: ``""`` with FP32 moments and
+    masters, else e.g. ``"+fp8-states"`` or ``"+int8-states+sr-weights"`` (no master weights)."""
+    parts = [f"+{cfg.optim_states}-states"] if cfg.optim_states != "fp32" else []
+    return "".join(parts + ([] if cfg.master_weights else ["+sr-weights"]))
+
+
+def compare_runs(entries: Sequence[RecipeLike], cfg: TrainConfig) -> list[tuple[str, TrainConfig]]:
+    """Each run of a comparison, its label and settings. [Note: comparing optimizer states] With low-precision
+    moments or without master weights, each recipe runs twice: as it is, with FP32 moments and masters (under
+    its own name, the baseline ``bf16`` included), and with ``cfg``'s options (its name plus
+    :func:`optimizer_suffix`); so ``bf16+fp8-states``'s gap to ``bf16`` is the loss the FP8 moments cost."""
+    suffix = optimizer_suffix(cfg)
+    reference = replace(cfg, optim_states="fp32", master_weights=True)
+    runs = []
+    for recipe in entries:
+        label = recipe_label(recipe)
+        if suffix:
+            runs.append((label, replace(reference, recipe=recipe)))
+        runs.append((label + suffix, replace(cfg, recipe=recipe)))
+    return runs
+
+
+def compare_plan(recipe_names: str | Sequence[RecipeLike], cfg: TrainConfig, seeds: int = 1,
+                 recipe_seeds: int = 1) -> tuple[Plan, dict[str, TrainConfig]]:
+    """The runs of a comparison: which label trains with which seed (:class:`Plan`), and each label's
+    settings (:func:`compare_runs`: with optimizer memory options, every recipe twice)."""
+    check_seeds(seeds, recipe_seeds)
+    configs = dict(compare_runs(parse_recipes(recipe_names), cfg))
+    return Plan(tuple(configs), tuple(cfg.seed + i for i in range(seeds)), recipe_seeds), configs
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,28 +185,25 @@ def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: Trai
     sees every step's :class:`Progress`, ``on_result`` every run's result. Under
     ``cfg.parallel`` every rank calls this; every rank gets the report, rank 0 writes it.
     """
-    check_seeds(seeds, recipe_seeds)
-    entries = parse_recipes(recipe_names)
-    plan = Plan(tuple(entries), tuple(cfg.seed + i for i in range(seeds)), recipe_seeds)
-    done: dict[str, list[tuple[int, RunResult]]] = {recipe_label(r): [] for r in entries}
+    plan, configs = compare_plan(recipe_names, cfg, seeds, recipe_seeds)
+    done: dict[str, list[tuple[int, RunResult]]] = {label: [] for label in plan.entries}
     index = 0
     for seed in plan.seeds:
         # one initialisation per seed, shared by every recipe that trains with it
         base, spec = load_model(model_spec, vocab_size=data.vocab_size, seed=seed)
         init_state = copy.deepcopy(base.state_dict())
-        for recipe in plan.recipes_of(seed):
-            label = recipe_label(recipe)
+        for label in plan.recipes_of(seed):
             model = copy.deepcopy(base)
             model.load_state_dict(init_state)
             hook = None
             if on_step is not None:
                 def hook(row: dict[str, Any], label: str = label, index: int = index, seed: int = seed) -> None:
                     on_step(Progress(label, index, plan.n_runs, cfg.steps, row, seed))
+            run_cfg = configs[label]
             # FP8 weights where the recipe casts weights; the BF16 baseline keeps its own
-            fp8 = cfg.fp8_weights and recipes.get(recipe).fprop.rhs.quantized
-            run_cfg = replace(cfg, recipe=recipe, seed=seed, fp8_weights=fp8)
-            result = train(model, data, run_cfg, checkpoints=False, on_step=hook,
-                           out_dir=plan.run_dir(out_dir, seed, recipe))
+            fp8 = run_cfg.fp8_weights and recipes.get(run_cfg.recipe).fprop.rhs.quantized
+            result = train(model, data, replace(run_cfg, seed=seed, fp8_weights=fp8), checkpoints=False,
+                           on_step=hook, out_dir=plan.run_dir(out_dir, seed, label))
             result = replace(result, recipe=label)  # the report and its verdicts go by name
             done[label].append((seed, result))
             if on_result is not None:
@@ -191,8 +218,8 @@ def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: Trai
         "device": cfg.device, "lowprec_version": lowprec.__version__, "torch_version": torch.__version__,
         "python_version": platform.python_version(),
     }
-    runs = tuple(RecipeRuns(recipe_label(r), Family.of(r), *map(tuple, zip(*done[recipe_label(r)])))
-                 for r in entries)
+    runs = tuple(RecipeRuns(label, Family.of(configs[label].recipe), *map(tuple, zip(*done[label])))
+                 for label in plan.entries)
     report = CompareReport(runs=runs, baseline=BASELINE, context=context, thresholds=thresholds or Thresholds())
     if out_dir is not None and Ranks.of(cfg.parallel).is_main:
         report.write(out_dir)

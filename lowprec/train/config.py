@@ -10,6 +10,7 @@ import torch
 from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
+from lowprec.optim.states import StateFormat
 from lowprec.policy import Policy
 from lowprec.policy_file import policy_from_dict
 from lowprec.telemetry.control import ControlConfig
@@ -75,6 +76,12 @@ class TrainConfig:
     """Under ``fsdp2``, all-gather the weights of per-tensor FP8 recipes (fp8-current, fp8-delayed) as
     E4M3 codes with their scales (``lowprec.distributed.fp8_weights``); other recipes, and False,
     all-gather in the parameters' dtype."""
+    optim_states: str = "fp32"
+    """How AdamW keeps its moments: ``fp32`` (torch's AdamW), ``bf16``, ``fp8`` (E4M3 with range expansion)
+    or ``int8`` (blockwise 8 bits); see :mod:`lowprec.optim.states`. Not under ``fsdp2`` but for ``fp32``."""
+    master_weights: bool = True
+    """FP32 master weights for bfloat16/float16 parameters; False rounds the updated weights back
+    stochastically instead (one process only: it swaps ``param.data``, which DDP and FSDP2 rely on)."""
     policy: dict[str, Any] | None = None
     """Which layers stay in high precision: a :class:`lowprec.policy.Policy` in the JSON form of
     :mod:`lowprec.policy_file` (None: the default policy). Part of the run, so a resume keeps it."""
@@ -123,10 +130,24 @@ class TrainConfig:
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
         self._check_fp8_weights()
+        self._check_optimizer()
         try:
             torch.device(self.device)
         except RuntimeError:
             fail("device", "a torch device such as 'cpu' or 'cuda:0'", repr(self.device))
+
+    def _check_optimizer(self) -> None:
+        check_choice("optim_states", self.optim_states, [f.value for f in StateFormat])
+        if self.optim_states != "fp32" and self.parallel == "fsdp2":
+            fail("optim_states", "'fp32' under fsdp2 (per-group scales of a shard cannot be resharded)",
+                 repr(self.optim_states))
+        if not isinstance(self.master_weights, bool):
+            fail("master_weights", "a bool", describe(self.master_weights), TypeError)
+        if not self.master_weights and self.dtype == "float32":
+            fail("master_weights", "True for float32 parameters (they are their own masters); False needs "
+                 "dtype bfloat16 or float16", False)
+        if not self.master_weights and self.parallel != "none":
+            fail("master_weights", "True under ddp/fsdp2 (stochastic rounding swaps param.data)", False)
 
     def policy_object(self) -> Policy | None:
         """The conversion policy, or None for the default one."""
@@ -138,6 +159,9 @@ class TrainConfig:
         if self.fp8_weights and self.dtype == "float32":
             fail("fp8_weights", "dtype bfloat16 or float16 (float32 weights have no master to drop: FP8 codes "
                  "beside an FP32 master would add memory)", "dtype float32")
+        if self.fp8_weights and not self.master_weights:
+            fail("fp8_weights", "master_weights True (FP8 weights train through their FP32 masters)",
+                 "master_weights False")
         if self.fp8_weights and self.parallel != "none":
             fail("fp8_weights", "parallel 'none' (DDP and FSDP2 with FP8 primary weights are not supported yet)",
                  repr(self.parallel))

@@ -50,7 +50,7 @@ from lowprec.distributed.launch import (
 )
 from lowprec.nn import cached_weight_casts
 from lowprec.nn.delayed import amax_outliers
-from lowprec.optim import Optimizer
+from lowprec.optim import AdamWLP, Optimizer
 from lowprec.telemetry import Telemetry
 from lowprec.train import step_control
 from lowprec.train.checkpoint import latest_checkpoint
@@ -71,15 +71,20 @@ to a delayed recipe record their amaxes in those steps, so its first step scales
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) -> Optimizer:
-    """AdamW over the model: weight decay on matrices (ndim >= 2), none on norms; fp32 masters for bf16/fp16."""
+    """AdamW over the model: weight decay on matrices (ndim >= 2), none on norms; fp32 masters for bf16/fp16
+    (or stochastic rounding without them); moments stored as ``cfg.optim_states``."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     low_precision_params = cfg.torch_dtype != torch.float32
     loss_scale = "dynamic" if recipe.loss_scaling or cfg.torch_dtype == torch.float16 else None
-    return Optimizer([g for g in groups if g["params"]], torch.optim.AdamW, lr=cfg.lr, betas=(0.9, 0.95),
-                     master_weights=low_precision_params, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm,
-                     skip_spikes=cfg.on_spike != "log")
+    # torch's AdamW for FP32 moments; AdamWLP stores them in fewer bits (lowprec.optim.states)
+    adamw, states = (torch.optim.AdamW, {}) if cfg.optim_states == "fp32" else (AdamWLP, {"states": cfg.optim_states})
+    masters = low_precision_params and cfg.master_weights
+    return Optimizer([g for g in groups if g["params"]], adamw, lr=cfg.lr, betas=(0.9, 0.95),
+                     master_weights=masters, stochastic_rounding=low_precision_params and not masters,
+                     seed=cfg.seed, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm,
+                     skip_spikes=cfg.on_spike != "log", **states)
 
 
 @torch.no_grad()

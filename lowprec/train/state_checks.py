@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from lowprec._checks import fail
+from lowprec.optim.states import PER_GROUP_KEYS
 from lowprec.train.checkpoint import CheckpointError
 
 EXTRA_STATE = "_extra_state"
@@ -51,8 +52,9 @@ def check_optimizer_shapes(by_name: Mapping[str, Any], targets: Mapping[str, Seq
     """The optimizer state of a checkpoint, keyed by parameter name (see
     :func:`lowprec.distributed.named_state.optimizer_state_by_name`), against ``targets``: the (global)
     shape of what the optimizer updates for each name. A per-parameter state tensor is a scalar (a step
-    count) or shaped like its target; a master weight is shaped like it. ``shape_of``: the shape of a saved
-    value, None if it is not a tensor."""
+    count), one value per group (the scales of low-precision moments, which ``AdamWLP`` checks) or shaped
+    like its target; a master weight is shaped like it. ``shape_of``: the shape of a saved value, None if
+    it is not a tensor."""
     try:
         states, masters = by_name["optimizer"]["state"], by_name["master_weights"]
         entries = [(name, key, value) for name, entry in states.items() for key, value in entry.items()]
@@ -65,8 +67,8 @@ def check_optimizer_shapes(by_name: Mapping[str, Any], targets: Mapping[str, Seq
             fail("checkpoint", f"optimizer state for this model's parameters in {where}", f"state for {name!r}",
                  CheckpointError)
         shape = shape_of(value)
-        if shape is None or (key != "master weight" and len(shape) == 0):
-            continue
+        if shape is None or (key != "master weight" and len(shape) == 0) or key in PER_GROUP_KEYS:
+            continue  # per-group scales of low-precision moments: AdamWLP's load checks them
         if tuple(shape) != tuple(targets[name]):
             fail("checkpoint", f"optimizer state {key!r} of {name!r} of shape {tuple(targets[name])}",
                  f"shape {tuple(shape)} in {where}", CheckpointError)

@@ -1,0 +1,125 @@
+"""AdamW whose moments are stored in BF16, FP8 or 8 bits between steps (:mod:`lowprec.optim.states`).
+
+[Note: the step]
+For each parameter in turn, the two moments are decoded to float32, updated by torch's AdamW formulas
+(decoupled weight decay, bias correction, ``eps`` added to the corrected root), the parameter updated
+from them, and the moments encoded again. So only one parameter's float32 moments exist at a time,
+and with ``states="fp32"`` the update equals ``torch.optim.AdamW(foreach=False)``'s bit for bit.
+Build it through :class:`lowprec.optim.Optimizer` (``Optimizer(params, AdamWLP, states="fp8", ...)``):
+with master weights it updates the float32 masters; without, BF16 parameters widened to float32 for
+the step and rounded back stochastically.
+
+Under DDP each rank keeps a whole replica of the moments and, given the same reduced gradients,
+encodes them alike. FSDP2 parameters (DTensor shards) are refused for BF16/FP8/8-bit states: their
+per-group scales would be laid out per rank's shard, which distributed checkpoints cannot reshard.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from lowprec._checks import describe, fail
+from lowprec.distributed.agree import is_dtensor
+from lowprec.optim.states import Moment, StateFormat, code_dtype, load, store
+
+
+class AdamWLP(torch.optim.Optimizer):
+    """AdamW with moments stored as ``states`` (``"fp32"``, ``"bf16"``, ``"fp8"`` or ``"int8"``)."""
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 states: str | StateFormat = "bf16") -> None:
+        if not (isinstance(lr, (int, float)) and lr >= 0):
+            fail("lr", "a non-negative number", describe(lr))
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
+            fail("betas", "two numbers in [0, 1)", describe(betas))
+        if not (isinstance(eps, (int, float)) and eps > 0):
+            fail("eps", "a positive number", describe(eps))
+        if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0):
+            fail("weight_decay", "a non-negative number", describe(weight_decay))
+        self.states = StateFormat.parse(states, "states")
+        """How the moments are stored."""
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.states is not StateFormat.FP32 and is_dtensor(p):
+                    fail("states", "'fp32' for FSDP2 (DTensor) parameters (per-group scales of a shard cannot be "
+                         "resharded)", repr(self.states.value))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            fail("closure", "None (AdamWLP takes no closure)", describe(closure))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for m in Moment:
+                state.update(store(torch.zeros_like(p, dtype=torch.float32), self.states, m))
+        beta1, beta2 = group["betas"]
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+        exp_avg, exp_avg_sq = load(state, self.states, Moment.FIRST), load(state, self.states, Moment.SECOND)
+        state["step"] += 1
+        step = state["step"].item()
+        # torch's single-tensor AdamW, operation for operation
+        p.mul_(1 - lr * wd)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+        state.update(store(exp_avg, self.states, Moment.FIRST))
+        state.update(store(exp_avg_sq, self.states, Moment.SECOND))
+
+    # -- checkpoints: torch would cast every floating-point state to the parameter's dtype ----------
+    def state_bytes(self) -> int:
+        """Bytes of every moment held (codes and per-group scales; not the step counts)."""
+        return sum(v.numel() * v.element_size() for s in self.state.values() for k, v in s.items() if k != "step")
+
+    def _expected(self, p: torch.Tensor) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        out = {"step": (torch.float32, ())}
+        groups = math.ceil(p.numel() / self.states.group) if self.states.group else 0
+        for m in Moment:
+            out[m.value] = (code_dtype(self.states, m), tuple(p.shape))
+            out.update({m.value + s: (torch.float32, (groups,)) for s in self.states.group_keys})
+        return out
+
+    def _check_state(self, state_dict: Any) -> None:
+        """Raise unless every saved state entry is this format's, with this parameter's shape."""
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = state_dict.get("state") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, dict):
+            fail("state_dict", "a torch optimizer state_dict with a 'state' dict", describe(state_dict))
+        for i, entry in saved.items():
+            name = f"state_dict['state'][{i!r}]"
+            if not isinstance(i, int) or not 0 <= i < len(params):
+                fail("state_dict['state']", f"parameter indices in [0, {len(params)})", repr(i))
+            want = self._expected(params[i])
+            if not isinstance(entry, dict) or set(entry) != set(want):
+                got = sorted(entry) if isinstance(entry, dict) else describe(entry)
+                fail(name, f"the keys of {self.states.value} moments ({', '.join(sorted(want))})", got)
+            for key, (dtype, shape) in want.items():
+                v = entry[key]
+                if not isinstance(v, torch.Tensor) or v.dtype != dtype or tuple(v.shape) != shape:
+                    fail(f"{name}[{key!r}]", f"a {dtype} tensor of shape {shape}", describe(v))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, checked first, with each state tensor kept in its saved dtype."""
+        self._check_state(state_dict)
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, entry in state_dict["state"].items():
+            p = params[i]
+            self.state[p] = {k: v.to(device=p.device if k != "step" else v.device, copy=True)
+                             for k, v in entry.items()}
+
