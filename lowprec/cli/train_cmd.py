@@ -75,6 +75,9 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--fp8-all-gather/--no-fp8-all-gather", default=True, show_default=True,
                      help="Under --parallel fsdp2, all-gather the weights of per-tensor FP8 recipes as E4M3 "
                           "(half of BF16's bytes)."),
+        click.option("--fp8-activations", is_flag=False, flag_value="1x128", default=None, metavar="[1xB|tensor]",
+                     help="Norms and SwiGLU keep their inputs for backward in E4M3 with FP32 scales per 1xB "
+                          "block (alone: 1x128) or per tensor. Default: in the parameters' dtype."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -115,7 +118,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
-        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], **extra)
+        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
+        fp8_activations=opts["fp8_activations"], **extra)
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ import torch
 from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
+from lowprec.nn.saved import SavedActivations, fp8_activations
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,6 +73,9 @@ class TrainConfig:
     """Under ``fsdp2``, all-gather the weights of per-tensor FP8 recipes (fp8-current, fp8-delayed) as
     E4M3 codes with their scales (``lowprec.distributed.fp8_weights``); other recipes, and False,
     all-gather in the parameters' dtype."""
+    fp8_activations: str | None = None
+    """Norms and SwiGLU keep their inputs for backward in E4M3 (``Policy.saved_activations``), with FP32
+    scales per ``"tensor"`` or per ``"1xB"`` block (``"1x128"``); None keeps them in the model's dtype."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -92,12 +96,18 @@ class TrainConfig:
         check_choice("dtype", self.dtype, DTYPES)
         Parallel.parse(self.parallel)
         GradComm.parse(self.grad_comm, "grad_comm")
+        if self.fp8_activations is not None:
+            fp8_activations(self.fp8_activations)
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
         try:
             torch.device(self.device)
         except RuntimeError:
             fail("device", "a torch device such as 'cpu' or 'cuda:0'", repr(self.device))
+
+    @property
+    def saved_activations(self) -> SavedActivations | None:
+        return fp8_activations(self.fp8_activations) if self.fp8_activations is not None else None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -251,7 +251,7 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) ->
     device = torch.device(cfg.device)
     # cast before converting, so scaling state the converted layers hold stays float32
     model.to(device=device, dtype=cfg.torch_dtype)
-    conversion = str(lowprec.convert(model, recipe))
+    conversion = str(lowprec.convert(model, recipe, lowprec.Policy(saved_activations=cfg.saved_activations)))
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers
