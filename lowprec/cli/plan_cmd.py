@@ -7,6 +7,7 @@ from collections.abc import Callable
 import click
 
 from lowprec.cli.app import main
+from lowprec.nn.saved import fp8_activations as saved_activations
 from lowprec.plan.gpus import GPUS
 from lowprec.plan.memory import Training
 from lowprec.plan.planner import PlanConfig, plan
@@ -38,6 +39,9 @@ def _show(table: Callable[[], str]) -> Callable:
               help="Micro-batches per optimizer step; above 1 every layer keeps its weight casts for the step.")
 @click.option("--recompute", default="none", show_default=True, help="none, selective or full.")
 @click.option("--optimizer", default="adamw", show_default=True, help="One of " + ", ".join(OPTIMIZERS) + ".")
+@click.option("--fp8-activations", is_flag=False, flag_value="1x128", default=None, metavar="[1xB|tensor]",
+              help="Norms and SwiGLU keep their inputs for backward in E4M3 with FP32 scales per 1xB block "
+                   "(alone: 1x128) or per tensor. Default: BF16.")
 @click.option("--grad-dtype", default="bf16", show_default=True, help="One of " + ", ".join(GRAD_BYTES) + ".")
 @click.option("--tokens", type=float, default=None, help="Tokens to train on (e.g. 15e12), for days and cost.")
 @click.option("--mfu", type=float, default=0.4, show_default=True, help="Fraction of dense peak achieved.")
@@ -48,11 +52,13 @@ def _show(table: Callable[[], str]) -> Callable:
 @click.option("--list-models", is_flag=True, expose_value=False, is_eager=True, callback=_show(model_table),
               help="Print the model presets and exit.")
 def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp: int, pp: int, ep: int,
-             seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str, grad_dtype: str,
-             tokens: float | None, mfu: float, price_per_gpu_hour: float | None, as_json: bool) -> None:
+             seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str,
+             fp8_activations: str | None, grad_dtype: str, tokens: float | None, mfu: float,
+             price_per_gpu_hour: float | None, as_json: bool) -> None:
     """Memory per GPU by component, whether it fits, the fewest GPUs that fit, and time and cost."""
     training = Training(seq=seq, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
-                        optimizer=optimizer, grad_dtype=grad_dtype)
+                        optimizer=optimizer, grad_dtype=grad_dtype,
+                        saved_activations=saved_activations(fp8_activations) if fp8_activations else None)
     config = PlanConfig(model=model, recipe=recipe, gpu=gpu, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero,
                         training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
     result = plan(config)

@@ -27,7 +27,8 @@ def plan_to_dict(p: Plan) -> dict:
         "gpu": {"name": p.gpu.key, "memory_gb": p.gpu.memory_gb, "source": p.gpu.source, "note": p.gpu.note},
         "parallel": {"gpus": par.gpus, "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "zero": par.zero},
         "training": {"seq": train.seq, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
-                     "recompute": train.recompute, "optimizer": train.optimizer, "grad_dtype": train.grad_dtype},
+                     "recompute": train.recompute, "optimizer": train.optimizer, "grad_dtype": train.grad_dtype,
+                     "saved_activations": str(train.saved_activations) if train.saved_activations else None},
         "memory": {
             "stage": p.memory.stage,
             "components": [{"name": x.name, "bytes": x.bytes, "gb": _gb(x.bytes), "formula": x.formula}
@@ -80,6 +81,7 @@ def format_plan(p: Plan) -> str:
         f"ZeRO-{par.zero})",
         f"seq {train.seq} x micro-batch {train.micro_batch}, grad accumulation {train.grad_accum}, "
         f"recompute {train.recompute}, "
+        + (f"norm/SwiGLU inputs saved as {train.saved_activations}, " if train.saved_activations else "") +
         f"optimizer {train.optimizer}, gradients {train.grad_dtype}",
         "",
         f"memory per GPU (pipeline stage {p.memory.stage}, the fullest; "
