@@ -12,7 +12,7 @@ from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec._table import format_table
 from lowprec.kernels import capability, gemm_path
-from lowprec.nn import Linear
+from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
 from lowprec.nn.fp8_weight import check_fp8_weights, store_fp8
 from lowprec.nn.plan import layer_plan
@@ -49,6 +49,10 @@ class ConversionReport:
     """Converted layers whose weight is stored in FP8 (``convert(..., fp8_weights=True)``)."""
     fp8_decoded: list[str] = field(default_factory=list)
     """Of those, the layers whose recipe casts weights to another format: decoded, then cast."""
+    saved_activations: list[str] = field(default_factory=list)
+    """Norms and SwiGLUs that keep their inputs for backward in FP8 (``Policy.saved_activations``)."""
+    activations: str | None = None
+    """How they keep them (``e4m3 block1x128``, ...); None: in the model's dtype."""
 
     @property
     def converted(self) -> list[LayerReport]:
@@ -74,6 +78,9 @@ class ConversionReport:
         if self.shared_inputs:
             leaves = sorted({"/".join(n.rsplit(".", 1)[-1] for n in g) for g in self.shared_inputs})
             out.append(f"{len(self.shared_inputs)} group(s) of layers share their input's casts ({', '.join(leaves)})")
+        if self.saved_activations:
+            out.append(f"{len(self.saved_activations)} norm/SwiGLU module(s) save their inputs for backward as "
+                       f"{self.activations} (Policy.saved_activations)")
         if self.small_elsewhere:
             out.append(f"{len(self.small_elsewhere)} converted linear(s) have a dimension under {self.min_features}: "
                        f"where {self.recipe.name} runs natively they stay in high precision, too small to gain "
@@ -88,7 +95,8 @@ class ConversionReport:
         return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
                 "layers": [asdict(lr) for lr in self.layers], "small_elsewhere": self.small_elsewhere,
                 "shared_inputs": [list(g) for g in self.shared_inputs],
-                "fp8_weights": self.fp8_weights, "fp8_decoded": self.fp8_decoded}
+                "fp8_weights": self.fp8_weights, "fp8_decoded": self.fp8_decoded,
+                "saved_activations": self.saved_activations, "activations": self.activations}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -176,6 +184,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
             converted[name].state.share = share
     if fp8_weights:
         _store_fp8(converted, report)
+    _bind_activations(model, policy, report)
     _warn(report)
     return report
 
@@ -193,6 +202,21 @@ def _store_fp8(converted: dict[str, Linear], report: ConversionReport) -> None:
                       f"{report.recipe.name} does not cast weights to: each forward decodes them and casts them "
                       "again (two roundings); fp8-current, fp8-delayed and fp8-blockwise read the codes directly",
                       stacklevel=3)
+
+
+def _bind_activations(model: nn.Module, policy: Policy, report: ConversionReport) -> None:
+    """Give every ``lowprec.nn`` norm and SwiGLU the policy's saved-activation format; with one set,
+    swap a ``torch.nn.RMSNorm`` over the last dimension for ``lowprec.nn.RMSNorm`` (sharing its weight)."""
+    saved = policy.saved_activations
+    for name, m in list(model.named_modules()):
+        if saved is not None and type(m) is nn.RMSNorm and len(m.normalized_shape) == 1:
+            m = RMSNorm.from_torch(m)
+            _set_module(model, name, m)
+        if isinstance(m, (RMSNorm, SwiGLU)):
+            m.saved = saved
+            if saved is not None:
+                report.saved_activations.append(name)
+    report.activations = str(saved) if saved is not None else None
 
 
 def _layer_report(name: str, lin: Linear, recipe: R.Recipe, device: torch.device, policy: Policy) -> LayerReport:

@@ -16,6 +16,12 @@ The default policy converts every ``nn.Linear`` the recipe's GEMMs can take, exc
 Embeddings, norms and attention's softmax are not linears and are never touched.
 
 Layers that read the same input (``share_inputs``: q/k/v, gate/up) share that input's casts.
+
+``saved_activations`` is the one setting here that is not about linears: it makes the norms and
+SwiGLU keep their inputs for backward in FP8 (see [Note: saved activations] in ``lowprec.nn.saved``).
+It lives in the policy, not the recipe, because it is a choice of which modules ``convert`` changes
+and how, independent of the GEMMs' formats (it goes with ``bf16`` as well as with ``mxfp8``), while a
+recipe is the casts of a linear's three GEMMs and nothing else.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from lowprec._checks import describe, fail
+from lowprec.nn.saved import SavedActivations
 
 Filter = Callable[[str, nn.Linear], bool] | tuple[str, ...] | None
 HEAD_NAMES = ("lm_head", "output", "head", "embed_out", "classifier", "score")
@@ -62,6 +69,10 @@ class Policy:
         ("w1", "w3"), ("gate_proj", "up_proj"))
     """Groups of sibling linears (leaf names under one parent) that read the same input: each group
     casts it once per forward and shares the casts (deterministic, current-scaled casts only)."""
+    saved_activations: SavedActivations | None = None
+    """How ``lowprec.nn.RMSNorm`` and ``lowprec.nn.SwiGLU`` modules keep their inputs for backward: None
+    in the model's dtype, or FP8 (``lowprec.nn.fp8_activations("1x128")``); ``convert`` also swaps a
+    ``torch.nn.RMSNorm`` over the last dimension for ``lowprec.nn.RMSNorm`` when this is set."""
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):
@@ -80,6 +91,9 @@ class Policy:
         if not isinstance(groups, tuple) or not all(
                 isinstance(g, tuple) and all(isinstance(n, str) for n in g) for g in groups):
             fail("share_inputs", "a tuple of tuples of layer names", describe(groups))
+        if self.saved_activations is not None and not isinstance(self.saved_activations, SavedActivations):
+            fail("saved_activations", "None or a lowprec.nn.SavedActivations", describe(self.saved_activations),
+                 TypeError)
 
     @property
     def small_rule(self) -> int | None:

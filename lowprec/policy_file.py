@@ -5,7 +5,7 @@ The file holds the fields of :class:`lowprec.policy.Policy` that are data (a pre
 written down: ``include``/``exclude`` are lists of glob patterns here)::
 
     {"format": "lowprec-policy", "version": 1,
-     "policy": {"exclude": ["layers.0.*", "*.w2"], "skip_small": false}}
+     "policy": {"exclude": ["layers.0.*", "*.w2"], "skip_small": false, "saved_activations": "1x128"}}
 
 Fields left out take :class:`Policy`'s defaults. An unknown field, a wrong type or a file that is not
 such a JSON object is refused with the field's name, never ignored: a misspelt ``exlcude`` would
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec._checks import describe, fail
+from lowprec.nn.saved import SavedActivations, fp8_activations
 from lowprec.policy import Policy
 
 FORMAT = "lowprec-policy"
@@ -38,10 +39,29 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
         value = getattr(policy, name)
         if callable(value):
             fail(f"policy.{name}", "glob patterns (a predicate cannot be written to a file)", describe(value))
-        if value != getattr(default, name):
-            out[name] = [list(g) for g in value] if name == "share_inputs" else \
-                list(value) if isinstance(value, tuple) else value
+        if value == getattr(default, name):
+            continue
+        if name == "share_inputs":
+            value = [list(g) for g in value]
+        elif name == "saved_activations":
+            value = _saved_spec(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        out[name] = value
     return out
+
+
+def _saved_spec(saved: SavedActivations) -> str:
+    """``saved_activations`` as ``--fp8-activations`` writes it: ``"tensor"`` or ``"1xB"``."""
+    g = saved.granularity
+    for spec in ("tensor", f"1x{g.block_cols}"):
+        if g.block_cols is not None or spec == "tensor":
+            try:
+                if fp8_activations(spec) == saved:
+                    return spec
+            except ValueError:
+                pass
+    fail("policy.saved_activations", "E4M3 per tensor or per 1xB block (what a policy file can hold)", str(saved))
 
 
 def policy_from_dict(data: Any, where: str = "policy") -> Policy:
@@ -57,6 +77,9 @@ def policy_from_dict(data: Any, where: str = "policy") -> Policy:
             if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
                 fail(f"{where}.{name}", "a list of glob patterns or null", describe(value))
             value = tuple(value)
+        elif name == "saved_activations" and value is not None:
+            value = fp8_activations(value) if isinstance(value, str) else \
+                fail(f"{where}.{name}", "null, 'tensor' or '1xB' such as '1x128'", describe(value))
         elif name == "share_inputs":
             if not isinstance(value, list) or not all(isinstance(g, list) for g in value):
                 fail(f"{where}.{name}", "a list of lists of layer names", describe(value))

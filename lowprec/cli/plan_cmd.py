@@ -7,6 +7,7 @@ from collections.abc import Callable
 import click
 
 from lowprec.cli.app import main
+from lowprec.nn.saved import fp8_activations as saved_activations
 from lowprec.optim.states import StateFormat
 from lowprec.plan.gpus import GPUS
 from lowprec.plan.memory import Training
@@ -43,6 +44,9 @@ def _show(table: Callable[[], str]) -> Callable:
               show_default=True, help="How AdamW stores its moments (as lowprec train --optim-states).")
 @click.option("--master-weights/--no-master-weights", default=True, show_default=True,
               help="FP32 master weights; without, BF16 weights rounded stochastically.")
+@click.option("--fp8-activations", is_flag=False, flag_value="1x128", default=None, metavar="[1xB|tensor]",
+              help="Norms and SwiGLU keep their inputs for backward in E4M3 with FP32 scales per 1xB block "
+                   "(alone: 1x128) or per tensor. Default: BF16.")
 @click.option("--grad-dtype", default="bf16", show_default=True, help="One of " + ", ".join(GRAD_BYTES) + ".")
 @click.option("--fp8-weights", is_flag=True,
               help="Quantized linears' weights stored in FP8 (no BF16 copy), as lowprec train --fp8-weights.")
@@ -56,12 +60,13 @@ def _show(table: Callable[[], str]) -> Callable:
               help="Print the model presets and exit.")
 def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp: int, pp: int, ep: int,
              seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str, optim_states: str,
-             master_weights: bool, grad_dtype: str, fp8_weights: bool, tokens: float | None, mfu: float,
-             price_per_gpu_hour: float | None, as_json: bool) -> None:
+             master_weights: bool, grad_dtype: str, fp8_weights: bool, fp8_activations: str | None,
+             tokens: float | None, mfu: float, price_per_gpu_hour: float | None, as_json: bool) -> None:
     """Memory per GPU by component, whether it fits, the fewest GPUs that fit, and time and cost."""
     training = Training(seq=seq, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
                         optimizer=optimizer, optim_states=optim_states, master_weights=master_weights,
-                        grad_dtype=grad_dtype, fp8_weights=fp8_weights)
+                        grad_dtype=grad_dtype, fp8_weights=fp8_weights,
+                        saved_activations=saved_activations(fp8_activations) if fp8_activations else None)
     config = PlanConfig(model=model, recipe=recipe, gpu=gpu, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero,
                         training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
     result = plan(config)

@@ -96,6 +96,9 @@ def _options(d: Defaults) -> list[Callable]:
                      help="Store the converted layers' weights in FP8 (E4M3 codes and FP32 scales, no BF16 copy), "
                           "their FP32 masters in the optimizer alone; needs --dtype bfloat16 or float16. Under "
                           "compare, recipes that cast no weights (bf16) keep theirs."),
+        click.option("--fp8-activations", is_flag=False, flag_value="1x128", default=None, metavar="[1xB|tensor]",
+                     help="Norms and SwiGLU keep their inputs for backward in E4M3 with FP32 scales per 1xB "
+                          "block (alone: 1x128) or per tensor. Default: in the parameters' dtype."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -139,7 +142,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
         policy=_policy_option(opts["policy_file"]), telemetry_every=opts["telemetry_every"],
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
-        optim_states=opts["optim_states"], master_weights=opts["master_weights"], **extra)
+        optim_states=opts["optim_states"], master_weights=opts["master_weights"],
+        fp8_activations=opts["fp8_activations"], **extra)
 
 
 def _policy_option(path: str | None) -> dict[str, Any] | None:

@@ -16,6 +16,10 @@ in Large Transformer Models" (arXiv 2205.05198), adapted to a Llama-style block:
   experts are saved (permuted, quantized), as are the expert outputs (needed for the gradient of
   the routing weights).
 
+With ``Training.saved_activations`` (``--fp8-activations``) the norms' inputs and SwiGLU's gate and up
+outputs are kept in FP8 with FP32 scales, as ``lowprec.nn.RMSNorm`` and ``lowprec.nn.SwiGLU`` keep them
+(see [Note: saved activations] in ``lowprec.nn.saved``); they are the :data:`Kind.ACT` entries.
+
 Recompute modes: ``none`` keeps all of it; ``selective`` recomputes what is cheap to recompute —
 norms, activation functions, quantization and token permutation — and keeps the outputs of
 GEMMs and of attention; ``full`` keeps only each block's input and recomputes the block in backward.
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 
 from lowprec.plan.layers import Linear, block_linears
 from lowprec.plan.models import ModelSpec
-from lowprec.plan.recipes import HP_BYTES, RecipeCost
+from lowprec.plan.recipes import BF16, HP_BYTES, RecipeCost, Storage
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -40,6 +44,8 @@ class Kind(enum.Enum):
     """A quantized linear's input, in the recipe's saved-input storage."""
     LP_EXTRA = "recipe, beside a bf16 copy"
     """A quantized copy of a tensor also saved in BF16; no extra bytes for a BF16 recipe."""
+    ACT = "saved activation"
+    """A norm's or SwiGLU's input: BF16, or FP8 under ``Training.saved_activations``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +60,10 @@ class Saved:
     """Row length (for row-wise scales)."""
     keep_selective: bool
 
-    def bytes(self, recipe: RecipeCost) -> float:
-        """Bytes per token."""
+    def bytes(self, recipe: RecipeCost, act: Storage = BF16) -> float:
+        """Bytes per token; ``act``: how norms and SwiGLU save their inputs."""
+        if self.kind is Kind.ACT:
+            return self.elements * act.bytes_per_element(self.row, math.inf)
         if self.kind is Kind.HP:
             return self.elements * HP_BYTES
         if self.kind is Kind.FP32:
@@ -73,7 +81,7 @@ def _attention_core(m: ModelSpec) -> list[Saved]:
     h, qk, v = m.n_heads, m.qk_head_dim, m.v_head_dim
     kv_heads = h if m.mla else m.n_kv_heads  # MLA expands keys and values per head
     out = [
-        Saved("attn.residual", "attention", m.d_model, Kind.HP, m.d_model, True),
+        Saved("attn.residual", "attention", m.d_model, Kind.ACT, m.d_model, True),
         Saved("attn.q", "attention", h * qk, Kind.HP, qk, True),
         Saved("attn.k", "attention", kv_heads * qk, Kind.HP, qk, True),
         Saved("attn.v", "attention", kv_heads * v, Kind.HP, v, True),
@@ -82,26 +90,26 @@ def _attention_core(m: ModelSpec) -> list[Saved]:
     ]
     if m.mla:  # the latent norms save their inputs, the down-projections' outputs
         a = m.mla
-        out.append(Saved("attn.kv_latent_raw", "attention", a.kv_lora_rank, Kind.HP, a.kv_lora_rank, True))
+        out.append(Saved("attn.kv_latent_raw", "attention", a.kv_lora_rank, Kind.ACT, a.kv_lora_rank, True))
         if a.q_lora_rank:
-            out.append(Saved("attn.q_latent_raw", "attention", a.q_lora_rank, Kind.HP, a.q_lora_rank, True))
+            out.append(Saved("attn.q_latent_raw", "attention", a.q_lora_rank, Kind.ACT, a.q_lora_rank, True))
     return out
 
 
 def _ffn_core(m: ModelSpec, moe: bool) -> list[Saved]:
     d = m.d_model
     if not moe:
-        return [Saved("mlp.residual", "mlp", d, Kind.HP, d, True),
-                Saved("mlp.gate_up", "mlp", 2 * m.ffn, Kind.HP, m.ffn, True)]
+        return [Saved("mlp.residual", "mlp", d, Kind.ACT, d, True),
+                Saved("mlp.gate_up", "mlp", 2 * m.ffn, Kind.ACT, m.ffn, True)]
     e = m.moe
     out = [
-        Saved("mlp.residual", "moe", d, Kind.HP, d, True),
+        Saved("mlp.residual", "moe", d, Kind.ACT, d, True),
         Saved("moe.router_probs", "moe", e.n_experts, Kind.FP32, e.n_experts, True),
-        Saved("moe.expert.gate_up", "moe", 2 * e.top_k * e.expert_ffn, Kind.HP, e.expert_ffn, True),
+        Saved("moe.expert.gate_up", "moe", 2 * e.top_k * e.expert_ffn, Kind.ACT, e.expert_ffn, True),
         Saved("moe.expert.out", "moe", e.top_k * d, Kind.HP, d, True),
     ]
     if e.n_shared:
-        out.append(Saved("moe.shared.gate_up", "moe", 2 * e.n_shared * e.shared_ffn, Kind.HP, e.shared_ffn, True))
+        out.append(Saved("moe.shared.gate_up", "moe", 2 * e.n_shared * e.shared_ffn, Kind.ACT, e.shared_ffn, True))
     return out
 
 
@@ -134,18 +142,19 @@ def output_saved(m: ModelSpec) -> list[Saved]:
     """The head of the model, kept in BF16 by policy; the loss works on FP32 logits."""
     d = m.d_model
     return [
-        Saved("final_norm.in", "output", d, Kind.HP, d, True),
+        Saved("final_norm.in", "output", d, Kind.ACT, d, True),
         Saved("lm_head.in", "output", d, Kind.HP, d, True),
         Saved("loss.logits", "output", m.vocab, Kind.FP32, m.vocab, True),
     ]
 
 
-def block_bytes(m: ModelSpec, moe: bool, recipe: RecipeCost, recompute: str) -> dict[str, float]:
-    """Bytes per token one block keeps until its backward, by group."""
+def block_bytes(m: ModelSpec, moe: bool, recipe: RecipeCost, recompute: str, act: Storage = BF16) -> dict[str, float]:
+    """Bytes per token one block keeps until its backward, by group; ``act``: how norms and SwiGLU save
+    their inputs."""
     if recompute == "full":  # only the block's input, the residual stream
         return {"layer inputs": float(m.d_model * HP_BYTES)}
     out: dict[str, float] = {}
     for s in block_saved(m, moe):
         if recompute == "none" or s.keep_selective:
-            out[s.group] = out.get(s.group, 0.0) + s.bytes(recipe)
+            out[s.group] = out.get(s.group, 0.0) + s.bytes(recipe, act)
     return out

@@ -48,11 +48,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowprec._checks import check_choice, check_positive_int, fail
+from lowprec.nn.saved import SavedActivations
 from lowprec.optim.states import StateFormat
 from lowprec.plan.activations import RECOMPUTE, block_bytes, output_saved
 from lowprec.plan.layers import block_kinds, block_linears, block_norm_params, check_parallel_fits
 from lowprec.plan.models import ModelSpec
-from lowprec.plan.recipes import GRAD_BYTES, HP_BYTES, MASTER_BYTES, OPTIMIZERS, RecipeCost
+from lowprec.plan.recipes import GRAD_BYTES, HP_BYTES, MASTER_BYTES, OPTIMIZERS, RecipeCost, Storage, saved_storage
 from lowprec.plan.units import GB, count
 
 
@@ -109,6 +110,9 @@ class Training:
     """Fixed allowance per GPU: CUDA context, communication buffers, GEMM workspaces."""
     fragmentation: float = 0.05
     """Allocator fragmentation, as a fraction of everything else."""
+    saved_activations: SavedActivations | None = None
+    """How norms and SwiGLU keep their inputs for backward (``Policy.saved_activations``): None in BF16,
+    or FP8 (``lowprec.nn.fp8_activations("1x128")``)."""
 
     def __post_init__(self) -> None:
         check_positive_int("seq", self.seq)
@@ -127,6 +131,13 @@ class Training:
             fail("overhead_gb", "a non-negative number of GB", self.overhead_gb)
         if not 0 <= self.fragmentation < 1:
             fail("fragmentation", "a fraction in [0, 1)", self.fragmentation)
+        if self.saved_activations is not None and not isinstance(self.saved_activations, SavedActivations):
+            fail("saved_activations", "None or a lowprec.nn.SavedActivations", repr(self.saved_activations), TypeError)
+
+    @property
+    def act(self) -> Storage:
+        """How the norms' and SwiGLU's inputs are stored."""
+        return saved_storage(self.saved_activations)
 
     @property
     def tokens(self) -> int:
@@ -304,18 +315,18 @@ def _activations(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Trainin
     scale = train.tokens * in_flight / par.tp
     groups: dict[str, float] = {}
     for moe, _ in block_kinds(m):
-        for group, per_token in block_bytes(m, moe, recipe, train.recompute).items():
+        for group, per_token in block_bytes(m, moe, recipe, train.recompute, train.act).items():
             groups[group] = groups.get(group, 0.0) + per_token * counts[moe]
     where = f"{in_flight} micro-batch(es) x {train.tokens} tokens" + (f" / tp {par.tp}" if par.tp > 1 else "")
     n = sum(counts.values())
     out = [Component(f"activations: {g}", b * scale, f"{count(b)} B/token summed over {n} layers x {where}")
            for g, b in groups.items() if b]
     if train.recompute == "full" and sum(counts.values()):
-        worst = max(sum(block_bytes(m, moe, recipe, "none").values()) for moe, n in counts.items() if n)
+        worst = max(sum(block_bytes(m, moe, recipe, "none", train.act).values()) for moe, n in counts.items() if n)
         out.append(Component("activations: recomputed block", worst * train.tokens / par.tp,
                              f"{count(worst)} B/token, one block rebuilt at a time"))
     if stage == par.pp - 1:
-        per_token = sum(s.bytes(recipe) for s in output_saved(m))
+        per_token = sum(s.bytes(recipe, train.act) for s in output_saved(m))
         out.append(Component("activations: output", per_token * train.tokens / par.tp,
                              f"{count(per_token)} B/token (final norm, LM head input, FP32 logits)"))
     return out

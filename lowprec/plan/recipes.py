@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from lowprec import formats as F
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
+from lowprec.nn.saved import SavedActivations
 from lowprec.quant import Granularity, ScaleRule
 
 TENSOR = "tensor"
@@ -93,6 +94,15 @@ def storage_of(cast: R.Cast) -> Storage:
     if g is None:  # unscaled bf16/fp16 cast
         return Storage(elem_bytes=elem)
     return Storage(elem_bytes=elem, scale_bytes=SCALE_BYTES[g.scale_format], scale_every=_scale_every(g))
+
+
+def saved_storage(saved: SavedActivations | None) -> Storage:
+    """How norms and SwiGLU save their inputs (``lowprec.nn.saved``): BF16, or FP8 with FP32 scales."""
+    if saved is None:
+        return BF16
+    g = saved.granularity
+    return Storage(elem_bytes=F.get(saved.fmt).bits / 8, scale_bytes=SCALE_BYTES[g.scale_format],
+                   scale_every=_scale_every(g))
 
 
 _MX_GEMM = {8: "mxfp8", 6: "mxfp6", 4: "mxfp4"}

@@ -28,7 +28,8 @@ def plan_to_dict(p: Plan) -> dict:
         "parallel": {"gpus": par.gpus, "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "zero": par.zero},
         "training": {"seq": train.seq, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
                      "recompute": train.recompute, "optimizer": train.optimizer, "grad_dtype": train.grad_dtype,
-                     "optim_states": train.optim_states, "master_weights": train.master_weights},
+                     "optim_states": train.optim_states, "master_weights": train.master_weights,
+                     "saved_activations": str(train.saved_activations) if train.saved_activations else None},
         "memory": {
             "stage": p.memory.stage,
             "components": [{"name": x.name, "bytes": x.bytes, "gb": _gb(x.bytes), "formula": x.formula}
@@ -81,6 +82,7 @@ def format_plan(p: Plan) -> str:
         f"ZeRO-{par.zero})",
         f"seq {train.seq} x micro-batch {train.micro_batch}, grad accumulation {train.grad_accum}, "
         f"recompute {train.recompute}, "
+        + (f"norm/SwiGLU inputs saved as {train.saved_activations}, " if train.saved_activations else "") +
         f"optimizer {train.optimizer} ({train.optim_states} moments"
         f"{'' if train.master_weights else ', no master weights'}), gradients {train.grad_dtype}",
         "",

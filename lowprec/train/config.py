@@ -10,6 +10,7 @@ import torch
 from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
+from lowprec.nn.saved import SavedActivations, fp8_activations
 from lowprec.optim.states import StateFormat
 from lowprec.policy import Policy
 from lowprec.policy_file import policy_from_dict
@@ -100,6 +101,9 @@ class TrainConfig:
     fp8_weights: bool = False
     """Store the converted layers' weights in FP8 with their FP32 masters in the optimizer alone
     (``lowprec.convert(..., fp8_weights=True)``); needs ``dtype`` bfloat16 or float16 and one process."""
+    fp8_activations: str | None = None
+    """Norms and SwiGLU keep their inputs for backward in E4M3 (``Policy.saved_activations``), with FP32
+    scales per ``"tensor"`` or per ``"1xB"`` block (``"1x128"``); None keeps them in the model's dtype."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -127,6 +131,8 @@ class TrainConfig:
             fail("compile", "None or a torch.compile backend name such as 'inductor'", describe(self.compile))
         Parallel.parse(self.parallel)
         GradComm.parse(self.grad_comm, "grad_comm")
+        if self.fp8_activations is not None:
+            fp8_activations(self.fp8_activations)
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
         self._check_fp8_weights()
@@ -165,6 +171,10 @@ class TrainConfig:
         if self.fp8_weights and self.parallel != "none":
             fail("fp8_weights", "parallel 'none' (DDP and FSDP2 with FP8 primary weights are not supported yet)",
                  repr(self.parallel))
+
+    @property
+    def saved_activations(self) -> SavedActivations | None:
+        return fp8_activations(self.fp8_activations) if self.fp8_activations is not None else None
 
     @property
     def torch_dtype(self) -> torch.dtype:

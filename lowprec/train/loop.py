@@ -21,6 +21,7 @@ divergence stop and every checkpoint happen on all ranks at once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import sys
@@ -279,7 +280,8 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) ->
     device = torch.device(cfg.device)
     # cast before converting, so scaling state the converted layers hold stays float32
     model.to(device=device, dtype=cfg.torch_dtype)
-    conversion = str(lowprec.convert(model, recipe, cfg.policy_object(), fp8_weights=cfg.fp8_weights))
+    policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
+    conversion = str(lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights))
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers

@@ -1,7 +1,9 @@
 """The reference model: a Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention).
 
 It is built from plain ``torch.nn.Linear`` layers and knows nothing of low precision:
-:func:`lowprec.convert` swaps its linears afterwards. The module names follow Llama's
+:func:`lowprec.convert` swaps its linears afterwards. Its norms and SwiGLU are ``lowprec.nn``'s, which
+keep only their inputs for backward, in the model's dtype until ``convert`` is given a policy with
+``saved_activations`` (FP8; see [Note: saved activations] in ``lowprec.nn.saved``). The module names follow Llama's
 (``tok_embeddings``, ``layers.{i}.attention.wq``, ``layers.{i}.feed_forward.w1``, ``norm``,
 ``output``) so that the default conversion policy, which keeps embeddings and the LM head
 (``output``) in high precision, finds them.
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowprec._checks import check_choice, fail
+from lowprec.nn import RMSNorm, SwiGLU
 
 MX_BLOCK = 32
 """Widths must be multiples of this so MX and NVFP4 blocks tile every GEMM operand."""
@@ -89,19 +92,6 @@ def preset(name: str) -> ModelConfig:
     return PRESETS[check_choice("model", name, PRESETS)]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32: a bf16 mean of squares loses the small components
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return x32.type_as(x) * self.weight
-
-
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, fp32, each (seq_len, head_dim / 2).
 
@@ -149,9 +139,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, dim)
+        return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, dim)
 
 
 class Block(nn.Module):
