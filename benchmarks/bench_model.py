@@ -38,6 +38,7 @@ from torch import nn
 
 import lowprec
 from lowprec import recipes
+from lowprec.nn.saved import fp8_activations
 from lowprec.plan.gpus import GPUS, get_gpu
 from lowprec.train.model import build_model
 
@@ -60,13 +61,28 @@ def torchao_float8():
     return float8
 
 
+MEMORY_OPTIONS = {"fp8w": "FP8 primary weights", "fp8act": "FP8 saved activations (1x128)",
+                  "bf16states": "BF16 AdamW moments", "fp8states": "FP8 AdamW moments", "int8states": "8-bit moments"}
+"""``lowprec:<recipe>+<option>+...``: the memory options of a lowprec variant (the last three need
+``--params bf16-master``, whose optimizer is lowprec's; FP8 weights too, for their masters)."""
+
+
+def lowprec_options(name: str) -> tuple[str, set[str]]:
+    """The recipe of a ``lowprec:`` variant and its memory options."""
+    recipe, *options = name.partition(":")[2].split("+")
+    return recipe, set(options)
+
+
 def check_variant(name: str) -> str:
-    kind, _, recipe = name.partition(":")
-    ok = (name == "bf16" or (kind == "lowprec" and recipe in recipes.names())
+    kind, _, rest = name.partition(":")
+    recipe, options = lowprec_options(name) if kind == "lowprec" else (rest, set())
+    ok = (name == "bf16" or (kind == "lowprec" and recipe in recipes.names() and options <= set(MEMORY_OPTIONS)
+                             and sum(o.endswith("states") for o in options) <= 1)
           or (kind == "torchao" and recipe in TORCHAO_RECIPES))
     if not ok:
-        raise argparse.ArgumentTypeError(f"--variants: expected bf16, lowprec:<{'|'.join(recipes.names())}> or "
-                                         f"torchao:<{'|'.join(TORCHAO_RECIPES)}>, got {name!r}")
+        raise argparse.ArgumentTypeError(
+            f"--variants: expected bf16, lowprec:<{'|'.join(recipes.names())}>[+{'|+'.join(MEMORY_OPTIONS)}] "
+            f"or torchao:<{'|'.join(TORCHAO_RECIPES)}>, got {name!r}")
     return name
 
 
@@ -74,7 +90,10 @@ def convert(model: nn.Module, name: str) -> str:
     """Set ``model`` up in place as ``name`` says; a one-line description of what was converted."""
     kind, _, recipe = name.partition(":")
     if kind == "lowprec":
-        return lowprec.convert(model, recipe).summary()  # the default policy keeps the LM head
+        recipe, options = lowprec_options(name)
+        policy = lowprec.Policy(saved_activations=fp8_activations("1x128") if "fp8act" in options else None)
+        # the default policy keeps the LM head
+        return lowprec.convert(model, recipe, policy, fp8_weights="fp8w" in options).summary()
     if kind == "torchao":
         float8 = torchao_float8()
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
@@ -101,8 +120,10 @@ def gib(n: int) -> float:
     return n / 2**30
 
 
-def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tensor) -> tuple[Callable, object]:
-    """The training step as a user writes it, and its optimizer."""
+def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tensor,
+              states: str | None = None) -> tuple[Callable, object]:
+    """The training step as a user writes it, and its optimizer (AdamW; ``states``: lowprec's AdamW with
+    moments in ``bf16``, ``fp8`` or ``int8``)."""
     forward = torch.compile(model) if compiled else model
     x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, next tokens as targets
     fused = {"fused": True}  # fused AdamW exists on CUDA and on CPU: the dry run takes the same path
@@ -118,7 +139,8 @@ def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tenso
             opt.step()
             return loss.detach()
     else:
-        opt = lowprec.optim.Optimizer(model.parameters(), torch.optim.AdamW, master_weights=True, **ADAMW, **fused)
+        inner = (torch.optim.AdamW, fused) if states is None else (lowprec.optim.AdamWLP, {"states": states})
+        opt = lowprec.optim.Optimizer(model.parameters(), inner[0], master_weights=True, **ADAMW, **inner[1])
 
         def step() -> torch.Tensor:
             opt.zero_grad()
@@ -130,9 +152,10 @@ def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tenso
     return step, opt
 
 
-def measure(model: nn.Module, size: Size, params: str, compiled: bool, tokens: torch.Tensor, args) -> dict:
+def measure(model: nn.Module, size: Size, params: str, compiled: bool, tokens: torch.Tensor, args,
+            states: str | None = None) -> dict:
     """First step, warmup, then ``args.steps`` timed steps of ``model``."""
-    step, opt = make_step(model, params, compiled, tokens)
+    step, opt = make_step(model, params, compiled, tokens, states)
     counters = torch._dynamo.utils.counters
     counters.clear()
     sync(DEVICE)
@@ -178,7 +201,11 @@ def _variant(base: nn.Module, size: Size, name: str, where: str, params: str, mo
     dtype = torch.float32 if params == "fp32-autocast" else torch.bfloat16
     model, what, setup_s = place(base, name, dtype, where)
     model_gib = gib(torch.cuda.memory_allocated()) if DEVICE == "cuda" else None  # parameters, buffers, batch
-    row = measure(model, size, params, mode == "compiled", tokens, args)
+    options = lowprec_options(name)[1] if name.startswith("lowprec:") else set()
+    states = next((o.removesuffix("states") for o in options if o.endswith("states")), None)
+    if (states or "fp8w" in options) and params != "bf16-master":
+        raise ValueError(f"{name}: its memory options need --params bf16-master (lowprec's optimizer)")
+    row = measure(model, size, params, mode == "compiled", tokens, args, states)
     return {"convert_on": where, "conversion": what, "setup_s": setup_s, "model_gib": model_gib, **row}
 
 

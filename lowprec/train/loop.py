@@ -134,11 +134,9 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     cached = cached_weight_casts(run.model) if cfg.grad_accum > 1 else contextlib.nullcontext()
     sampling = Telemetry(cfg.telemetry_every).region(run.model, step)  # nothing, off the sampled steps
     with _recipe_region(cfg, step), cached, sampling as sampled:
-        # a sampled step runs eagerly: compiled graphs never see the collector (see docs/telemetry.md)
-        forward = run.forward if sampled is None else run.model
         for i, (x, y) in enumerate(zip(inputs, targets)):
             with grad_sync(run.model, enabled=i == cfg.grad_accum - 1):  # ranks reduce the sum, once
-                logits = forward(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
+                logits = run.forward(x.to(run.device, non_blocking=True))  # (B/W, T, vocab)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
