@@ -120,7 +120,9 @@ def schedule(args, argv: list[str], todo: list[tuple[str, int]]) -> None:
                 queue = []
                 break
             recipe, seed = queue.pop(0)
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu)) if torch.cuda.is_available() else None
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")  # the GPUs this process was given
+            device = visible[gpu] if len(visible) == n_gpus and visible[0] else str(gpu)
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=device) if torch.cuda.is_available() else None
             log = open(Path(args.out) / f"{recipe}-seed{seed}.log", "w")
             proc = subprocess.Popen([*base, "--only", f"{recipe}:{seed}"], env=env, stdout=log, stderr=log)
             running[gpu] = (proc, f"{recipe}:{seed}", time.monotonic())
