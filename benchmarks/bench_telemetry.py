@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1b", choices=list(_models.SIZES))
     ap.add_argument("--recipe", default="mxfp8")
-    ap.add_argument("--every", type=int, default=100, help="Telemetry every N steps (the train default).")
+    ap.add_argument("--every", type=int, default=500, help="Telemetry every N steps (the train default).")
     ap.add_argument("--steps", type=int, default=10, help="Timed plain steps, and timed sampled steps.")
     ap.add_argument("--out", default=None, help="Directory for telemetry.json.")
     ap.add_argument("--dry-run", action="store_true", help="The tiny model, eager, 2 steps: checks the script.")

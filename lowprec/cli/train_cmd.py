@@ -89,7 +89,7 @@ def _options(d: Defaults) -> list[Callable]:
                           "stay in high precision. Default: the default policy."),
         click.option("--compile", "compiled", is_flag=True,
                      help="torch.compile the model's forward and backward (inductor)."),
-        click.option("--telemetry-every", type=int, default=100, show_default=True,
+        click.option("--telemetry-every", type=int, default=500, show_default=True,
                      help="Every N steps, record each converted layer's operand figures (amax, scale, underflow, "
                           "saturation, SQNR) to telemetry.csv for lowprec inspect; 0: off."),
         click.option("--fp8-weights", is_flag=True,

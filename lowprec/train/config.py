@@ -95,7 +95,7 @@ class TrainConfig:
     compile: str | None = None
     """A ``torch.compile`` backend (``inductor``; ``aot_eager`` in tests) for the training and validation
     forward and backward, or None for eager. The optimizer step stays eager."""
-    telemetry_every: int = 100
+    telemetry_every: int = 500
     """Sample the converted layers' operand figures (amax, scale, underflow, saturation, SQNR) every this many
     steps into ``telemetry.csv`` (0: never); see ``lowprec.telemetry``. It changes no number of the run."""
     fp8_weights: bool = False

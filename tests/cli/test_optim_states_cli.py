@@ -11,8 +11,8 @@ SMALL = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--val-batches"
 
 
 def test_compare_shows_each_recipe_beside_its_fp32_moments_run(tmp_path):
-    result = CliRunner().invoke(main, ["compare", "--recipes", "bf16", "--optim-states", "int8", "--seeds", "1", *SMALL, "--json",
-                                       "--out", str(tmp_path)])
+    result = CliRunner().invoke(main, ["compare", "--recipes", "bf16", "--optim-states", "int8", "--seeds", "1",
+                                       *SMALL, "--json", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     rows = {r["recipe"]: r for r in json.loads(result.stdout)["results"]}
     assert set(rows) == {"bf16", "bf16+int8-states"}
