@@ -47,3 +47,16 @@ def resave(directory: Path, change: Callable[[dict[str, Any]], None]) -> Path:
     step, state = load_checkpoint(path)
     change(state)
     return save_checkpoint(directory, step, state)
+
+
+class Stop(Exception):
+    """Raised by :func:`stop_at`'s hook: the run ends there, as if killed."""
+
+
+def stop_at(k: int) -> Callable[[dict[str, Any]], None]:
+    """An ``on_step`` hook that stops the run after step ``k``'s row is written and checkpointed."""
+    def hook(row: dict[str, Any]) -> None:
+        if row["step"] == k:
+            raise Stop
+
+    return hook

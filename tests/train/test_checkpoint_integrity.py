@@ -1,7 +1,6 @@
 """Every byte that resuming reads is checksummed: an edited checkpoint JSON is refused in one line naming it."""
 import json
 import shutil
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -11,23 +10,12 @@ from lowprec.distributed import checkpoint as dist_checkpoint
 from lowprec.distributed.launch import Ranks
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
-from lowprec.train.data import load_data
 from lowprec.train.model import build_model
 from tests.train.runs import CFG, MICRO, edit_json, run
 
 JSON = "step_00000002.json"
 
 
-@pytest.fixture(scope="module")
-def data():
-    return load_data()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "emulated on cpu" is expected here
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -1,37 +1,11 @@
 """Growing a run: resumed with more steps, its learning rate goes on without a jump and its clock goes on."""
 import math
-import warnings
 from dataclasses import replace
 
 import pytest
 
-from lowprec.train.data import load_data
 from lowprec.train.logs import read_log
-from tests.train.runs import CFG, run
-
-
-@pytest.fixture(scope="module")
-def data():
-    return load_data()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "emulated on cpu" is expected here
-        yield
-
-
-class _Stop(Exception):
-    pass
-
-
-def _stop_at(k):
-    def hook(row):
-        if row["step"] == k:
-            raise _Stop
-
-    return hook
+from tests.train.runs import CFG, Stop, run, stop_at
 
 
 def _cosine(progress, lr=CFG.lr, floor_ratio=CFG.min_lr_ratio):
@@ -55,8 +29,8 @@ def test_a_finished_run_grown_stays_at_the_floor_and_its_clock_goes_on(data, tmp
 
 def test_an_interrupted_run_grown_decays_from_where_it_was_to_the_new_end(data, tmp_path):
     cfg = replace(CFG, steps=6, eval_every=3, warmup_steps=1, save_every=3)
-    with pytest.raises(_Stop):
-        run(data, cfg, out_dir=tmp_path, on_step=_stop_at(3))  # saved after step 3, of a 6-step run
+    with pytest.raises(Stop):
+        run(data, cfg, out_dir=tmp_path, on_step=stop_at(3))  # saved after step 3, of a 6-step run
     grown = run(data, replace(cfg, steps=9), out_dir=tmp_path, resume=True)
     rates = [r["lr"] for r in grown.history]
     # steps 1..3 as the 6-step schedule gave them; then the rest of its cosine (40% done at step 3)

@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,16 +26,6 @@ with run_directory_lock(sys.argv[1]):
 """
 
 
-@pytest.fixture(scope="module")
-def data():
-    return load_data()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "emulated on cpu" is expected here
-        yield
 
 
 def test_another_process_holding_the_directory_refuses_a_run_until_it_is_killed(data, tmp_path):

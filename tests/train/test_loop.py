@@ -1,5 +1,4 @@
 import math
-import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -12,22 +11,13 @@ from lowprec.train.data import load_data
 from lowprec.train.logs import read_log
 from lowprec.train.loop import train
 from lowprec.train.model import ModelConfig, build_model
+from tests.train.runs import Stop, stop_at
 
 MICRO = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, max_seq_len=64)
 CFG = TrainConfig(steps=6, batch_size=4, seq_len=32, eval_every=3, val_batches=1, warmup_steps=2, lr=3e-3,
                   tensorboard=False, progress=False)
 
 
-@pytest.fixture(scope="module")
-def data():
-    return load_data()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "emulated on cpu" is expected here
-        yield
 
 
 def _run(data, cfg=CFG, **kw):
@@ -52,17 +42,6 @@ def test_it_learns(data):
     assert result.skipped_steps == 0 and not result.diverged and result.tokens_per_s > 0
 
 
-class _Stop(Exception):
-    pass
-
-
-def _stop_at(k):
-    def hook(row):
-        if row["step"] == k:
-            raise _Stop
-
-    return hook
-
 
 @pytest.mark.parametrize(("recipe", "hp_start_steps"), [("bf16", 0), ("mxfp4", 0), ("fp8-delayed", 0),
                                                         ("fp8-delayed", 2)])
@@ -71,8 +50,8 @@ def test_resume_after_an_interruption_repeats_the_curve_bit_for_bit(data, tmp_pa
     # high-precision start the BF16 steps recorded: the resumed step 3 is the first delayed one
     cfg = replace(CFG, recipe=recipe, save_every=2, hp_start_steps=hp_start_steps)
     whole = _run(data, cfg, out_dir=tmp_path / "whole")
-    with pytest.raises(_Stop):
-        _run(data, cfg, out_dir=tmp_path / "cut", on_step=_stop_at(3))  # stopped after step 3, saved at 2
+    with pytest.raises(Stop):
+        _run(data, cfg, out_dir=tmp_path / "cut", on_step=stop_at(3))  # stopped after step 3, saved at 2
     assert [r["step"] for r in read_log(tmp_path / "cut" / "log.csv")] == ["1", "2", "3"]
     resumed = _run(data, cfg, out_dir=tmp_path / "cut", resume=True)
     assert _curve(resumed) == _curve(whole)

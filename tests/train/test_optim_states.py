@@ -2,7 +2,6 @@
 workflow's runs, and the settings refused."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -11,33 +10,7 @@ from lowprec import recipes
 from lowprec.optim import AdamWLP
 from lowprec.train.compare import compare_runs, optimizer_suffix
 from lowprec.train.config import TrainConfig
-from lowprec.train.data import load_data
-from tests.train.runs import CFG, run
-
-
-@pytest.fixture(scope="module")
-def data():
-    return load_data()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-class _Stop(Exception):
-    pass
-
-
-def _stop_at(k):
-    def hook(row):
-        if row["step"] == k:
-            raise _Stop
-
-    return hook
-
+from tests.train.runs import CFG, Stop, run, stop_at
 
 TRAIN = replace(CFG, steps=30, eval_every=30, warmup_steps=3, val_batches=2, dtype="bfloat16")
 
@@ -61,8 +34,8 @@ def test_resume_repeats_the_curve_bit_for_bit(data, tmp_path, states, masters):
     cfg = replace(CFG, steps=4, save_every=2, eval_every=2, dtype="bfloat16", optim_states=states,
                   master_weights=masters)
     whole = run(data, cfg, out_dir=tmp_path / "whole")
-    with pytest.raises(_Stop):
-        run(data, cfg, out_dir=tmp_path / "cut", on_step=_stop_at(3))  # stopped after step 3, saved at 2
+    with pytest.raises(Stop):
+        run(data, cfg, out_dir=tmp_path / "cut", on_step=stop_at(3))  # stopped after step 3, saved at 2
     resumed = run(data, cfg, out_dir=tmp_path / "cut", resume=True)
     curve = lambda r: [(row["loss"], row["val_loss"], row["grad_norm"]) for row in r.history]  # noqa: E731
     assert curve(resumed) == curve(whole)

@@ -1,6 +1,5 @@
 """A checkpoint whose checksums hold but that does not fit the run is refused in one line before it is loaded."""
 import shutil
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,18 +15,6 @@ from lowprec.train.data import load_data
 from lowprec.train.model import ModelConfig, build_model
 from tests.distributed.launch_helpers import forked
 from tests.train.runs import CFG, MICRO, nan_model, resave, run
-
-
-@pytest.fixture(scope="module")
-def data():
-    return load_data()
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "emulated on cpu" is expected here
-        yield
 
 
 @pytest.fixture(scope="module")
