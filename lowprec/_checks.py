@@ -5,6 +5,7 @@ received, in one shape: ``"<argument>: expected <what>, got <what>"``.
 """
 from __future__ import annotations
 
+import enum
 from typing import Any, NoReturn
 
 import torch
@@ -48,3 +49,14 @@ def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         fail(name, "a positive int", describe(value))
     return value
+
+
+class Choice(enum.Enum):
+    """An enum of string values a user names (``--grad-comm fp8``, ``optim_states="int8"``)."""
+
+    @classmethod
+    def parse(cls, value: Any, name: str) -> Any:
+        """``value`` as a member; an unknown one is refused naming the argument ``name``."""
+        if isinstance(value, cls):
+            return value
+        return cls(check_choice(name, value, [m.value for m in cls]))

@@ -30,7 +30,6 @@ figure is counted, not estimated; :meth:`GradCommState.take` reads and resets it
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,11 +37,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lowprec._checks import describe, fail
+from lowprec._checks import Choice, describe, fail
 from lowprec.distributed import fp8_comm
 
 
-class GradComm(enum.Enum):
+class GradComm(Choice):
     """What gradients travel as; see [Note: what each mode puts on the wire]."""
 
     FP32 = "fp32"
@@ -51,13 +50,7 @@ class GradComm(enum.Enum):
 
     @classmethod
     def parse(cls, mode: str | GradComm, name: str = "mode") -> GradComm:
-        """``mode`` as a :class:`GradComm`; an unknown one is refused naming the argument ``name``."""
-        if isinstance(mode, GradComm):
-            return mode
-        try:
-            return cls(mode)
-        except ValueError:
-            fail(name, "one of " + ", ".join(repr(m.value) for m in cls), describe(mode))
+        return super().parse(mode, name)
 
 
 _WIRE_DTYPE = {GradComm.FP32: torch.float32, GradComm.BF16: torch.bfloat16}

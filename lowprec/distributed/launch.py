@@ -18,7 +18,6 @@ process on the same global batch. The process group uses NCCL on CUDA and gloo o
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -27,12 +26,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lowprec._checks import check_choice, fail
+from lowprec._checks import Choice, fail
 from lowprec.distributed.fp8_weights import fp8_all_gather
 from lowprec.distributed.grad_comm import GradComm, fsdp_reduce_dtype, register_ddp, register_fsdp
 
 
-class Parallel(enum.Enum):
+class Parallel(Choice):
     """How a model is spread over the ranks."""
 
     NONE = "none"
@@ -42,11 +41,9 @@ class Parallel(enum.Enum):
     FSDP2 = "fsdp2"
     """``fully_shard`` per transformer block and on the root: weights, gradients and optimizer state sharded."""
 
-    @staticmethod
-    def parse(value: str | Parallel) -> Parallel:
-        if isinstance(value, Parallel):
-            return value
-        return Parallel(check_choice("parallel", value, [p.value for p in Parallel]))
+    @classmethod
+    def parse(cls, value: str | Parallel, name: str = "parallel") -> Parallel:
+        return super().parse(value, name)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ import math
 import torch
 
 from lowprec import formats
-from lowprec._checks import check_choice
+from lowprec._checks import Choice
 
 E4M3_MAX = 448.0
 """E4M3's largest finite value."""
@@ -57,7 +57,7 @@ _INT8_LEVELS = 127.0
 _UINT8_LEVELS = 255.0
 
 
-class StateFormat(enum.Enum):
+class StateFormat(Choice):
     """How each moment is stored between steps."""
 
     FP32 = "fp32"
@@ -70,10 +70,7 @@ class StateFormat(enum.Enum):
 
     @classmethod
     def parse(cls, value: str | StateFormat, name: str = "optim_states") -> StateFormat:
-        if isinstance(value, StateFormat):
-            return value
-        check_choice(name, value, [f.value for f in cls])
-        return cls(value)
+        return super().parse(value, name)
 
     @property
     def group(self) -> int | None:
