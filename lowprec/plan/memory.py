@@ -2,7 +2,7 @@
 
 [Note: the accounting]
 Per parameter held by a GPU: the BF16 weight (2 B), the gradient (2 B in BF16 or 4 B in FP32), the
-FP32 master weight (4 B) and the optimizer moments (8 B for AdamW, 2 B for 8-bit AdamW): 16 B per
+FP32 master weight (4 B) and the optimizer moments (8 B for AdamW, fewer with ``optim_states``): 16 B per
 parameter for BF16 mixed precision with AdamW, as in the ZeRO paper (arXiv 1910.02054). ZeRO stage
 1 shards master weights and moments over the data-parallel ranks, stage 2 also gradients, stage 3
 also weights.
@@ -121,9 +121,6 @@ class Training:
         check_choice("recompute", self.recompute, RECOMPUTE)
         check_choice("optimizer", self.optimizer, OPTIMIZERS)
         check_choice("optim_states", self.optim_states, [f.value for f in StateFormat])
-        if self.optim_states != "fp32" and self.optimizer != "adamw":
-            fail("optim_states", f"'fp32' with optimizer {self.optimizer!r} (its moments are its own)",
-                 repr(self.optim_states))
         if not isinstance(self.master_weights, bool):
             fail("master_weights", "a bool", repr(self.master_weights), TypeError)
         check_choice("grad_dtype", self.grad_dtype, GRAD_BYTES)

@@ -222,9 +222,7 @@ class OptimizerCost:
 
 
 OPTIMIZERS: dict[str, OptimizerCost] = {o.name: o for o in (
-    OptimizerCost(name="adamw", moment_bytes=8, note="FP32 m and v"),
-    OptimizerCost(name="adamw-8bit", moment_bytes=2,
-                  note="8-bit m and v; their block scales (one FP32 per 2048 values, +0.2%) not counted"),
+    OptimizerCost(name="adamw", moment_bytes=8, note="FP32 m and v (fewer bits: Training.optim_states)"),
 )}
 
 GRAD_BYTES: dict[str, int] = {"bf16": 2, "fp32": 4}

@@ -53,5 +53,3 @@ def test_fp8_and_8bit_moments_take_at_most_half_of_fp32_adamws(states):
 def test_bad_settings():
     with pytest.raises(ValueError, match="optim_states: expected one of 'fp32', 'bf16', 'fp8', 'int8', got 'fp4'"):
         Training(optim_states="fp4")
-    with pytest.raises(ValueError, match="optim_states: expected 'fp32' with optimizer 'adamw-8bit'"):
-        Training(optimizer="adamw-8bit", optim_states="fp8")
