@@ -18,6 +18,7 @@ from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
 from lowprec.optim.states import StateFormat
 from lowprec.policy_file import policy_from_dict, read_policy_dict
+from lowprec.telemetry.control import ControlConfig
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
@@ -92,6 +93,19 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--telemetry-every", type=int, default=500, show_default=True,
                      help="Every N steps, record each converted layer's operand figures (amax, scale, underflow, "
                           "saturation, SQNR) to telemetry.csv for lowprec inspect; 0: off."),
+        click.option("--auto-precision", is_flag=True,
+                     help="Widen a layer's GEMM (nvfp4/mxfp4 -> mxfp8 -> bf16, fp8 -> bf16) when its sampled "
+                          "telemetry crosses the thresholds or after repeated loss spikes, and back when it "
+                          "settles; every switch in switches.csv. Judged every --telemetry-every steps."),
+        click.option("--auto-sqnr-floor", type=float, default=ControlConfig().sqnr_floor_db, show_default=True,
+                     help="With --auto-precision: an operand under this SQNR (dB) is trouble."),
+        click.option("--auto-saturation-max", type=float, default=ControlConfig().saturation_ceiling,
+                     show_default=True, help="With --auto-precision: a larger clipped fraction is trouble."),
+        click.option("--hp-final-fraction", type=float, default=0.0, show_default=True,
+                     help="Run the last fraction of the steps in BF16 (the NVFP4 paper's appendix)."),
+        click.option("--on-spike", type=click.Choice(["log", "skip", "rollback"]), default="log", show_default=True,
+                     help="A loss spike is logged, skipped (weights and optimizer untouched), or rolled back "
+                          "to the last checkpoint with its data window skipped."),
         click.option("--fp8-weights", is_flag=True,
                      help="Store the converted layers' weights in FP8 (E4M3 codes and FP32 scales, no BF16 copy), "
                           "their FP32 masters in the optimizer alone; needs --dtype bfloat16 or float16. Under "
@@ -143,7 +157,10 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         policy=_policy_option(opts["policy_file"]), telemetry_every=opts["telemetry_every"],
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],
-        fp8_activations=opts["fp8_activations"], **extra)
+        fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"],
+        control=ControlConfig(auto=opts["auto_precision"], sqnr_floor_db=opts["auto_sqnr_floor"],
+                              saturation_ceiling=opts["auto_saturation_max"],
+                              hp_final_fraction=opts["hp_final_fraction"]), **extra)
 
 
 def _policy_option(path: str | None) -> dict[str, Any] | None:

@@ -155,9 +155,10 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
            "recipe": _step_recipe(cfg, step), "tokens_per_s": cfg.tokens_per_step / seconds}
     if recipes.get(cfg.recipe).uses_delayed_scaling:  # capped amax outliers so far (one read of the device)
         row["amax_outliers"] = amax_outliers(unwrap(run.model))
-    if sampled is not None:
-        row[TELEMETRY_KEY] = sampled.records  # taken out of the row before it joins the history
-    step_control.after_step(run, step, row, switches)
+    records = sampled.records if sampled is not None else None
+    if records is not None:
+        row[TELEMETRY_KEY] = records  # taken out of the row before it joins the history
+    step_control.after_step(run, step, row, switches, records)  # the controller judges the sampled figures
     return row
 
 
