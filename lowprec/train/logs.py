@@ -33,6 +33,7 @@ class RunLog:
     """Writes the rows of one run to ``<out>/log.csv`` and, if asked, ``<out>/tensorboard/``."""
 
     def __init__(self, out_dir: Path, history: list[dict[str, Any]], tensorboard: bool) -> None:
+        self._args = (out_dir, tensorboard)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "log.csv"
         self._file = self.path.open("w", newline="")
@@ -69,6 +70,13 @@ class RunLog:
                 for figure in ("sqnr_db", "underflow", "saturation", "amax", "scale"):
                     self._tb.add_scalar(f"telemetry_{figure}/{r.layer}/{r.gemm}.{r.operand}", getattr(r, figure),
                                         r.step)
+
+    def rewind(self, history: list[dict[str, Any]]) -> None:
+        """The logs as they were when ``history`` ended (a run rolled back to a checkpoint): written again
+        from it, as a resumed run's are, so no rolled-back row stays in them."""
+        self.close()
+        out_dir, tensorboard = self._args
+        self.__init__(out_dir, history, tensorboard)
 
     def close(self) -> None:
         self._file.close()

@@ -12,6 +12,7 @@ from torch import nn
 from lowprec.telemetry.control import ControlConfig
 from lowprec.train.checkpoint import latest_checkpoint, load_checkpoint
 from lowprec.train.data import TokenData
+from lowprec.train.logs import read_log
 from lowprec.train.model import build_model
 from tests.train.runs import CFG, MICRO, run
 
@@ -79,6 +80,8 @@ def test_rollback_returns_to_the_checkpoint_and_draws_the_data_after_the_spike(c
     _, state = load_checkpoint(latest_checkpoint(tmp_path / "checkpoints"))
     assert state["run"]["data"]["position"]["data_offset"] == 1
     assert [r["step"] for r in rows] == list(range(1, 15))  # on_step never saw the rolled-back row
+    logged = read_log(tmp_path / "log.csv")  # nor does the log keep it
+    assert [int(r["step"]) for r in logged] == list(range(1, 15)) and not any(r["spike"] == "True" for r in logged)
 
 
 def test_the_final_fraction_runs_the_last_steps_in_bf16_and_logs_the_switch(corpus, tmp_path):
