@@ -13,7 +13,11 @@ kept for backward is quantized. Backward dequantizes it and differentiates the h
 at the dequantized inputs: each gradient is exact for inputs within E4M3's relative error
 (``2^-4``) of the true ones. A saved E4M3 element costs 1 byte, plus 4 per scale: 1 + 4/128 with
 1 x 128 blocks, against 2 in BF16 and 4 in FP32. A last dimension that is not a multiple of the
-block is padded to one inside ``lowprec.quant.quantize`` (dims of 128k lose nothing).
+block is padded to one by the cast (dims of 128k lose nothing).
+
+The cast goes through ``lowprec.kernels.cast`` on the route the device takes: on CUDA one fused
+Triton pass (FP8 per tensor, per row and ``1 x B`` are all covered), elsewhere the reference; both give
+the same bits. Compiled code keeps the reference's operations, which the compiler fuses itself.
 
 The saved copy is the op's input, not its output, so it is a different tensor from the one the
 next converted Linear saves (the norm's output, SwiGLU's product): the two cannot share storage.
@@ -21,12 +25,14 @@ next converted Linear saves (the norm's output, SwiGLU's product): the two canno
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from lowprec import kernels as K
 from lowprec._checks import describe, fail
 from lowprec.quant import Granularity, GranularityKind, QuantizedTensor, ScaleRule, blockwise, quantize, tensorwise
+from lowprec.quant.quantize import as_2d
 
 FP8_FORMATS = ("e4m3", "e5m2")
 """Element formats a saved activation may take."""
@@ -78,12 +84,25 @@ def check_saved(saved: object) -> SavedActivations | None:
     return saved
 
 
-def pack(x: torch.Tensor, saved: SavedActivations | None) -> tuple[tuple, tuple | None]:
+def _quantize(x: torch.Tensor, saved: SavedActivations, backend: str | None) -> QuantizedTensor:
+    """``lowprec.quant.quantize(x, saved.fmt, saved.granularity)``, bit for bit, on the device's route."""
+    if torch.compiler.is_compiling() and backend is None:
+        # the compiler fuses the reference's few elementwise ops and reductions; tracing a route's
+        # planning would only add compile time
+        return quantize(x, saved.fmt, saved.granularity)
+    spec = K.CastSpec.of(saved.fmt, saved.granularity)
+    q = K.cast(as_2d(x), K.route(spec, None, x.device, backend)).along_k
+    return replace(q, shape=x.shape)
+
+
+def pack(x: torch.Tensor, saved: SavedActivations | None, *,
+         backend: str | None = None) -> tuple[tuple, tuple | None]:
     """Tensors for ``save_for_backward`` and the metadata to rebuild ``x``: ``x`` itself (no copy) when
-    ``saved`` is None, else its FP8 codes and scales."""
+    ``saved`` is None, else its FP8 codes and scales, cast on the backend the device takes (or on
+    ``backend``: tests)."""
     if saved is None:
         return (x, None), None
-    q = quantize(x.detach(), saved.fmt, saved.granularity)
+    q = _quantize(x.detach(), saved, backend)
     return (q.data, q.scale), (q.fmt, q.granularity, q.shape, q.dtype)
 
 

@@ -1,10 +1,11 @@
 """AdamW whose moments are stored in BF16, FP8 or 8 bits between steps (:mod:`lowprec.optim.states`).
 
 [Note: the step]
-For each parameter in turn, the two moments are decoded to float32, updated by torch's AdamW formulas
-(decoupled weight decay, bias correction, ``eps`` added to the corrected root), the parameter updated
-from them, and the moments encoded again. So only one parameter's float32 moments exist at a time,
-and with ``states="fp32"`` the update equals ``torch.optim.AdamW(foreach=False)``'s bit for bit.
+For each parameter (many at once: see [Note: the batched step] in ``lowprec.optim.adamw_batch``), the
+two moments are decoded to float32, updated by torch's AdamW formulas (decoupled weight decay, bias
+correction, ``eps`` added to the corrected root), the parameter updated from them, and the moments
+encoded again. So only one bucket's float32 moments exist at a time, and with ``states="fp32"`` the
+update equals ``torch.optim.AdamW(foreach=False)``'s bit for bit.
 Build it through :class:`lowprec.optim.Optimizer` (``Optimizer(params, AdamWLP, states="fp8", ...)``):
 with master weights it updates the float32 masters; without, BF16 parameters widened to float32 for
 the step and rounded back stochastically.
@@ -23,7 +24,28 @@ import torch
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.agree import is_dtensor
+from lowprec.optim import adamw_batch as batch
 from lowprec.optim.states import Moment, StateFormat, code_dtype, load, store
+
+
+def update_one(p: torch.Tensor, state: dict, fmt: StateFormat, group: dict) -> None:
+    """One parameter's step (its count already advanced): the reference that the batched step
+    (:mod:`lowprec.optim.adamw_batch`) equals bit for bit, and the step of FSDP2 shards."""
+    beta1, beta2 = group["betas"]
+    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+    grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
+    exp_avg, exp_avg_sq = load(state, fmt, Moment.FIRST), load(state, fmt, Moment.SECOND)
+    step = state["step"].item()
+    # torch's single-tensor AdamW, operation for operation
+    p.mul_(1 - lr * wd)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    state.update(store(exp_avg, fmt, Moment.FIRST))
+    state.update(store(exp_avg_sq, fmt, Moment.SECOND))
 
 
 class AdamWLP(torch.optim.Optimizer):
@@ -54,32 +76,26 @@ class AdamWLP(torch.optim.Optimizer):
         if closure is not None:
             fail("closure", "None (AdamWLP takes no closure)", describe(closure))
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [self._counted(p) for p in params]
+            if any(is_dtensor(p) for p in params):  # FP32 moments of FSDP2 shards: one at a time
+                for p, state in zip(params, states):
+                    update_one(p, state, self.states, group)
+                continue
+            steps = [state["step"].item() for state in states]
+            for bucket in batch.buckets(params, steps):
+                batch.update([params[i] for i in bucket], [states[i] for i in bucket], self.states, group,
+                             steps[bucket[0]])
 
-    def _update(self, p: torch.Tensor, group: dict) -> None:
+    def _counted(self, p: torch.Tensor) -> dict:
+        """``p``'s state, made at its first step, with its step count advanced."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
             for m in Moment:
                 state.update(store(torch.zeros_like(p, dtype=torch.float32), self.states, m))
-        beta1, beta2 = group["betas"]
-        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-        exp_avg, exp_avg_sq = load(state, self.states, Moment.FIRST), load(state, self.states, Moment.SECOND)
         state["step"] += 1
-        step = state["step"].item()
-        # torch's single-tensor AdamW, operation for operation
-        p.mul_(1 - lr * wd)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
-        state.update(store(exp_avg, self.states, Moment.FIRST))
-        state.update(store(exp_avg_sq, self.states, Moment.SECOND))
+        return state
 
     # -- checkpoints: torch would cast every floating-point state to the parameter's dtype ----------
     def state_bytes(self) -> int:
