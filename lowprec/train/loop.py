@@ -157,7 +157,9 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
         row["amax_outliers"] = amax_outliers(unwrap(run.model))
     if sampled is not None:
         row[TELEMETRY_KEY] = sampled.records  # taken out of the row before it joins the history
-    step_control.after_step(run, step, row, switches)
+    # the controller judges the recipe's casts: the BF16 start's figures say nothing about them
+    judged = sampled.records if sampled is not None and step > cfg.hp_start_steps else None
+    step_control.after_step(run, step, row, switches, records=judged)
     return row
 
 
