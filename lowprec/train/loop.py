@@ -209,6 +209,9 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
             step_control.write_switches(log.path.parent, run.pending_switches)
         if step_control.should_roll_back(run, row, ckpt_dir):
             step_control.roll_back(run, step, ckpt_dir)  # the loop goes on from the checkpoint's step
+            if log is not None:  # the files follow the history: the undone steps' rows go
+                log.rewind(run.history)
+                step_control.rewrite_switches(log.path.parent, run.control)
             continue
         if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             save(run, ckpt_dir)
