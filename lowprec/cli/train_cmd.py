@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from lowprec import recipes
+from lowprec._checks import fail
 from lowprec.cli.app import check_device, main
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
@@ -39,6 +40,7 @@ class Defaults:
 
 
 TRAIN_DEFAULTS = Defaults(steps=300, batch_size=16, seq_len=128, val_batches=8)
+_CONTROL_DEFAULTS = ControlConfig()
 FAILED_RUN_STATUS = 3
 """The exit status of a ``train`` that ended but failed: diverged, or every step it ran skipped."""
 
@@ -94,18 +96,20 @@ def _options(d: Defaults) -> list[Callable]:
                      help="Every N steps, record each converted layer's operand figures (amax, scale, underflow, "
                           "saturation, SQNR) to telemetry.csv for lowprec inspect; 0: off."),
         click.option("--auto-precision", is_flag=True,
-                     help="Widen a layer's GEMM (nvfp4/mxfp4 -> mxfp8 -> bf16, fp8 -> bf16) when its sampled "
-                          "telemetry crosses the thresholds or after repeated loss spikes, and back when it "
-                          "settles; every switch in switches.csv. Judged every --telemetry-every steps."),
-        click.option("--auto-sqnr-floor", type=float, default=ControlConfig().sqnr_floor_db, show_default=True,
-                     help="With --auto-precision: an operand under this SQNR (dB) is trouble."),
-        click.option("--auto-saturation-max", type=float, default=ControlConfig().saturation_ceiling,
-                     show_default=True, help="With --auto-precision: a larger clipped fraction is trouble."),
-        click.option("--hp-final-fraction", type=float, default=0.0, show_default=True,
-                     help="Run the last fraction of the steps in BF16 (the NVFP4 paper's appendix)."),
+                     help="Automatic precision control: widen a layer's GEMM (nvfp4/mxfp4 -> mxfp8 -> bf16, "
+                          "fp8 -> bf16) when its sampled telemetry crosses a threshold or after repeated loss "
+                          "spikes, and back when it settles; each switch goes to switches.csv. Needs "
+                          "--telemetry-every > 0."),
+        click.option("--auto-sqnr-floor", type=float, default=_CONTROL_DEFAULTS.sqnr_floor_db, show_default=True,
+                     metavar="DB", help="With --auto-precision: an operand's SQNR under this is trouble."),
+        click.option("--auto-saturation-max", type=float, default=_CONTROL_DEFAULTS.saturation_ceiling,
+                     show_default=True, metavar="FRACTION",
+                     help="With --auto-precision: a larger fraction of an operand's elements saturated is trouble."),
+        click.option("--hp-final-fraction", type=float, default=0.0, show_default=True, metavar="F",
+                     help="Run the last F of the steps (0 <= F < 1) with every converted layer in BF16."),
         click.option("--on-spike", type=click.Choice(["log", "skip", "rollback"]), default="log", show_default=True,
-                     help="A loss spike is logged, skipped (weights and optimizer untouched), or rolled back "
-                          "to the last checkpoint with its data window skipped."),
+                     help="A loss spike is logged, skipped (the step not taken), or rolled back to the last "
+                          "checkpoint with its data window skipped (see --save-every)."),
         click.option("--fp8-weights", is_flag=True,
                      help="Store the converted layers' weights in FP8 (E4M3 codes and FP32 scales, no BF16 copy), "
                           "their FP32 masters in the optimizer alone; needs --dtype bfloat16 or float16. Under "
@@ -157,10 +161,28 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         policy=_policy_option(opts["policy_file"]), telemetry_every=opts["telemetry_every"],
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],
-        fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"],
-        control=ControlConfig(auto=opts["auto_precision"], sqnr_floor_db=opts["auto_sqnr_floor"],
-                              saturation_ceiling=opts["auto_saturation_max"],
-                              hp_final_fraction=opts["hp_final_fraction"]), **extra)
+        fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"], control=_control_option(opts), **extra)
+
+
+_CONTROL_OPTIONS = {"sqnr_floor_db": "--auto-sqnr-floor", "saturation_ceiling": "--auto-saturation-max",
+                    "hp_final_fraction": "--hp-final-fraction"}
+"""The options that set :class:`ControlConfig` fields, so that a refused value is named as typed."""
+
+
+def _control_option(opts: dict[str, Any]) -> ControlConfig:
+    """The precision control the options ask for; a bad value refused naming its option."""
+    if opts["auto_precision"] and opts["telemetry_every"] == 0:
+        fail("--auto-precision", "--telemetry-every N > 0 (the controller judges the sampled steps' figures)",
+             "--telemetry-every 0")
+    try:
+        return ControlConfig(auto=opts["auto_precision"], sqnr_floor_db=opts["auto_sqnr_floor"],
+                             saturation_ceiling=opts["auto_saturation_max"],
+                             hp_final_fraction=opts["hp_final_fraction"])
+    except ValueError as e:
+        field, _, rest = str(e).partition(": ")
+        if field not in _CONTROL_OPTIONS:
+            raise
+        raise ValueError(f"{_CONTROL_OPTIONS[field]}: {rest}") from None
 
 
 def _policy_option(path: str | None) -> dict[str, Any] | None:

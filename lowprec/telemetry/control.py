@@ -13,9 +13,11 @@ layer and GEMM, over operands and over ranks (one all-reduce, so every rank swit
   ``underflow_ceiling``): the GEMM goes one level up, and its hold starts;
 * *unsettled* (not trouble, but within the hysteresis band: SQNR under ``floor + hysteresis_db``, or
   saturation or underflow over half their ceilings): the hold starts again;
-* a GEMM above level 0 whose last unsettled step is ``settle_steps * 2^(strikes - 1)`` steps past goes
-  one level down (``strikes``: how often it was widened). A fault that returns each time the GEMM goes
-  back down is thus retried ever more rarely rather than flapping.
+* at a sampled step, a GEMM above level 0 whose last unsettled step is ``settle_steps * 2^(strikes - 1)``
+  steps past goes one level down (``strikes``: how often it was widened). A fault that returns each time
+  the GEMM goes back down is thus retried ever more rarely rather than flapping. Only a sampled step lets
+  a GEMM back: between samples nothing says it settled (with ``telemetry_every`` above ``settle_steps``
+  the hold would otherwise end before any figure was seen).
 
 ``spikes_to_widen`` loss spikes within ``spike_window`` steps move every converted GEMM of the model one
 level up (a spike names no layer), held and released as above. With ``hp_final_fraction`` the last
@@ -183,6 +185,8 @@ class PrecisionController:
             if len(self.spike_steps) >= self.config.spikes_to_widen:
                 self.spike_steps = []
                 out += [s for key in self.gemms for s in self._move(step, key, +1, "loss spikes")]
+        if records is None:  # a GEMM goes back down on a sampled step's evidence only, not on elapsed time
+            return self._record(out)
         for key, g in self.gemms.items():
             hold = self.config.settle_steps * 2 ** max(g.strikes - 1, 0)
             if g.level > 0 and step - g.unsettled_at >= hold:

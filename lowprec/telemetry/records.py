@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 
 from lowprec._checks import fail
@@ -49,6 +50,19 @@ class TelemetryWriter:
             self._open()
         self._csv.writerows(row_of(r) for r in records)
         self._file.flush()  # a killed run keeps every sampled step it finished
+
+    def rewind(self, last_step: int) -> None:
+        """Drop the rows after ``last_step`` (a roll-back), replacing the file whole."""
+        if self._file is None:
+            return
+        self._file.close()
+        kept = _rows_through(self.path, last_step)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", newline="") as f:
+            csv.writer(f).writerows([list(COLUMNS), *kept])
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a", newline="")
+        self._csv = csv.writer(self._file)
 
     def close(self) -> None:
         if self._file is not None:

@@ -126,8 +126,9 @@ class TrainConfig:
         if not isinstance(self.control, ControlConfig):
             fail("control", "a lowprec.telemetry.control.ControlConfig", describe(self.control), TypeError)
         if self.control.auto and self.telemetry_every == 0:
-            fail("telemetry_every", "a positive interval with automatic precision control (it judges the "
-                 "sampled steps' figures)", 0)
+            # the controller reads the sampled steps' figures: without them it would react to spikes alone
+            fail("telemetry_every", "a positive int with control.auto (the controller judges the sampled "
+                 "steps' figures)", 0)
         if self.policy is not None:
             self.policy_object()  # refuses a bad field, naming it
         if self.compile is not None and (not isinstance(self.compile, str) or not self.compile):

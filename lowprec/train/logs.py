@@ -2,11 +2,13 @@
 
 Losses are written with ``repr`` (the shortest text that reads back as the same float), so two
 runs' CSV files can be compared bit for bit. A resumed run rewrites the CSV from the history
-saved in the checkpoint, dropping rows of steps that the interrupted run took after it.
+saved in the checkpoint, dropping rows of steps that the interrupted run took after it; a run that
+rolls back to a checkpoint (``on_spike="rollback"``) rewrites it the same way (:meth:`RunLog.rewind`).
 """
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +35,6 @@ class RunLog:
     """Writes the rows of one run to ``<out>/log.csv`` and, if asked, ``<out>/tensorboard/``."""
 
     def __init__(self, out_dir: Path, history: list[dict[str, Any]], tensorboard: bool) -> None:
-        self._args = (out_dir, tensorboard)
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "log.csv"
         self._file = self.path.open("w", newline="")
@@ -61,6 +62,16 @@ class RunLog:
                 if row.get(name) is not None:
                     self._tb.add_scalar(name, row[name], row["step"])
 
+    def rewind(self, history: list[dict[str, Any]]) -> None:
+        """After a roll-back: ``log.csv`` is the history again (the rows of the undone steps dropped) and
+        ``telemetry.csv`` holds no step past its end; each file replaced whole, so a killed run leaves
+        either the old or the new one. TensorBoard keeps the undone steps' events (its files are append-only)."""
+        self._file.close()
+        rewrite(self.path, COLUMNS, [[_text(row.get(c)) for c in COLUMNS] for row in history])
+        self._file = self.path.open("a", newline="")
+        self._csv = csv.writer(self._file)
+        self._telemetry.rewind(history[-1]["step"] if history else 0)
+
     def write_telemetry(self, records: list[OperandStats]) -> None:
         """A sampled step's operand figures: rows of ``telemetry.csv``, and TensorBoard scalars grouped
         by figure (``telemetry_sqnr_db/<layer>/<gemm>.<operand>``)."""
@@ -71,18 +82,21 @@ class RunLog:
                     self._tb.add_scalar(f"telemetry_{figure}/{r.layer}/{r.gemm}.{r.operand}", getattr(r, figure),
                                         r.step)
 
-    def rewind(self, history: list[dict[str, Any]]) -> None:
-        """The logs as they were when ``history`` ended (a run rolled back to a checkpoint): written again
-        from it, as a resumed run's are, so no rolled-back row stays in them."""
-        self.close()
-        out_dir, tensorboard = self._args
-        self.__init__(out_dir, history, tensorboard)
-
     def close(self) -> None:
         self._file.close()
         self._telemetry.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def rewrite(path: Path, header: tuple[str, ...], rows: list[list[str]]) -> None:
+    """``path`` replaced whole by a CSV of ``header`` and ``rows`` (written beside it, then renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    os.replace(tmp, path)
 
 
 def read_log(path: Path) -> list[dict[str, str]]:

@@ -155,10 +155,11 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
            "recipe": _step_recipe(cfg, step), "tokens_per_s": cfg.tokens_per_step / seconds}
     if recipes.get(cfg.recipe).uses_delayed_scaling:  # capped amax outliers so far (one read of the device)
         row["amax_outliers"] = amax_outliers(unwrap(run.model))
-    records = sampled.records if sampled is not None else None
-    if records is not None:
-        row[TELEMETRY_KEY] = records  # taken out of the row before it joins the history
-    step_control.after_step(run, step, row, switches, records)  # the controller judges the sampled figures
+    if sampled is not None:
+        row[TELEMETRY_KEY] = sampled.records  # taken out of the row before it joins the history
+    # the controller judges the recipe's casts: the BF16 start's figures say nothing about them
+    judged = sampled.records if sampled is not None and step > cfg.hp_start_steps else None
+    step_control.after_step(run, step, row, switches, records=judged)
     return row
 
 
@@ -208,8 +209,9 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
             step_control.write_switches(log.path.parent, run.pending_switches)
         if step_control.should_roll_back(run, row, ckpt_dir):
             step_control.roll_back(run, step, ckpt_dir)  # the loop goes on from the checkpoint's step
-            if log is not None:
+            if log is not None:  # the files follow the history: the undone steps' rows go
                 log.rewind(run.history)
+                step_control.rewrite_switches(log.path.parent, run.control)
             continue
         if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             save(run, ckpt_dir)

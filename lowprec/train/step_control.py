@@ -15,6 +15,7 @@ skipped.
 from __future__ import annotations
 
 import csv
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,19 @@ def write_switches(out: Path | None, switches: list[Switch]) -> None:
         if new:
             w.writeheader()
         w.writerows(asdict(s) for s in switches)
+
+
+def rewrite_switches(out: Path, control: PrecisionController | None) -> None:
+    """After a roll-back: ``out/switches.csv`` is the restored controller's switches (those of the undone
+    steps dropped), the file replaced whole."""
+    if control is None or not (out / "switches.csv").exists():
+        return
+    tmp = out / "switches.csv.tmp"
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=SWITCH_FIELDS)
+        w.writeheader()
+        w.writerows(asdict(s) for s in control.switches)
+    os.replace(tmp, out / "switches.csv")
 
 
 def should_roll_back(run, row: dict[str, Any], ckpt_dir: Path | None) -> bool:

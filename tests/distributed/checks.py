@@ -346,3 +346,24 @@ def every_recipe(rank: int, world: int) -> dict:
             out[recipe, parallel] = {"converted": len(report.converted), "losses": losses,
                                      "weights": C.flat_weights(model)}
     return out
+
+
+@check
+def control_agrees(rank: int, world: int) -> dict:
+    """The precision controller on two ranks whose telemetry differs: rank 0 sees layer 0's fprop input
+    saturate, rank 1 layer 2's dgrad lose SQNR; each reports the switches it made and its all-reduces."""
+    from lowprec import recipes
+    from lowprec.telemetry import OperandStats
+    from lowprec.telemetry.control import ControlConfig, PrecisionController
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+    lowprec.convert(model, "nvfp4", lowprec.Policy(keep_head=False, keep_last_blocks=0))
+    ctl = PrecisionController(model, recipes.get("nvfp4"), ControlConfig(auto=True), 100, dist.group.WORLD)
+    bad = {0: ("0", "fprop", "input", 0.0, 0.02, 20.0), 1: ("2", "dgrad", "grad_output", 0.0, 0.0, 2.0)}[rank]
+    records = [OperandStats(layer, gemm, "input", 1.0, 1.0, 0.0, 0.0, 20.0, 5)
+               for layer in ("0", "2") for gemm in ("fprop", "dgrad", "wgrad")]
+    records.append(OperandStats(bad[0], bad[1], bad[2], 1.0, 1.0, *bad[3:], 5))
+    with counting_all_reduce() as calls:
+        switches = ctl.observe(5, records)
+    return {"switches": [(s.layer, s.gemm, s.from_recipe, s.to_recipe) for s in switches],
+            "all_reduces": len(calls), "recipes": [model[0].recipe.name, model[2].recipe.name]}

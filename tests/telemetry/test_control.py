@@ -61,10 +61,11 @@ def test_hysteresis_a_widened_gemm_goes_back_after_settling_and_the_hold_doubles
     assert len(ctl.observe(10, [bad])) == 1
     assert ctl.observe(12, [band]) == []  # above the floor but within the band: held, clock restarts at 12
     assert ctl.observe(15, [good]) == []  # 3 steps settled < 4
-    back = ctl.observe(16, None)  # 4 steps since 12: one level down
+    assert ctl.observe(16, None) == []  # an unsampled step lets nothing back
+    back = ctl.observe(16, [good])  # 4 steps since 12: one level down
     assert [(s.from_recipe, s.to_recipe) for s in back] == [("mxfp8", "nvfp4")] and model[0].recipe == R.nvfp4_recipe()
     assert len(ctl.observe(17, [bad])) == 1  # the second strike: held 8 steps now
-    assert ctl.observe(24, None) == [] and len(ctl.observe(25, None)) == 1
+    assert ctl.observe(24, [good]) == [] and len(ctl.observe(25, [good])) == 1
 
 
 def test_trouble_at_the_wider_level_climbs_the_ladder_to_bf16_and_stops_there():
@@ -105,7 +106,7 @@ def test_a_restored_controller_binds_the_same_recipes_and_decides_the_same():
     b = _ctl(b_model, settle_steps=3)
     b.load_state_dict(a.state_dict())
     assert b_model[0].recipe == a_model[0].recipe and b.switches == a.switches
-    assert [s.to_recipe for s in a.observe(4, None)] == [s.to_recipe for s in b.observe(4, None)] == ["nvfp4"]
+    assert [s.to_recipe for s in a.observe(4, [])] == [s.to_recipe for s in b.observe(4, [])] == ["nvfp4"]
 
 
 def test_a_state_naming_another_models_layer_is_refused():

@@ -1,12 +1,16 @@
 """``lowprec train``'s telemetry: telemetry.csv rows on the sampled steps, a run's numbers unchanged by
-it, and a resumed run's file equal to an uninterrupted run's."""
+it, a resumed run's file equal to an uninterrupted run's, and the precision controller judging the sampled
+steps' figures."""
 from __future__ import annotations
 
+import csv
+import math
 import warnings
 from dataclasses import replace
 
 import pytest
 
+from lowprec.telemetry.control import ControlConfig
 from lowprec.telemetry.records import read_records
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import load_data
@@ -64,3 +68,31 @@ def test_a_resumed_run_keeps_the_sampled_steps_before_its_checkpoint(data, tmp_p
     _run(data, cfg, out_dir=tmp_path / "cut", resume=True)
     whole = (tmp_path / "whole" / "telemetry.csv").read_text()
     assert (tmp_path / "cut" / "telemetry.csv").read_text() == whole
+
+
+def test_the_controller_judges_the_sampled_steps_figures_after_the_bf16_start(data, tmp_path):
+    # a floor above any FP8 cast's SQNR: every GEMM of a judged step is trouble
+    control = ControlConfig(auto=True, sqnr_floor_db=60.0)
+    cfg = replace(CFG, steps=3, eval_every=3, telemetry_every=1, hp_start_steps=2, control=control)
+    model = build_model(MICRO, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, data, cfg, out_dir=tmp_path, checkpoints=False)
+    records = read_records(tmp_path / "telemetry.csv")
+    with (tmp_path / "switches.csv").open() as f:
+        switches = list(csv.DictReader(f))
+    worst = {}
+    for r in records:
+        if r.step == 3:
+            worst[r.layer, r.gemm] = min(worst.get((r.layer, r.gemm), math.inf), r.sqnr_db)
+    assert len(worst) == 3 * LINEARS
+    # steps 1-2 (BF16 start) are sampled but not judged; step 3's figures widen each GEMM one level
+    assert {(s["step"], s["layer"], s["gemm"], s["from_recipe"], s["to_recipe"]) for s in switches} == \
+        {("3", layer, gemm, "fp8-current", "bf16") for layer, gemm in worst}
+    assert {s["reason"] for s in switches} == {f"SQNR {worst[s['layer'], s['gemm']]:.1f} dB < 60" for s in switches}
+    assert all(m.recipe.name == "bf16" for m in model.modules() if getattr(m, "recipe", None) is not None)
+
+
+def test_auto_precision_without_telemetry_is_refused():
+    with pytest.raises(ValueError, match=r"^telemetry_every: expected a positive int with control.auto"):
+        replace(CFG, telemetry_every=0, control=ControlConfig(auto=True))
