@@ -33,7 +33,8 @@ def _invoke(*args):
     (["compare", "--model", "huge", "--steps", "2"], "Error: model: expected one of 'tiny'"),
     (["compare", "--steps", "0"], "Error: steps: expected a positive int, got 0"),
     (["compare", "--data", "missing-dir/"], "Error: data: expected an existing file or directory"),
-    (["train", "--auto-precision", "--telemetry-every", "0"], "Error: --auto-precision: expected --telemetry-every N > 0"),
+    (["train", "--auto-precision", "--telemetry-every", "0"],
+     "Error: --auto-precision: expected --telemetry-every N > 0"),
     (["train", "--hp-final-fraction", "1.5"], "Error: --hp-final-fraction: expected a fraction in [0, 1)"),
     (["train", "--policy", "no/such/policy.json"], "Error: policy: expected a policy JSON file, got "
                                                    "'no/such/policy.json', which is not a file"),
