@@ -37,6 +37,16 @@ starts from the model's weights, not from their FP8 rounding; the optimizer then
 (``load_state_dict``); other in-place writes are refused, since the codes cannot take an update. Its
 ``state_dict`` entry is the decoded weight, so a plain model loads it; a checkpoint's masters are in
 the optimizer's state.
+
+[Note: FP8 primary weights under torch.compile]
+Dynamo sees the parameter as a plain tensor: it can neither read the subclass's inner tensors nor call
+its methods (a method returning a non-tensor ends the graph). So nothing in a compiled forward asks the
+weight anything. The layer's :class:`~lowprec.nn.plan.LayerPlan` is made for the weight the layer holds
+(its ``weight_storage``) and says whether the codes serve the GEMMs (``stored_weight``); the layer keeps
+the codes, scales and amax as plain tensors (:class:`StoredCodes`, taken again when the weight moves or
+is replaced) and passes them to its autograd function beside the parameter, which receives the gradient.
+Backward keeps those codes (no copy: they are the parameter's) rather than the parameter. The optimizer
+writes the codes in place, so the compiled graph, whose inputs they are, reads each step's codes.
 """
 from __future__ import annotations
 
