@@ -172,19 +172,22 @@ def input_casts(x: torch.Tensor, x2: torch.Tensor, op: OperandPlan, need_t: bool
 
 
 def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t: bool,
-                 record: bool) -> tuple[Operand, Operand | None]:
+                 record: bool, stored: QuantizedTensor | None = None) -> tuple[Operand, Operand | None]:
     """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
     :func:`lowprec.nn.cached_weight_casts` taken from the cache until the weight changes. ``record``:
-    add the weight's amax to the delayed-scaling history (training forwards, not evaluation)."""
+    add the weight's amax to the delayed-scaling history (training forwards, not evaluation).
+    ``stored``: an FP8 primary weight's codes in another format than the recipe's, decoded and cast."""
     caching = state.caching
-    if isinstance(weight, QuantizedWeight):
+    if stored is None and isinstance(weight, QuantizedWeight):
         if weight.serves(op):
             if record and op.delayed and state.delayed is not None:
                 state.delayed.record(op.role, weight.amax)
             return weight.quantized(), weight.quantized(transposed=True) if need_t else None
+        stored = weight.quantized()
+    if stored is not None:
         # FP8 weights stored in another format than the recipe's: decoded, then cast as it says
-        key = (weight._version, weight._data.data_ptr(), op) if caching else None
-        weight = weight.dequantize()
+        key = (weight._version, stored.data.data_ptr(), op) if caching else None
+        weight = stored.dequantize(weight.dtype)
     else:
         key = (weight._version, weight.data_ptr(), op) if caching else None
     cached = state.weight_cache

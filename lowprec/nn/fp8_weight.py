@@ -37,8 +37,20 @@ starts from the model's weights, not from their FP8 rounding; the optimizer then
 (``load_state_dict``); other in-place writes are refused, since the codes cannot take an update. Its
 ``state_dict`` entry is the decoded weight, so a plain model loads it; a checkpoint's masters are in
 the optimizer's state.
+
+[Note: FP8 primary weights under torch.compile]
+Dynamo sees the parameter as a plain tensor: it can neither read the subclass's inner tensors nor call
+its methods (a method returning a non-tensor ends the graph). So nothing in a compiled forward asks the
+weight anything. The layer's :class:`~lowprec.nn.plan.LayerPlan` is made for the weight the layer holds
+(its ``weight_storage``) and says whether the codes serve the GEMMs (``stored_weight``); the layer keeps
+the codes, scales and amax as plain tensors (:class:`StoredCodes`, taken again when the weight moves or
+is replaced) and passes them to its autograd function beside the parameter, which receives the gradient.
+Backward keeps those codes (no copy: they are the parameter's) rather than the parameter. The optimizer
+writes the codes in place, so the compiled graph, whose inputs they are, reads each step's codes.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -47,8 +59,8 @@ from lowprec import formats as F
 from lowprec import kernels as K
 from lowprec._checks import fail
 from lowprec.nn.casts import QuantizedWeight
-from lowprec.nn.plan import OperandPlan
-from lowprec.quant import Granularity, GranularityKind, QuantizedTensor, blockwise, tensorwise
+from lowprec.nn.plan import OperandPlan, codes_serve
+from lowprec.quant import Granularity, QuantizedTensor, blockwise, tensorwise
 
 aten = torch.ops.aten
 E4M3 = F.get("e4m3")
@@ -66,14 +78,18 @@ def storage_for(op: OperandPlan) -> tuple[Granularity, bool]:
 
 
 def serves(granularity: Granularity, op: OperandPlan | None) -> bool:
-    """Whether codes stored with ``granularity`` are exactly the operands of ``op``'s two weight casts:
-    E4M3, deterministic, the same granularity on both sides, no Hadamard transform."""
-    if op is None or op.both is None:
-        return False
-    sides = (op.both.along_k, op.both.transposed)
-    square = granularity.kind is GranularityKind.TENSOR or granularity.block_rows == granularity.block_cols
-    return square and all(s is not None and s.fmt is E4M3 and s.granularity == granularity and not s.stochastic
-                          and s.hadamard_seed is None for s in sides)
+    """Whether codes stored with ``granularity`` are exactly the operands of ``op``'s two weight casts
+    (:func:`lowprec.nn.plan.codes_serve`)."""
+    return codes_serve(granularity, op)
+
+
+def stored_operand(data: torch.Tensor, scale: torch.Tensor, granularity: Granularity, shape: torch.Size,
+                   dtype: torch.dtype, transposed: bool = False) -> QuantizedTensor:
+    """Stored codes and scales as the fprop operand of a weight of ``shape`` and ``dtype``, or transposed
+    as dgrad's (``weight.T``, (K, N)): plain tensors in, so a compiled graph builds it as eager code does."""
+    if transposed:
+        data, scale, shape = data.t().contiguous(), scale.t().contiguous(), torch.Size(reversed(shape))
+    return QuantizedTensor(data, scale, E4M3, granularity, shape, dtype)
 
 
 def _quantize(hp: torch.Tensor, granularity: Granularity, amax: bool) -> tuple[QuantizedTensor, torch.Tensor | None]:
@@ -126,11 +142,7 @@ class FP8Weight(QuantizedWeight):
 
     def quantized(self, transposed: bool = False) -> QuantizedTensor:
         """The stored codes as the fprop operand, or transposed as dgrad's (``weight.T``, (K, N))."""
-        data, scale = self._data, self._scale
-        shape = self.shape
-        if transposed:
-            data, scale, shape = data.t().contiguous(), scale.t().contiguous(), torch.Size(reversed(shape))
-        return QuantizedTensor(data, scale, E4M3, self._granularity, shape, self.dtype)
+        return stored_operand(self._data, self._scale, self._granularity, self.shape, self.dtype, transposed)
 
     @property
     def amax(self) -> torch.Tensor:
@@ -213,6 +225,25 @@ def _moves_only(t: FP8Weight, kwargs: dict) -> bool:
         kwargs.get("dtype", t.dtype) == t.dtype and kwargs.get("layout", torch.strided) == torch.strided
 
 
+def stored_codes(weight: torch.Tensor) -> StoredCodes | None:
+    """``weight``'s codes, scales and amax as plain tensors (the same tensors, which the optimizer's
+    requantization writes in place), or None for any weight but an :class:`FP8Weight`."""
+    if not isinstance(weight, FP8Weight):
+        return None
+    return StoredCodes(weight._granularity, weight._data, weight._scale, weight._amax)
+
+
+class StoredCodes(NamedTuple):
+    """What a layer keeps of its :class:`FP8Weight` for compiled code: Dynamo cannot read the subclass's
+    inner tensors, and treats its methods as tensor ops (a graph break), so the layer hands these plain
+    tensors to its autograd function instead (see [Note: FP8 primary weights under torch.compile])."""
+
+    granularity: Granularity
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor | None
+
+
 def fp8_weights(module: torch.nn.Module) -> list[FP8Weight]:
     """The :class:`FP8Weight` parameters of ``module``, in order."""
     return [p for p in module.parameters() if isinstance(p, FP8Weight)]
@@ -242,6 +273,7 @@ def store_fp8(layer) -> bool:
         fp8 = FP8Weight.of(w, granularity, amax=plan.weight.delayed)
         layer.weight = torch.nn.Parameter(fp8, requires_grad=w.requires_grad)
         layer.register_state_dict_post_hook(_decoded_state)
+        layer.hold_weight()
     return direct
 
 

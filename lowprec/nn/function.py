@@ -20,6 +20,7 @@ import torch
 
 from lowprec import kernels as K
 from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
+from lowprec.nn.fp8_weight import stored_operand
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan
 from lowprec.quant import QuantizedTensor
 from lowprec.telemetry.collect import probe
@@ -59,16 +60,19 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, need_wgrad: bool,
-          record: bool = True):
+          record: bool = True, codes: tuple = ()):
     """The forward GEMM; also what backward needs: (y, x.T cast or None, w.T cast or None, the delayed
     scale to cast w.T with in backward or None). Where backward recasts weight.T the w.T cast is None
     (see [Note: what backward keeps]). ``record``: add the amaxes to the delayed-scaling history
-    (training, not evaluation)."""
+    (training, not evaluation). ``codes``: an FP8 primary weight's (codes, scales, amax) as plain
+    tensors, or () (see [Note: FP8 primary weights under torch.compile] in ``lowprec.nn.fp8_weight``)."""
     out_dtype = output_dtype(x)
     w_op = plan.weight
-    direct = isinstance(weight, QuantizedWeight) and weight.serves(w_op)
+    stored = _stored(codes, plan, weight.shape, weight.dtype)
+    direct = plan.stored_weight if stored is not None else isinstance(weight, QuantizedWeight) and weight.serves(w_op)
     # an FP8 primary weight's transposed codes are taken from the parameter in backward, never kept
-    recast = need_dgrad and (weight.resident if direct else plan.recast_weight_t and not state.caching)
+    resident = stored is not None or (direct and weight.resident)
+    recast = need_dgrad and (resident if direct else plan.recast_weight_t and not state.caching)
     scale_t = None
     delayed_t = w_op.transposed is not None and w_op.transposed.transposed.delayed
     if recast and not direct and state.delayed is not None and delayed_t:
@@ -77,21 +81,34 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = input_casts(x, x2, plan.input, need_wgrad, state, record)
-        qw, qw_t = weight_casts(weight, w_op, state, need_dgrad and not recast, record)
+        if direct and stored is not None:  # the codes are the operand (and in backward, transposed)
+            qw, qw_t = stored, None
+            if record and w_op.delayed and state.delayed is not None:
+                state.delayed.record(w_op.role, codes[2])
+        else:
+            qw, qw_t = weight_casts(weight, w_op, state, need_dgrad and not recast, record, stored)
         collector = probe()  # None but on a sampled step (see [Note: telemetry under torch.compile])
         if collector is not None:
-            collector.forward(state, plan, x2, None if isinstance(weight, QuantizedWeight) else weight, qx, qx_t,
-                              qw, qw_t)
+            quantized = stored is not None or isinstance(weight, QuantizedWeight)
+            collector.forward(state, plan, x2, None if quantized else weight, qx, qx_t, qw, qw_t)
         y = gemm(qx, qw, plan.fprop, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
     return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t
 
 
+def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,
+            transposed: bool = False) -> QuantizedTensor | None:
+    """An FP8 primary weight's codes (``codes``: codes, scales, ...) as its operand, or None without."""
+    if not codes:
+        return None
+    return stored_operand(codes[0], codes[1], plan.weight_storage, shape, dtype, transposed)
+
+
 def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None) -> Operand:
     """weight.T's cast made again in backward, with forward's delayed scale and no amax recorded: the
     same bits as forward would have made (every backend equals the reference)."""
-    if isinstance(weight, QuantizedWeight):  # an FP8 primary weight (see lowprec.nn.fp8_weight)
+    if isinstance(weight, QuantizedWeight):  # an FP8 weight all-gathered by FSDP2, or not held by a layer
         if weight.serves(plan.weight):
             return weight.quantized(transposed=True)
         weight = weight.dequantize()
@@ -99,33 +116,49 @@ def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | Non
     return K.cast(weight, route, scale_t=scale_t).transposed
 
 
+def _stored_t(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,
+              scale_t: torch.Tensor | None) -> Operand:
+    """weight.T's operand from an FP8 primary weight's codes: the codes transposed where they serve the
+    recipe, else the decoded weight cast as :func:`_weight_t` casts it."""
+    if plan.stored_weight:
+        return _stored(codes, plan, shape, dtype, transposed=True)
+    return _weight_t(_stored(codes, plan, shape, dtype).dequantize(dtype), plan, scale_t)
+
+
 class LinearFunction(torch.autograd.Function):
     """``y = x @ w.T + b`` with every GEMM operand cast as ``plan`` says (see [Note: the three GEMMs]
     in ``lowprec.recipes``); ``state`` holds the weight cache and the delayed-scaling history."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: LayerPlan, state: CastState):
+    def forward(ctx, x, weight, bias, plan: LayerPlan, state: CastState, data=None, scale=None, amax=None):
+        # data, scale, amax: an FP8 primary weight's codes as plain tensors (see lowprec.nn.fp8_weight)
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        y, qx_t, qw_t, scale_t = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad)
+        codes = (data, scale, amax) if data is not None else ()
+        y, qx_t, qw_t, scale_t = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad, codes=codes)
         x_saved, x_meta = _save(qx_t)
         w_saved, w_meta = _save(qw_t)
         recast = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
-        ctx.save_for_backward(*x_saved, *w_saved, weight if recast else None, scale_t)
-        ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        # an FP8 weight's own codes are kept rather than the parameter, which compiled code cannot unwrap
+        kept = (None, data, scale) if recast and codes else (weight if recast else None, None, None)
+        ctx.save_for_backward(*x_saved, *w_saved, scale_t, *kept)
+        ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.shape, weight.dtype,
+                    bias.dtype if bias is not None else None)
         ctx.plan, ctx.state = plan, state
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x_meta, w_meta, x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
+        x_meta, w_meta, x_shape, x_dtype, w_shape, w_dtype, b_dtype = ctx.meta
         saved = ctx.saved_tensors
         qx_t, qw_t = _restore(saved[:3], x_meta), _restore(saved[3:6], w_meta)
-        weight, scale_t = saved[6:8]
+        scale_t, weight, data, scale = saved[6:10]
         plan: LayerPlan = ctx.plan
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            if weight is not None:
+            if data is not None:
+                qw_t = _stored_t((data, scale), plan, w_shape, w_dtype, scale_t)
+            elif weight is not None:
                 qw_t = _weight_t(weight.detach(), plan, scale_t)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
             if need_dgrad or need_wgrad:  # a frozen input (the first layer) needs only wgrad's operand
@@ -139,4 +172,4 @@ class LinearFunction(torch.autograd.Function):
                 dw = gemm(qdy_t, qx_t, plan.wgrad, w_dtype)  # (N, K)
             if b_dtype is not None and need_bias:
                 db = dy2.sum(0).to(b_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None, None, None

@@ -14,6 +14,7 @@ from lowprec._checks import describe, fail
 from lowprec.autocast import records_amax, resolve
 from lowprec.nn.casts import CastState, InputShare
 from lowprec.nn.delayed import DelayedState
+from lowprec.nn.fp8_weight import StoredCodes, stored_codes
 from lowprec.nn.function import LinearFunction, fprop, output_dtype
 from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan
 from lowprec.nn.record import record_amaxes
@@ -39,6 +40,8 @@ class Linear(nn.Linear):
 
     def _init_lowprec(self, recipe) -> None:
         self.state = CastState()
+        self._codes: StoredCodes | None = stored_codes(self.weight)
+        """An FP8 primary weight's codes as plain tensors, for the autograd function (None: a plain weight)."""
         self._plans: tuple[LayerPlan | None, LayerPlan | None] = (None, None)
         """The plans made last, for training [0] and for evaluation [1] (every cast to nearest)."""
         self._warned: set[str] = set()
@@ -93,12 +96,13 @@ class Linear(nn.Linear):
             return None
         i = 1 if nearest else 0
         memo = self._plans[i]
+        storage = self._codes.granularity if self._codes is not None else None
         # compiled code compares by value: dynamo does not keep a frozen dataclass's identity
         same = memo is not None and (memo.recipe == recipe if torch.compiler.is_compiling() else memo.recipe is recipe)
-        if same and memo.device == self.weight.device:
+        if same and memo.device == self.weight.device and memo.weight_storage == storage:
             return memo
         plan = layer_plan(recipe, self.weight.device, self.in_features, self.out_features, self.policy_reason,
-                          self.min_features, nearest)
+                          self.min_features, nearest, storage)
         if not torch.compiler.is_compiling():
             self._plans = (plan, self._plans[1]) if i == 0 else (self._plans[0], plan)
         return plan
@@ -120,9 +124,17 @@ class Linear(nn.Linear):
         # .to(), .cuda(), .half(), to_empty(): the plan and the delayed state follow the weight, now
         # rather than at the first (perhaps compiled) forward on the new device
         out = super()._apply(fn, recurse)
-        if getattr(self, "recipe", None) is not None and not self.weight.is_meta:
-            self._prepare(self.recipe)
+        if hasattr(self, "state"):
+            self.hold_weight()
         return out
+
+    def hold_weight(self) -> None:
+        """Take the weight the layer holds now (moved, decoded, or stored in FP8 by ``convert``): keep
+        an FP8 weight's codes and make the plans for it, outside any compiled graph."""
+        self._codes = stored_codes(self.weight)
+        recipe = getattr(self, "recipe", None)
+        if recipe is not None and not self.weight.is_meta:
+            self._prepare(recipe)
 
     # ---- forward --------------------------------------------------------------------------
 
@@ -136,6 +148,8 @@ class Linear(nn.Linear):
             return nnf.linear(x, self.weight, self.bias)
         if recipe is None:
             return self._recorded(x, nnf.linear(x, self.weight, self.bias))
+        if not torch.compiler.is_compiling():
+            self._check_weight()
         training = self.training and torch.is_grad_enabled()
         plan = self.plan(recipe, nearest=not training)  # evaluation rounds every cast to nearest
         if plan.hp_dtype is not None:
@@ -150,10 +164,23 @@ class Linear(nn.Linear):
         # one stateless object for every layer, so that blocks compiled one by one (FSDP2) share one
         # graph instead of recompiling per layer on the identity of its state
         state = self.state if plan.delayed or not torch.compiler.is_compiling() else _STATELESS
+        codes = self._stored()
         if self._builds_graph(x):
-            return LinearFunction.apply(x, self.weight, self.bias, plan, state)
+            return LinearFunction.apply(x, self.weight, self.bias, plan, state, *codes)
         # inference: no transposed casts, and the delayed-scaling history is left as training made it
-        return fprop(x, self.weight, self.bias, plan, state, False, False, record=False)[0]
+        return fprop(x, self.weight, self.bias, plan, state, False, False, False, codes)[0]
+
+    def _stored(self) -> tuple:
+        """(codes, scales, amax) of an FP8 primary weight, as plain tensors; () for a plain weight."""
+        codes = self._codes
+        return () if codes is None else (codes.data, codes.scale, codes.amax)
+
+    def _check_weight(self) -> None:
+        # eager code notices a weight assigned since the layer took its last one (compiled code takes
+        # what eager code or .to() left: it cannot ask the weight subclass)
+        held, now = self._codes, stored_codes(self.weight)
+        if (held is None) != (now is None) or (held is not None and held.data is not now.data):
+            self.hold_weight()
 
     def _builds_graph(self, x: torch.Tensor) -> bool:
         """The forward is differentiated (training): the autograd function runs, and delayed layers record."""

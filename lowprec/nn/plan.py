@@ -19,6 +19,7 @@ import torch
 from lowprec import formats as F
 from lowprec import recipes as R
 from lowprec.kernels import CastRoute, CastSpec, capability, gemm_path, route
+from lowprec.quant import Granularity, GranularityKind
 from lowprec.quant.hadamard import RHT_SEED
 
 HP = "hp"
@@ -79,6 +80,12 @@ class LayerPlan:
     recast_weight_t: bool = False
     """Backward casts weight.T again from the parameter rather than keep forward's cast (deterministic
     casts only; see [Note: what backward keeps] in ``lowprec.nn.function``)."""
+    weight_storage: Granularity | None = None
+    """The granularity of the layer's FP8 primary weight's E4M3 codes, None for a plain weight (see
+    ``lowprec.nn.fp8_weight``): a plan is made for the weight the layer holds."""
+    stored_weight: bool = False
+    """The GEMMs take the FP8 weight's stored codes as they are (:func:`codes_serve`), decided here and
+    not at each forward, so that a compiled forward asks the weight subclass nothing."""
 
     @property
     def scaled(self) -> bool:
@@ -88,6 +95,18 @@ class LayerPlan:
     @property
     def delayed(self) -> bool:
         return self.scaled and any(op.delayed for op in (self.input, self.weight, self.grad_output))
+
+
+def codes_serve(granularity: Granularity, op: OperandPlan | None) -> bool:
+    """Whether E4M3 codes stored with ``granularity`` are exactly the operands of ``op``'s two weight
+    casts: E4M3, deterministic, the same granularity on both sides, no Hadamard transform."""
+    if op is None or op.both is None:
+        return False
+    sides = (op.both.along_k, op.both.transposed)
+    square = granularity.kind is GranularityKind.TENSOR or granularity.block_rows == granularity.block_cols
+    e4m3 = F.get("e4m3")
+    return square and all(s is not None and s.fmt is e4m3 and s.granularity == granularity and not s.stochastic
+                          and s.hadamard_seed is None for s in sides)
 
 
 def _spec(c: R.Cast, nearest: bool) -> CastSpec | None:
@@ -148,22 +167,27 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
 @functools.lru_cache(maxsize=1024)
 def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_features: int,
                policy_reason: str | None = None, min_features: int | None = None,
-               nearest: bool = False) -> LayerPlan:
+               nearest: bool = False, weight_storage: Granularity | None = None) -> LayerPlan:
     """The plan of a layer of this shape with ``recipe`` on ``device``; ``policy_reason``: why the
     conversion keeps it in high precision (or None); ``min_features``: see :func:`small_reason`;
-    ``nearest``: every cast rounds to nearest (evaluation: see [Note: evaluation is deterministic])."""
+    ``nearest``: every cast rounds to nearest (evaluation: see [Note: evaluation is deterministic]);
+    ``weight_storage``: the granularity of the layer's FP8 primary weight (None: a plain weight)."""
     device = torch.device(device)
     reason = (policy_reason or fallback_reason(in_features, out_features, recipe)
               or small_reason(in_features, out_features, min_features, device, recipe))
     if reason is not None or recipe.hp_dtype is not None:
-        return LayerPlan(recipe, device, reason, recipe.hp_dtype if reason is None else None)
+        return LayerPlan(recipe, device, reason, recipe.hp_dtype if reason is None else None,
+                         weight_storage=weight_storage)
     r = recipe
     dgrad_w = r.dgrad.rhs
+    weight = operand_plan(R.Role.WEIGHT, r.fprop.rhs, r.dgrad.rhs, device, nearest)
     return LayerPlan(
         recipe, device, None, None,
         input=operand_plan(R.Role.INPUT, r.fprop.lhs, r.wgrad.rhs, device, nearest),
-        weight=operand_plan(R.Role.WEIGHT, r.fprop.rhs, r.dgrad.rhs, device, nearest),
+        weight=weight,
         grad_output=operand_plan(R.Role.GRAD_OUTPUT, r.dgrad.lhs, r.wgrad.lhs, device, nearest),
         fprop=_gemm(r.fprop, device), dgrad=_gemm(r.dgrad, device), wgrad=_gemm(r.wgrad, device),
         recast_weight_t=dgrad_w.quantized and (nearest or not dgrad_w.stochastic),
+        weight_storage=weight_storage,
+        stored_weight=weight_storage is not None and codes_serve(weight_storage, weight),
     )

@@ -125,14 +125,13 @@ def test_state_dict_holds_the_decoded_weight_and_loading_quantizes_it():
 
 
 def test_a_compiled_layer_with_an_fp8_weight_equals_eager():
-    # not fullgraph: Dynamo traces a method call on the weight subclass as a tensor op and breaks the
-    # graph there (the layer's decision to read the codes directly would have to move into its plan)
+    # one graph: the plan says the codes serve, and the layer hands them over as plain tensors
     torch._dynamo.reset()
     model = _model("fp8-current", True)
     lin = model[0]
     x, dy = randn(16, 128, seed=1, dtype=BF16), randn(16, 256, seed=2, dtype=BF16)
     results = []
-    for layer in (torch.compile(lin, backend="aot_eager"), lin):
+    for layer in (torch.compile(lin, backend="aot_eager", fullgraph=True), lin):
         xi = x.clone().requires_grad_()
         layer(xi).backward(dy)
         results.append((layer(xi).detach(), xi.grad, lin.weight.grad))
