@@ -81,23 +81,30 @@ def store_flat(x: torch.Tensor, states: list[dict], fmt: StateFormat, moment: Mo
         torch._foreach_copy_([s[key + suffix] for s in states], list(new[key + suffix].split(groups)))
 
 
-def update(params: list[torch.Tensor], states: list[dict], fmt: StateFormat, group: dict, step: float) -> None:
-    """One AdamW step of ``params`` (one bucket, see [Note: the batched step]), their counts already
-    at ``step``: torch's single-tensor AdamW, operation for operation, on the concatenated tensors."""
+def adamw_math(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               group: dict, step: float) -> None:
+    """torch's single-tensor AdamW, operation for operation, on ``p`` and the float32 moments in place:
+    what the per-parameter and the batched step both run, so they agree bit for bit."""
     beta1, beta2 = group["betas"]
     lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    numels = [p.numel() for p in params]
-    grad = torch.cat([p.grad.reshape(-1) for p in params])
-    grad = grad if grad.dtype == torch.float32 else grad.float()
-    flat = torch.cat([p.reshape(-1) for p in params])
-    exp_avg, exp_avg_sq = (load_flat(states, fmt, m, numels) for m in Moment)
-    flat.mul_(1 - lr * wd)
+    p.mul_(1 - lr * wd)
     exp_avg.lerp_(grad, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     bias_correction1 = 1 - beta1**step
     bias_correction2_sqrt = (1 - beta2**step) ** 0.5
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    flat.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+
+
+def update(params: list[torch.Tensor], states: list[dict], fmt: StateFormat, group: dict, step: float) -> None:
+    """One AdamW step of ``params`` (one bucket, see [Note: the batched step]), their counts already
+    at ``step``: :func:`adamw_math` on the concatenated tensors."""
+    numels = [p.numel() for p in params]
+    grad = torch.cat([p.grad.reshape(-1) for p in params])
+    grad = grad if grad.dtype == torch.float32 else grad.float()
+    flat = torch.cat([p.reshape(-1) for p in params])
+    exp_avg, exp_avg_sq = (load_flat(states, fmt, m, numels) for m in Moment)
+    adamw_math(flat, grad, exp_avg, exp_avg_sq, group, step)
     torch._foreach_copy_(params, [part.view(p.shape) for part, p in zip(flat.split(numels), params)])
     store_flat(exp_avg, states, fmt, Moment.FIRST, numels)
     store_flat(exp_avg_sq, states, fmt, Moment.SECOND, numels)

@@ -31,19 +31,9 @@ from lowprec.optim.states import Moment, StateFormat, code_dtype, load, store
 def update_one(p: torch.Tensor, state: dict, fmt: StateFormat, group: dict) -> None:
     """One parameter's step (its count already advanced): the reference that the batched step
     (:mod:`lowprec.optim.adamw_batch`) equals bit for bit, and the step of FSDP2 shards."""
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
     grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
     exp_avg, exp_avg_sq = load(state, fmt, Moment.FIRST), load(state, fmt, Moment.SECOND)
-    step = state["step"].item()
-    # torch's single-tensor AdamW, operation for operation
-    p.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    batch.adamw_math(p, grad, exp_avg, exp_avg_sq, group, state["step"].item())
     state.update(store(exp_avg, fmt, Moment.FIRST))
     state.update(store(exp_avg_sq, fmt, Moment.SECOND))
 
