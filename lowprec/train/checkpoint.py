@@ -162,6 +162,15 @@ def _old_version(data: bytes) -> Any:
         return None
 
 
+def _check_sha256(data: bytes, recorded: str, where: str, damage: str) -> None:
+    """:class:`CheckpointError` unless ``data`` hashes to the ``recorded`` sha256."""
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != recorded:
+        fail("checkpoint", f"sha256 {str(recorded)[:16]}... recorded {where}",
+             f"{actual[:16]}... (the file {damage}; delete this checkpoint to resume from an older one)",
+             CheckpointError)
+
+
 def read_meta(path: str | Path) -> dict[str, Any]:
     """The body of a checkpoint JSON (single-process or distributed) once its sha256 and version hold.
 
@@ -185,11 +194,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
         fail("checkpoint", "a checkpoint JSON (its sha256, then its body)",
              f"a corrupt or truncated file {str(path)!r}", CheckpointError)
     recorded = data[len(_HEAD):split].decode("ascii", errors="replace")
-    actual = hashlib.sha256(body).hexdigest()
-    if actual != recorded:
-        fail("checkpoint", f"sha256 {recorded[:16]}... recorded in {str(path)!r}",
-             f"{actual[:16]}... (the file was altered or damaged; delete this checkpoint to resume from an "
-             "older one)", CheckpointError)
+    _check_sha256(body, recorded, f"in {str(path)!r}", "was altered or damaged")
     try:
         meta = json.loads(body)
         version, step = meta["format_version"], meta["step"]
@@ -278,11 +283,7 @@ def load_checkpoint(path: str | Path) -> tuple[int, dict[str, Any]]:
     if not tensors_path.is_file():
         fail("checkpoint", f"the tensors file beside {str(path)!r}", f"no {str(tensors_path)!r}", CheckpointError)
     blob = tensors_path.read_bytes()
-    actual = hashlib.sha256(blob).hexdigest()
-    if actual != digest:
-        fail("checkpoint", f"sha256 {str(digest)[:16]}... recorded for {str(tensors_path)!r}",
-             f"{actual[:16]}... (the file is corrupt or truncated; delete this checkpoint to resume from an "
-             "older one)", CheckpointError)
+    _check_sha256(blob, digest, f"for {str(tensors_path)!r}", "is corrupt or truncated")
     try:
         tensors = safetensors.torch.load(blob)
         return meta["step"], _unflatten(meta["state"], tensors)
