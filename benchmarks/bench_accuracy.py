@@ -2,7 +2,8 @@
 
     python benchmarks/bench_accuracy.py --out results/acc [--model 125m] [--tokens 50e6] [--bf16-seeds 2]
         [--recipes fp8-current,...] [--deadline 540]
-    python benchmarks/bench_accuracy.py --report results/acc results/acc2     # the table of earlier runs
+    python benchmarks/bench_accuracy.py --report results/acc results/accuracy-125m.json --out results/all
+        # the table of earlier runs: result directories and merged tables, merged into --out/accuracy.json
     python benchmarks/bench_accuracy.py --dry-run --out /tmp/acc              # tiny model, CPU, seconds
 
 Each run is ``lowprec.train.train`` as ``lowprec train`` runs it (AdamW, warmup + cosine, BF16
@@ -145,10 +146,14 @@ def _summary(out: Path, label: str) -> str:
             f"first step {r['first_step_s']:.0f} s, {r['wall_s']:.0f} s")
 
 
-def load_results(dirs: list[str]) -> list[dict]:
+def load_results(paths: list[str]) -> list[dict]:
+    """The runs of result directories (one JSON per run) and of merged tables (``accuracy.json``)."""
     rows = []
-    for d in dirs:
-        rows += [json.loads(p.read_text()) for p in sorted(Path(d).glob("*-seed*.json"))]
+    for d in paths:
+        if Path(d).is_file():
+            rows += json.loads(Path(d).read_text())["rows"]
+        else:
+            rows += [json.loads(p.read_text()) for p in sorted(Path(d).glob("*-seed*.json"))]
     return rows
 
 
@@ -193,7 +198,8 @@ def parse_args(argv):
     ap.add_argument("--deadline", type=float, default=math.inf, help="Seconds after which no run starts.")
     ap.add_argument("--data", default=None, help="Default: the installation's Python sources (see above).")
     ap.add_argument("--corpus-mb", type=float, default=150)
-    ap.add_argument("--report", nargs="+", default=None, help="Only print the table of these result directories.")
+    ap.add_argument("--report", nargs="+", default=None,
+                    help="Only the table of these result directories and merged tables (written to --out/accuracy.json).")
     ap.add_argument("--dry-run", action="store_true", help="The tiny model for a few steps on the CPU, eagerly.")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -207,9 +213,11 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.report:
-        return table(load_results(args.report))
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.report:
+        result = table(load_results(args.report))
+        (Path(args.out) / "accuracy.json").write_text(json.dumps(result, indent=1, default=str))
+        return result
     if args.only is not None:
         worker(args)
         return {}

@@ -1,0 +1,186 @@
+"""Benchmark 7: where a whole training step's time and memory go, BF16 against lowprec and torchao.
+
+    python benchmarks/bench_profile.py --out results/ [--size 1b] [--mode compiled] [--params fp32-autocast]
+        [--variants bf16,lowprec:fp8-current,torchao:tensorwise] [--steps 3]
+    python benchmarks/bench_profile.py --size tiny --mode eager --steps 1     # dry run, any machine
+
+The step is ``bench_model.py``'s, on the same model and batch. Per variant, after the first step and two
+warmup steps: the wall time of ``--steps`` profiled steps, the GPU's kernel time by kind (GEMM,
+attention, lowprec's cast kernels, inductor's fused kernels, the optimizer, other torch kernels, copies),
+the time the GPU sat idle between kernels (launch-bound code shows here), the bytes the forward keeps
+for the backward (allocated after the loss less allocated before the forward: saved activations and
+the logits), the peak of the step, and the twenty longest kernels.
+
+From BF16's profile it prints the ceiling of an FP8 recipe on this model: the step time if every
+converted linear's GEMM ran ``--fp8-gemm-speedup`` times faster (1.9x: the H200's FP8 against BF16
+GEMM throughput, ANCHORS.md) and nothing else changed. The converted linears' share of the GEMM time
+is their share of the GEMM FLOPs (the LM head stays BF16). A recipe's figure against that ceiling
+says how much of the gap is casts and how much is arithmetic the recipe does not touch.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from _common import DEVICE, environment, print_table, sync, write_json
+from _models import SIZES
+from bench_model import TORCHAO_MISSING, check_variant, lowprec_options, make_step, place, torchao_float8
+
+from lowprec.train.model import build_model
+
+KINDS = (  # (kind, pattern on the kernel's name), the first match wins
+    ("attention", r"flash|fmha|sdpa|attention|attn"),
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|^aten::(mm|addmm|bmm|_scaled_mm|matmul|linear)$"),
+    ("lowprec casts", r"^(cast_kernel|amax_kernel|dequant_kernel)"),
+    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("inductor fused", r"^triton_"),
+    ("copies", r"memcpy|memset|copy_|direct_copy"),
+)
+OTHER = "other torch kernels"
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return kind
+    return OTHER
+
+
+def ceiling(size, bf16_step_ms: float, bf16_gemm_ms: float, speedup: float) -> dict:
+    """The step time of BF16's profile with the converted linears' GEMMs ``speedup`` times faster."""
+    c = size.config
+    head = c.vocab_size * c.dim
+    linears = c.num_params() - head - (2 * c.n_layers + 1) * c.dim - head  # less embedding, norms and head
+    share = linears / (linears + head)  # of the GEMM FLOPs (6 per parameter for each linear)
+    saved = bf16_gemm_ms * share * (1 - 1 / speedup)
+    return {"converted_gemm_share": share, "step_ms": bf16_step_ms - saved,
+            "speedup": bf16_step_ms / (bf16_step_ms - saved)}
+
+
+def profile_variant(base, size, name: str, args, tokens) -> dict:
+    if name.startswith("torchao:") and torchao_float8() is None:
+        return {"skipped": TORCHAO_MISSING}
+    dtype = torch.float32 if args.params == "fp32-autocast" else torch.bfloat16
+    model, what, _ = place(base, name, dtype, "device")
+    options = lowprec_options(name)[1] if name.startswith("lowprec:") else set()
+    states = next((o.removesuffix("states") for o in options if o.endswith("states")), None)
+    step, _opt = make_step(model, args.params, args.mode == "compiled", tokens, states)
+    for _ in range(3):  # compiles, creates the optimizer state, settles
+        step()
+    sync(DEVICE)
+    saved = saved_bytes(step, model, tokens, args)
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    sync(DEVICE)
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step()
+        sync(DEVICE)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    per_kind, per_kernel, ranges = defaultdict(float), defaultdict(float), defaultdict(float)
+    device_type = torch.autograd.DeviceType.CUDA if DEVICE == "cuda" else torch.autograd.DeviceType.CPU
+    for e in prof.events():
+        if e.device_type != device_type or (DEVICE != "cuda" and e.cpu_parent is not None):
+            continue  # on the CPU (dry run) the top-level ops stand in for kernels
+        ms = e.time_range.elapsed_us() / 1e3 / args.steps
+        if getattr(e, "is_user_annotation", False):  # a record_function range on the GPU's timeline
+            ranges[e.name] += ms
+            continue
+        per_kind[kind_of(e.name)] += ms
+        per_kernel[e.name] += ms
+    busy = sum(per_kind.values())
+    row = {"conversion": what, "step_ms": wall_ms, "kernel_ms": busy, "idle_ms": max(0.0, wall_ms - busy),
+           "kinds_ms": dict(per_kind), "saved_gib": saved,
+           "optimizer_range_ms": sum(ms for n, ms in ranges.items() if n.startswith("Optimizer.step")),
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
+           "top_kernels": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]}
+    del model, step, _opt, prof
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return row
+
+
+def saved_bytes(step, model, tokens, args) -> float | None:
+    """GiB the forward keeps until the backward: allocated after the loss less allocated before."""
+    if DEVICE != "cuda":
+        return None
+    forward = getattr(step, "forward", model)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    sync(DEVICE)
+    before = torch.cuda.memory_allocated()
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=args.params == "fp32-autocast"):
+        loss = F.cross_entropy(forward(x).float().flatten(0, 1), y.flatten())
+    sync(DEVICE)
+    after = torch.cuda.memory_allocated()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return (after - before) / 2**30
+
+
+def report(size, results: dict, args) -> None:
+    kinds = [k for k, _ in KINDS] + [OTHER]
+    bf = results.get("bf16", {})
+    rows = []
+    for name, r in results.items():
+        if "step_ms" not in r:
+            rows.append([name, r.get("skipped") or r.get("error", "")[:60]] + [""] * (len(kinds) + 5))
+            continue
+        rows.append([name, f"{r['step_ms']:.1f}", f"{bf['step_ms'] / r['step_ms']:.2f}x" if "step_ms" in bf else "-",
+                     *(f"{r['kinds_ms'].get(k, 0.0):.1f}" for k in kinds), f"{r['idle_ms']:.1f}",
+                     f"{r['optimizer_range_ms']:.1f}",
+                     "-" if r["saved_gib"] is None else f"{r['saved_gib']:.2f}",
+                     "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"])
+    print_table(f"{args.size} / {args.mode} / {args.params}: ms per step",
+                ["variant", "step", "vs bf16", *kinds, "GPU idle", "optimizer.step on GPU", "saved GiB", "peak GiB"],
+                rows)
+    if "kinds_ms" in bf:
+        c = ceiling(size, bf["step_ms"], bf["kinds_ms"].get("gemm", 0.0), args.fp8_gemm_speedup)
+        results["ceiling"] = c
+        print(f"\nceiling: converted linears' GEMMs {args.fp8_gemm_speedup}x faster ({c['converted_gemm_share']:.0%} "
+              f"of BF16's GEMM time), all else as BF16: {c['step_ms']:.1f} ms per step, {c['speedup']:.2f}x BF16")
+    for name, r in results.items():
+        if "top_kernels" in r:
+            print_table(f"{name}: longest kernels, ms per step", ["kernel", "ms", "kind"],
+                        [[k[:110], f"{ms:.2f}", kind_of(k)] for k, ms in r["top_kernels"]])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--size", default="1b", choices=sorted(SIZES))
+    ap.add_argument("--mode", default="compiled", choices=("compiled", "eager"))
+    ap.add_argument("--params", default="fp32-autocast", choices=("fp32-autocast", "bf16-master"))
+    ap.add_argument("--variants", default="bf16,lowprec:fp8-current,torchao:tensorwise",
+                    type=lambda s: [check_variant(v) for v in s.split(",")])
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--fp8-gemm-speedup", type=float, default=1.9)
+    args = ap.parse_args(argv)
+    size = SIZES[args.size]
+    base = build_model(size.config, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(size.config.vocab_size, (size.batch, size.seq_len + 1), generator=gen).to(DEVICE)
+    results: dict = {}
+    for name in args.variants:
+        try:
+            results[name] = profile_variant(base, size, name, args, tokens)
+        except Exception as e:  # one variant failing (out of memory, say) leaves the others' figures
+            results[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+        print(name, {k: v for k, v in results[name].items() if k != "top_kernels"}, flush=True)
+    report(size, results, args)
+    write_json(args.out, f"bench_profile_{args.size}_{args.mode}_{args.params}.json",
+               {"env": environment(), "args": vars(args), "results": results})
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""benchmarks/bench_profile.py: the kinds it sorts kernels into, its FP8 ceiling, and its dry run."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from lowprec.train.model import Transformer
+from tests.helpers import load_benchmark
+
+
+@pytest.fixture(name="prof", scope="module")
+def prof_fixture():
+    with pytest.MonkeyPatch.context() as mp:
+        load_benchmark("bench_model", mp)  # bench_profile imports it by plain name
+        yield load_benchmark("bench_profile", mp)
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", "gemm"),
+    ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"),
+    ("aten::_scaled_mm", "gemm"),
+    ("pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "attention"),
+    ("cast_kernel", "lowprec casts"),
+    ("amax_kernel", "lowprec casts"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "inductor fused"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>", "other torch kernels"),
+])
+def test_kernels_sorted_by_kind(prof, name, kind):
+    assert prof.kind_of(name) == kind
+
+
+def test_ceiling_counts_the_converted_linears_only(prof):
+    size = prof.SIZES["1b"]
+    with torch.device("meta"):
+        model = Transformer(size.config)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    head = size.config.vocab_size * size.config.dim
+    body = sum(m.weight.numel() for m in linears) - head  # every linear but the LM head
+    share = body / (body + head)
+    c = prof.ceiling(size, 100.0, 60.0, 2.0)
+    assert c["converted_gemm_share"] == pytest.approx(share)
+    # the converted GEMMs take half their time; nothing else moves
+    assert c["step_ms"] == pytest.approx(100.0 - 60.0 * share / 2)
+    assert c["speedup"] == pytest.approx(100.0 / c["step_ms"])
+    assert prof.ceiling(size, 100.0, 60.0, 1.0)["speedup"] == pytest.approx(1.0)
+
+
+def test_dry_run_profiles_each_variant(prof, tmp_path):
+    with torch.random.fork_rng():
+        results = prof.main(["--size", "tiny", "--mode", "eager", "--params", "bf16-master", "--steps", "1",
+                             "--variants", "bf16,lowprec:fp8-current+int8states", "--out", str(tmp_path)])
+    for name in ("bf16", "lowprec:fp8-current+int8states"):
+        r = results[name]
+        assert r["step_ms"] > 0 and r["kernel_ms"] > 0
+        assert sum(r["kinds_ms"].values()) == pytest.approx(r["kernel_ms"])
+        assert r["top_kernels"] and all(ms >= 0 for _, ms in r["top_kernels"])
+    assert "int8" not in results["bf16"]["conversion"]
+    assert 0 < results["ceiling"]["speedup"] < 1.9
+    saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master.json").read_text())
+    assert set(saved["results"]) == {"bf16", "lowprec:fp8-current+int8states", "ceiling"}
