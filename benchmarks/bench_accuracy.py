@@ -199,7 +199,7 @@ def parse_args(argv):
     ap.add_argument("--data", default=None, help="Default: the installation's Python sources (see above).")
     ap.add_argument("--corpus-mb", type=float, default=150)
     ap.add_argument("--report", nargs="+", default=None,
-                    help="Only the table of these result directories and merged tables (written to --out/accuracy.json).")
+                    help="Only the table of these result directories and merged tables (into --out/accuracy.json).")
     ap.add_argument("--dry-run", action="store_true", help="The tiny model for a few steps on the CPU, eagerly.")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
