@@ -76,7 +76,7 @@ def cuda_capability(sm: tuple[int, int], *, name: str = "", triton: bool = False
     )
 
 
-def _triton_available() -> bool:
+def triton_available() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -89,7 +89,7 @@ def _capability(device: torch.device) -> Capability:
     if device.type != "cuda":
         return Capability(device.type, device.type, None, False, False, False, False)
     return cuda_capability(torch.cuda.get_device_capability(device), name=torch.cuda.get_device_name(device),
-                           triton=_triton_available())
+                           triton=triton_available())
 
 
 _KNOWN: dict[torch.device, Capability] = {}

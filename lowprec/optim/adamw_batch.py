@@ -10,12 +10,24 @@ the per-parameter step, encoded again, and copied back into each parameter's own
 the state_dict is unchanged. Every op is elementwise or reduces within one group, so each value is
 the per-parameter step's bit for bit. A bucket's float32 working copies take ``16 x BUCKET`` bytes at
 most (a larger parameter alone takes its own size, as in the per-parameter step).
+
+[Note: the AdamW update]
+torch's AdamW formulas (decoupled weight decay, bias correction, ``eps`` added to the corrected
+root), written as single IEEE operations on float32 (products, sums, one division, one square root
+correctly rounded by ``states.sqrt_rn``, scalars rounded to float32), each its own kernel so nothing
+contracts into an FMA:
+``p = p * (1 - lr wd)``; ``m = m * b1 + g * (1 - b1)``; ``v = v * b2 + (g * g) * (1 - b2)``;
+``p = p - m / (sqrt(v) * (1 / sqrt(1 - b2^t)) + eps) * (lr / (1 - b1^t))``. torch's own ops for
+this (``lerp_``, ``addcmul_``, ``addcdiv_``, a division by a scalar) round differently on CPU and CUDA
+(one contracts into FMAs, the other multiplies by a reciprocal), so written this way the step gives
+the same bits on every device and in the fused kernel; it stays within a few float32 ulps of
+``torch.optim.AdamW``.
 """
 from __future__ import annotations
 
 import torch
 
-from lowprec.optim.states import Moment, StateFormat, load, store
+from lowprec.optim.states import Moment, StateFormat, load, sqrt_rn, store
 
 BUCKET = 1 << 22
 """Most elements updated together (a larger parameter alone is a bucket): 64 MiB of float32 working
@@ -81,19 +93,25 @@ def store_flat(x: torch.Tensor, states: list[dict], fmt: StateFormat, moment: Mo
         torch._foreach_copy_([s[key + suffix] for s in states], list(new[key + suffix].split(groups)))
 
 
+def constants(group: dict, step: float) -> dict[str, float]:
+    """The update's scalars for ``group`` at ``step`` (Python floats; each op rounds them to float32)."""
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    return {"decay": 1 - lr * group["weight_decay"], "beta1": beta1, "omb1": 1 - beta1, "beta2": beta2,
+            "omb2": 1 - beta2, "inv_bc2": 1 / (1 - beta2**step) ** 0.5, "eps": group["eps"],
+            "step_size": lr / (1 - beta1**step)}
+
+
 def adamw_math(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                group: dict, step: float) -> None:
-    """torch's single-tensor AdamW, operation for operation, on ``p`` and the float32 moments in place:
-    what the per-parameter and the batched step both run, so they agree bit for bit."""
-    beta1, beta2 = group["betas"]
-    lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-    p.mul_(1 - lr * wd)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
+    """One AdamW update of ``p`` and the float32 moments in place (see [Note: the AdamW update]): what the
+    per-parameter, the batched and the fused step (``lowprec.optim.fused``) all run."""
+    c = constants(group, step)
+    p.mul_(c["decay"])
+    exp_avg.mul_(c["beta1"]).add_(grad * c["omb1"])
+    exp_avg_sq.mul_(c["beta2"]).add_(grad.square().mul_(c["omb2"]))
+    denom = sqrt_rn(exp_avg_sq).mul_(c["inv_bc2"]).add_(c["eps"])
+    p.sub_(exp_avg.div(denom).mul_(c["step_size"]))
 
 
 def update(params: list[torch.Tensor], states: list[dict], fmt: StateFormat, group: dict, step: float) -> None:

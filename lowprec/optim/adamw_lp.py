@@ -3,9 +3,11 @@
 [Note: the step]
 For each parameter (many at once: see [Note: the batched step] in ``lowprec.optim.adamw_batch``), the
 two moments are decoded to float32, updated by torch's AdamW formulas (decoupled weight decay, bias
-correction, ``eps`` added to the corrected root), the parameter updated from them, and the moments
-encoded again. So only one bucket's float32 moments exist at a time, and with ``states="fp32"`` the
-update equals ``torch.optim.AdamW(foreach=False)``'s bit for bit.
+correction, ``eps`` added to the corrected root; see [Note: the AdamW update] in
+``lowprec.optim.adamw_batch``), the parameter updated from them, and the moments encoded again, so
+only one bucket's float32 moments exist at a time. On CUDA, float32 parameters with FP32, BF16 or
+8-bit moments take the fused kernel instead (``lowprec.optim.fused``: one pass per parameter, the same
+bits); FP8 moments and other parameters take the batched torch step.
 Build it through :class:`lowprec.optim.Optimizer` (``Optimizer(params, AdamWLP, states="fp8", ...)``):
 with master weights it updates the float32 masters; without, BF16 parameters widened to float32 for
 the step and rounded back stochastically.
@@ -24,6 +26,7 @@ import torch
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.agree import is_dtensor
+from lowprec.kernels.capability import capability, triton_available
 from lowprec.optim import adamw_batch as batch
 from lowprec.optim.states import Moment, StateFormat, code_dtype, load, store
 
@@ -43,7 +46,7 @@ class AdamWLP(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 states: str | StateFormat = "bf16") -> None:
+                 states: str | StateFormat = "bf16", fused: bool | None = None) -> None:
         if not (isinstance(lr, (int, float)) and lr >= 0):
             fail("lr", "a non-negative number", describe(lr))
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0 <= b < 1 for b in betas)):
@@ -54,6 +57,15 @@ class AdamWLP(torch.optim.Optimizer):
             fail("weight_decay", "a non-negative number", describe(weight_decay))
         self.states = StateFormat.parse(states, "states")
         """How the moments are stored."""
+        if fused not in (None, True, False):
+            fail("fused", "None (on CUDA where Triton is installed), True or False", describe(fused))
+        # True: CUDA parameters take the kernel (CPU ones too under Triton's interpreter, as in the tests)
+        if fused is None:
+            fused = capability(torch.device("cuda")).triton if torch.cuda.is_available() else False
+        elif fused and not triton_available():
+            fail("fused", "False where Triton is not installed", "True")
+        self.fused = fused
+        """Whether CUDA parameters the kernel covers take the fused step (``lowprec.optim.fused``)."""
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
             for p in group["params"]:
@@ -73,6 +85,16 @@ class AdamWLP(torch.optim.Optimizer):
                     update_one(p, state, self.states, group)
                 continue
             steps = [state["step"].item() for state in states]
+            if self.fused:
+                from lowprec.optim import fused  # Triton: imported only where it is used
+
+                rest = []
+                for i, p in enumerate(params):
+                    if (p.is_cuda or fused.INTERPRETED) and fused.covers(p, self.states):
+                        fused.step(p, states[i], self.states, batch.constants(group, steps[i]))
+                    else:
+                        rest.append(i)
+                params, states, steps = [params[i] for i in rest], [states[i] for i in rest], [steps[i] for i in rest]
             for bucket in batch.buckets(params, steps):
                 batch.update([params[i] for i in bucket], [states[i] for i in bucket], self.states, group,
                              steps[bucket[0]])

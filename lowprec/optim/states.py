@@ -107,6 +107,12 @@ def state_bytes(numel: int, fmt: StateFormat) -> int:
     return numel + 4 * len(fmt.group_keys) * math.ceil(numel / fmt.group)
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """float32 square roots correctly rounded on every device (torch's CPU kernel may miss by an ulp): taken
+    in float64 and rounded once more, which for a square root gives the correctly rounded float32."""
+    return x.double().sqrt().float()
+
+
 def _groups(x: torch.Tensor, size: int) -> torch.Tensor:
     """``x`` flattened and zero-padded into rows of ``size``."""
     flat = x.reshape(-1)
@@ -144,7 +150,7 @@ def int8_encode(groups: torch.Tensor, moment: Moment) -> tuple[torch.Tensor, tor
     safe = torch.where(a > 0, a, 1.0)[:, None]
     if moment is Moment.FIRST:
         return torch.round(groups / safe * _INT8_LEVELS).to(torch.int8), a
-    q = torch.round(torch.sqrt(groups / safe) * _UINT8_LEVELS)
+    q = torch.round(sqrt_rn(groups / safe) * _UINT8_LEVELS)
     return torch.where(groups > 0, q.clamp_min(1.0), q).to(torch.uint8), a
 
 

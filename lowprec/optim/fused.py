@@ -1,0 +1,128 @@
+"""AdamWLP's step in one pass: decode the moments, update them and the parameter, encode them again.
+
+[Note: the fused AdamW step]
+One program takes one block of 2048 values of a parameter (the 8-bit moments' block, so a block's
+absmax is a reduction within the program): it reads the float32 parameter, its gradient and both
+moments' codes (with the block's scales), and writes the parameter and the new codes and scales, where
+the torch step (:func:`lowprec.optim.adamw_batch.adamw_math` between ``states.load`` and
+``states.store``) makes about forty passes over float32 copies. It equals that step bit for bit, on
+the GPU and in Triton's CPU interpreter, because the step is written as single IEEE operations that
+every backend rounds alike (see [Note: the AdamW update] in ``lowprec.optim.adamw_batch``) and the
+kernel runs them in the same order with contraction into FMAs off (``enable_fp_fusion=False``),
+division and square root correctly rounded (``div_rn``, ``sqrt_rn``), and the roundings onto BF16 and
+onto integer codes done on bits and integers (the interpreter truncates float32 -> bf16). FP32, BF16
+and 8-bit moments are covered; FP8 moments raise values to per-group powers, whose last bit differs
+between math libraries, so they keep the torch step.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from lowprec.kernels.triton_numerics import abs_bits
+from lowprec.optim.states import INT8_BLOCK, Moment, StateFormat
+
+FP32, BF16, INT8 = 0, 1, 2
+_KIND = {StateFormat.FP32: FP32, StateFormat.BF16: BF16, StateFormat.INT8: INT8}
+COVERED = frozenset(_KIND)
+"""The moment formats the kernel takes."""
+BLOCK = INT8_BLOCK
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's CPU interpreter runs the kernel (on CPU tensors): the tests' way to check it without a GPU."""
+
+
+@triton.jit
+def _bf16_decode(bits):
+    """float32 of BF16 codes (int16 bits): exact."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_encode(v):
+    """int16 bits of ``v`` rounded to nearest-even BF16, NaN to torch's 0x7FC0."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
+def _round_half_even(q):
+    """``torch.round`` of float32 ``|q| < 2^31``, as int32."""
+    a = tl.abs(q)
+    fl = a.to(tl.int32)  # floor of a >= 0
+    frac = a - fl.to(tl.float32)  # exact
+    r = fl + ((frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))).to(tl.int32)
+    return tl.where(q < 0, -r, r)
+
+
+@triton.jit
+def _block_absmax(v):
+    """The block's largest magnitude (NaN if any value is NaN), and 1.0 where it is 0."""
+    a = tl.max(abs_bits(v), axis=0).to(tl.float32, bitcast=True)
+    return a, tl.where(a > 0, a, 1.0)
+
+
+@triton.jit
+def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, omb1, beta2, omb2, inv_bc2, eps,
+                 step_size, STATES: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if STATES == 1:
+        m = _bf16_decode(tl.load(m_ptr + offs, mask=mask, other=0))
+        v = _bf16_decode(tl.load(v_ptr + offs, mask=mask, other=0))
+    elif STATES == 2:
+        m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * tl.math.div_rn(tl.load(ms_ptr + pid), 127.0)
+        t = tl.math.div_rn(tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32), 255.0)
+        v = (t * t) * tl.load(vs_ptr + pid)
+    else:
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    # [Note: the AdamW update], one rounding per operation
+    p = p * decay
+    m = m * beta1 + g * omb1
+    v = v * beta2 + (g * g) * omb2
+    denom = tl.math.sqrt_rn(v) * inv_bc2 + eps
+    p = p - tl.math.div_rn(m, denom) * step_size
+    tl.store(p_ptr + offs, p, mask=mask)
+    if STATES == 1:
+        tl.store(m_ptr + offs, _bf16_encode(m), mask=mask)
+        tl.store(v_ptr + offs, _bf16_encode(v), mask=mask)
+    elif STATES == 2:  # masked lanes hold 0 and leave the absmax alone
+        a, safe = _block_absmax(m)
+        tl.store(m_ptr + offs, _round_half_even(tl.math.div_rn(m, safe) * 127.0).to(tl.int8), mask=mask)
+        tl.store(ms_ptr + pid, a)
+        a, safe = _block_absmax(v)
+        q = _round_half_even(tl.math.sqrt_rn(tl.math.div_rn(v, safe)) * 255.0)
+        q = tl.where(v > 0, tl.maximum(q, 1), q)  # a nonzero moment never gets code 0
+        tl.store(v_ptr + offs, q.to(tl.uint8), mask=mask)
+        tl.store(vs_ptr + pid, a)
+    else:
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+
+
+def covers(p: torch.Tensor, fmt: StateFormat) -> bool:
+    """Whether :func:`step` takes this parameter: float32, contiguous, its gradient contiguous."""
+    return (fmt in COVERED and p.dtype == torch.float32 and p.is_contiguous() and p.grad is not None
+            and p.grad.is_contiguous() and p.numel() < 2**31 - BLOCK)
+
+
+def step(p: torch.Tensor, state: dict, fmt: StateFormat, scalars: dict[str, float]) -> None:
+    """One AdamW step of ``p`` (float32) and its ``state`` (in ``fmt``) in place, from ``p.grad``;
+    ``scalars``: the update's constants (``lowprec.optim.adamw_batch.constants``)."""
+    m, v = state[Moment.FIRST.value], state[Moment.SECOND.value]
+    if fmt is StateFormat.BF16:
+        m, v = m.view(torch.int16), v.view(torch.int16)
+    ms = state.get(Moment.FIRST.value + "_scale", m)  # unused but for 8-bit moments
+    vs = state.get(Moment.SECOND.value + "_scale", v)
+    n = p.numel()
+    adamw_kernel[(triton.cdiv(n, BLOCK),)](
+        p, p.grad, m, ms, v, vs, n, scalars["decay"], scalars["beta1"], scalars["omb1"], scalars["beta2"],
+        scalars["omb2"], scalars["inv_bc2"], scalars["eps"], scalars["step_size"], STATES=_KIND[fmt], BLOCK=BLOCK,
+        enable_fp_fusion=False, num_warps=8)
