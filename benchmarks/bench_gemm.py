@@ -82,6 +82,30 @@ def probe_blockwise(m: int = 2048, k: int = 1024, n: int = 1536) -> list[dict]:
     return out
 
 
+RAGGED = [(2048, 768, 768), (2048, 768, 256), (2048, 2048, 768), (1000, 640, 384), (4096, 1024, 1536)]
+"""Block counts along K that are not multiples of 4 (768 = 6 x 128, 640 = 5 x 128), rows that are not."""
+
+
+def probe_blockwise_shapes() -> list[dict]:
+    """lowprec's cuBLAS block-scaled GEMMs against the dequantized FP32 GEMM at ragged shapes (see
+    [Note: block scales for cuBLAS] in ``lowprec.kernels.gemm``): a wrong scale layout shows as a low SQNR."""
+    out = []
+    for m, k, n in RAGGED:
+        x = torch.randn(m, k, device=DEVICE) * torch.logspace(-2, 2, k, device=DEVICE)  # scales differ per block
+        for rhs in (blockwise(128, 128), blockwise(1, 128)):
+            w = torch.randn(n, k, device=DEVICE) * torch.logspace(2, -2, k, device=DEVICE)
+            qa, qb = quantize(x, "e4m3", blockwise(1, 128)), quantize(w, "e4m3", rhs)
+            ref = qa.dequantize(torch.float32) @ qb.dequantize(torch.float32).t()
+            row = {"shape": f"{m}x{k}x{n}", "rhs": f"{rhs.block_rows}x{rhs.block_cols}"}
+            try:
+                row["sqnr_db"] = sqnr(ref, scaled_mm(qa, qb, torch.float32, backend="cublas"))
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            out.append(row)
+            print("blockwise shape", row, flush=True)
+    return out
+
+
 def probe_mm_out_dtype() -> str:
     a = torch.randn(256, 256, device=DEVICE).bfloat16()
     try:
@@ -94,11 +118,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--probes-only", action="store_true", help="only the layout and ragged-shape checks")
     args = ap.parse_args()
     torch.manual_seed(0)
     env = environment()
-    probes = {"blockwise_layouts": probe_blockwise(), "mm_out_dtype_fp32": probe_mm_out_dtype()}
+    probes = {"blockwise_layouts": probe_blockwise(), "blockwise_ragged": probe_blockwise_shapes(),
+              "mm_out_dtype_fp32": probe_mm_out_dtype()}
     print(probes, flush=True)
+    if args.probes_only:
+        return
     results, rows = {}, []
     for shape, (k, n) in SHAPES.items():
         res = run_shape(args.tokens, k, n)

@@ -53,15 +53,42 @@ def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str
     return gemm_path(a.fmt.name, a.granularity, b.fmt.name, b.granularity, cap)
 
 
+def _pad_rows(t: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
+    """``t`` (2-D) with rows of ``value`` appended up to a multiple of ``multiple`` rows."""
+    extra = -t.shape[0] % multiple
+    if not extra:
+        return t
+    if t.element_size() == 1:  # FP8 codes: padded with zero bytes (+0)
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, extra)).view(t.dtype)
+    return torch.nn.functional.pad(t, (0, 0, 0, extra), value=value)
+
+
+def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, ...]:
+    """``(a data, a scales, b data, b scales)`` laid out as cuBLAS's sm90 block-scaled GEMM reads them.
+
+    [Note: block scales for cuBLAS]
+    cuBLAS reads 1x128 scales outer-dim-major, ``(M, K/128)`` with a leading dimension of M, and
+    128x128 scales ``(K/128, N/128)`` with a leading dimension of K/128; both leading dimensions must be
+    multiples of 4, and ``torch._scaled_mm`` does not check it: with K/128 = 6 (K = 768, the 125m
+    preset's width) the product came out wrong and training diverged. So the 128x128 scales' K blocks
+    are padded to a multiple of 4 (the padding is never read), and 1x128 operands' rows (their codes
+    with zeros, their scales with ones) to a multiple of 4; the caller crops the output."""
+    a_data, sa = _pad_rows(a.data, 4, 0.0), _pad_rows(a.scale, 4, 1.0)
+    sa = sa.t().contiguous().t()  # (M, K/128), outer-dim-major
+    if _blocks(b.granularity) == (1, 128):  # the weight gradient: both along the tokens
+        b_data, sb = _pad_rows(b.data, 4, 0.0), _pad_rows(b.scale, 4, 1.0).t().contiguous()
+    else:  # (N/128, K/128) -> (K/128 padded to 4, N/128) with a leading dimension of K/128 padded
+        kb = b.scale.shape[1]
+        b_data, sb = b.data, torch.nn.functional.pad(b.scale, (0, -kb % 4), value=1.0).t()
+    return a_data, sa, b_data, sb
+
+
 def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     if _blocks(a.granularity) == (1, 128):
-        sa = a.scale.t().contiguous().t()  # (M, K/128), outer-dim-major as cuBLAS asks
-        # (K/128, N/128) for 128x128 blocks; for 1x128 (K/128, N) stored row-major, i.e. the
-        # (N, K/128) scales outer-dim-major like a's
-        sb = b.scale.t().contiguous() if _blocks(b.granularity) == (1, 128) else b.scale.t()
+        a_data, sa, b_data, sb = blockwise_operands(a, b)
     else:
-        sa, sb = a.scale, b.scale.t()  # (M or 1, 1), (1, N or 1)
-    return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+        a_data, sa, b_data, sb = a.data, a.scale, b.data, b.scale.t()  # (M or 1, 1), (1, N or 1)
+    return torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
 

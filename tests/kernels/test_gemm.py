@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lowprec.kernels import Capability, gemm_backend, gemm_path, quantize, scaled_mm
+from lowprec.kernels.gemm import blockwise_operands
 from lowprec.quant import blockwise, mx, nvfp4, rowwise, tensorwise
 from tests.helpers import sqnr
 
@@ -105,3 +106,34 @@ def test_capability_lookup_compiles_without_a_graph_break(monkeypatch):
         return x * 2 if cap.blockwise_fp8_gemm else x
 
     assert torch.equal(path(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def _read_as_cublas(scale: torch.Tensor, rows: int, cols: int, ld: int) -> torch.Tensor:
+    """The (rows, cols) matrix cuBLAS reads from ``scale``'s storage: column-major with leading dimension ``ld``
+    (element (i, j) at offset i + j * ld)."""
+    flat = scale.t().contiguous().view(-1) if scale.stride(0) != 1 else scale.as_strided((scale.numel(),), (1,))
+    return flat.as_strided((rows, cols), (1, ld))
+
+
+@pytest.mark.parametrize("m,k,n", [(50, 768, 256), (64, 640, 384), (4096, 1024, 1536), (3, 128, 130)], ids=str)
+def test_block_scales_are_laid_out_as_cublas_reads_them(m, k, n):
+    """[Note: block scales for cuBLAS]: leading dimensions are multiples of 4 and the scales read back whole."""
+    g = torch.Generator().manual_seed(2)
+    a = quantize(torch.randn(m, k, generator=g), "e4m3", blockwise(1, 128))
+    for rhs in (blockwise(128, 128), blockwise(1, 128)):
+        b = quantize(torch.randn(n, k, generator=g), "e4m3", rhs)
+        a_data, sa, b_data, sb = blockwise_operands(a, b)
+        kb = k // 128
+        m4 = a_data.shape[0]
+        assert m4 % 4 == 0 and m4 - m < 4 and torch.equal(a_data[:m].view(torch.uint8), a.data.view(torch.uint8))
+        assert sa.shape == (m4, kb) and sa.stride()[0] == 1 and (kb == 1 or sa.stride(1) == m4)
+        assert torch.equal(_read_as_cublas(sa, m4, kb, m4)[:m], a.scale)
+        if rhs.block_rows == 128:
+            nb, ld = b.scale.shape[0], sb.stride(1)
+            assert ld % 4 == 0 and ld >= kb and sb.stride(0) == 1
+            assert torch.equal(_read_as_cublas(sb, kb, nb, ld), b.scale.t())  # (K/128, N/128)
+            assert b_data is b.data
+        else:
+            n4 = b_data.shape[0]
+            assert n4 % 4 == 0 and sb.shape == (kb, n4) and sb.is_contiguous()
+            assert torch.equal(sb[:, :n], b.scale.t())
