@@ -3,7 +3,7 @@
     python benchmarks/bench_accuracy.py --out results/acc [--model 125m] [--tokens 50e6] [--bf16-seeds 2]
         [--recipes fp8-current,...] [--deadline 540]
     python benchmarks/bench_accuracy.py --report results/acc results/accuracy-125m.json --out results/all
-        # the table of earlier runs: result directories and merged tables, merged into --out/accuracy.json
+        [--plot curves.png]   # the table of earlier runs (result directories, merged tables) into --out/accuracy.json
     python benchmarks/bench_accuracy.py --dry-run --out /tmp/acc              # tiny model, CPU, seconds
 
 Each run is ``lowprec.train.train`` as ``lowprec train`` runs it (AdamW, warmup + cosine, BF16
@@ -184,6 +184,34 @@ def table(rows: list[dict]) -> dict:
     return {"bf16_mean": mean, "bf16_spread": spread, "noise_rel": noise, "rows": rows}
 
 
+def plot(result: dict, path: str) -> None:
+    """Every run's validation curve, BF16's seeds dashed (matplotlib, imported here: only this needs it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (whole, end) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in sorted(result["rows"], key=lambda r: (r["recipe"] != "bf16", r["recipe"], r["seed"])):
+        if not r.get("val_curve") or not math.isfinite(r["final_val_loss"]):
+            continue
+        steps, losses = zip(*r["val_curve"])
+        style = {"linestyle": "--", "color": "black"} if r["recipe"] == "bf16" else {}
+        for ax in (whole, end):
+            ax.plot(steps, losses, label=f"{r['recipe']} (seed {r['seed']})", **style)
+    half = max(s for r in result["rows"] if r.get("val_curve") for s, _ in r["val_curve"]) // 2
+    end.set_xlim(left=half)
+    end.set_ylim(result["bf16_mean"] * 0.97, result["bf16_mean"] * 1.05)
+    whole.set_title("validation loss")
+    end.set_title("second half, BF16's mean +5% / -3%")
+    for ax in (whole, end):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    end.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="results/accuracy")
@@ -200,6 +228,7 @@ def parse_args(argv):
     ap.add_argument("--corpus-mb", type=float, default=150)
     ap.add_argument("--report", nargs="+", default=None,
                     help="Only the table of these result directories and merged tables (into --out/accuracy.json).")
+    ap.add_argument("--plot", default=None, help="With --report: the validation curves into this PNG.")
     ap.add_argument("--dry-run", action="store_true", help="The tiny model for a few steps on the CPU, eagerly.")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -217,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.report:
         result = table(load_results(args.report))
         (Path(args.out) / "accuracy.json").write_text(json.dumps(result, indent=1, default=str))
+        if args.plot and result:
+            plot(result, args.plot)
         return result
     if args.only is not None:
         worker(args)
