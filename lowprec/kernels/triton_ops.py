@@ -1,36 +1,20 @@
-"""The Triton kernels as ``torch.library`` ops that ``torch.compile`` keeps in its graph.
+"""The Triton kernels as ``torch.library`` custom ops, with fake implementations.
 
-[Note: how compiled graphs launch the cast kernels]
-``triton_op`` (the default): the op's body allocates its outputs and launches the kernels through
-``wrap_triton``, so the compiler sees the Triton kernels themselves and its generated code launches
-them as it launches its own, with no Python op call per cast. ``LOWPREC_TRITON_OPS=opaque`` in the
-environment (read at import) registers them as opaque ``custom_op``s with fake implementations
-instead: each cast is then a Python call from the compiled graph (tens of microseconds of CPU each,
-hundreds per training step). Eager code calls the implementations directly (``amax`` / ``cast``
-below), skipping the dispatcher. A plan travels as a tuple of ints (see ``triton_plan``); the kernel
-arguments it implies are worked out once per plan. Every output is a fresh tensor; unused outputs
-are empty.
+Registered as opaque ops (``custom_op`` + ``register_fake``) so that ``torch.compile`` keeps them in
+its graph without a break. Eager code calls the same implementations directly (``amax`` / ``cast``
+below), skipping the dispatcher's few tens of microseconds per call, which matter next to kernels of
+a few hundred. A plan travels as a tuple of ints (see ``triton_plan``); the kernel arguments it
+implies are worked out once per plan. Every output is a fresh tensor; unused outputs are empty.
 """
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Callable
 
 import torch
 import triton
 
 from lowprec.kernels import triton_tiles as T
 from lowprec.kernels.triton_plan import Plan, Side, off_args
-
-INLINE = os.environ.get("LOWPREC_TRITON_OPS", "inline") != "opaque" and os.environ.get("TRITON_INTERPRET") != "1"
-"""Whether compiled graphs see the kernels (see [Note: how compiled graphs launch the cast kernels]).
-Not under Triton's CPU interpreter, whose kernels ``wrap_triton`` cannot trace: there (the tests) the
-ops are opaque, with the same bodies."""
-
-
-def _direct(kernel):
-    return kernel
 
 
 @functools.lru_cache(maxsize=256)
@@ -58,8 +42,7 @@ def _amax_len(s: Side | None, p: Plan, transposed: bool) -> int:
     return (p.k if transposed else p.m) if s.amax_kind == T.AMAX_LINES else 1
 
 
-def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None,
-         launch: Callable = _direct) -> tuple[torch.Tensor, torch.Tensor]:
+def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 bits of the amaxes each side's cast needs (one per tensor or per line). ``hmat``: the
     Hadamard matrix where a side transforms (unused pointers get x: any live allocation will do)."""
     hmat = x if hmat is None else hmat
@@ -67,7 +50,7 @@ def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None,
     amax_a = torch.zeros(_amax_len(p.a, p, False), dtype=torch.int32, device=x.device)
     amax_b = torch.zeros(_amax_len(p.b, p, True), dtype=torch.int32, device=x.device)
     a_ptr, b_ptr = (t if t.numel() else hmat for t in (amax_a, amax_b))
-    launch(T.amax_kernel)[grid](x, x.stride(0), x.stride(1), p.m, p.k, hmat, a_ptr, b_ptr, **kw)
+    T.amax_kernel[grid](x, x.stride(0), x.stride(1), p.m, p.k, hmat, a_ptr, b_ptr, **kw)
     return amax_a, amax_b
 
 
@@ -81,7 +64,6 @@ def _outputs(x: torch.Tensor, s: Side | None) -> tuple[torch.Tensor, torch.Tenso
 def cast(
     x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
     given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None, seed: torch.Tensor | None,
-    launch: Callable = _direct,
 ) -> tuple[torch.Tensor, ...]:
     """(data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits) of one tile pass."""
     hmat = x if hmat is None else hmat
@@ -99,7 +81,7 @@ def cast(
 
     ra, ca, sra, sca = dims(p.a)
     rb, cb, srb, scb = dims(p.b)
-    launch(T.cast_kernel)[grid](
+    T.cast_kernel[grid](
         x, x.stride(0), x.stride(1), p.m, p.k, hmat, ptr(given), ptr(seed), ptr(record),
         ptr(amax_a), ptr(rand_a), ptr(data_a.view(torch.uint8)), ra, ca, ptr(scale_a), sra, sca, ptr(g_a),
         ptr(amax_b), ptr(rand_b), ptr(data_b.view(torch.uint8)), rb, cb, ptr(scale_b), srb, scb, ptr(g_b),
@@ -108,35 +90,30 @@ def cast(
     return data_a, scale_a, g_a, data_b, scale_b, g_b, record
 
 
-def _tile_amax(x: torch.Tensor, plan: list[int], hmat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+@torch.library.custom_op("lowprec::tile_amax", mutates_args=())
+def tile_amax(x: torch.Tensor, plan: list[int], hmat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`amax` as an op."""
-    return amax(x, tuple(plan), hmat, torch.library.wrap_triton if INLINE else _direct)
+    return amax(x, tuple(plan), hmat)
 
 
-def _tile_cast(
+@tile_amax.register_fake
+def _(x, plan, hmat):
+    p = Plan.from_ints(plan)
+    return (x.new_empty(_amax_len(p.a, p, False), dtype=torch.int32),
+            x.new_empty(_amax_len(p.b, p, True), dtype=torch.int32))
+
+
+@torch.library.custom_op("lowprec::tile_cast", mutates_args=())
+def tile_cast(
     x: torch.Tensor, plan: list[int], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
     given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None,
     seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`cast` as an op."""
-    return cast(x, tuple(plan), hmat, amax_a, amax_b, given, rand_a, rand_b, seed,
-                torch.library.wrap_triton if INLINE else _direct)
+    return cast(x, tuple(plan), hmat, amax_a, amax_b, given, rand_a, rand_b, seed)
 
 
-if INLINE:  # the body is traced: the compiler gets the kernels and the allocations, and derives the fakes
-    tile_amax = torch.library.triton_op("lowprec::tile_amax", _tile_amax, mutates_args=())
-    tile_cast = torch.library.triton_op("lowprec::tile_cast", _tile_cast, mutates_args=())
-else:
-    tile_amax = torch.library.custom_op("lowprec::tile_amax", _tile_amax, mutates_args=())
-    tile_cast = torch.library.custom_op("lowprec::tile_cast", _tile_cast, mutates_args=())
-
-    @tile_amax.register_fake
-    def _(x, plan, hmat):
-        p = Plan.from_ints(plan)
-        return (x.new_empty(_amax_len(p.a, p, False), dtype=torch.int32),
-                x.new_empty(_amax_len(p.b, p, True), dtype=torch.int32))
-
-    @tile_cast.register_fake
-    def _(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
-        p = Plan.from_ints(plan)
-        return (*_outputs(x, p.a), *_outputs(x, p.b), x.new_empty(1 if p.record else 0, dtype=torch.int32))
+@tile_cast.register_fake
+def _(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
+    p = Plan.from_ints(plan)
+    return (*_outputs(x, p.a), *_outputs(x, p.b), x.new_empty(1 if p.record else 0, dtype=torch.int32))
