@@ -74,6 +74,13 @@ def profile_variant(base, size, name: str, args, tokens) -> dict:
         step()
     sync(DEVICE)
     saved = saved_bytes(step, model, tokens, args)
+    issue = []
+    for _ in range(args.steps):  # the CPU's time to issue a step: near the wall time, the step is CPU-bound
+        sync(DEVICE)
+        t0 = time.perf_counter()
+        step()
+        issue.append((time.perf_counter() - t0) * 1e3)
+    sync(DEVICE)
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
     activities = [torch.profiler.ProfilerActivity.CPU] + (
@@ -86,6 +93,10 @@ def profile_variant(base, size, name: str, args, tokens) -> dict:
         sync(DEVICE)
     wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
     per_kind, per_kernel, ranges = defaultdict(float), defaultdict(float), defaultdict(float)
+    ops: dict[str, list[float]] = defaultdict(list)  # lowprec's ops: CPU microseconds of each call
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("lowprec::"):
+            ops[e.name].append(e.cpu_time_total)
     device_type = torch.autograd.DeviceType.CUDA if DEVICE == "cuda" else torch.autograd.DeviceType.CPU
     for e in prof.events():
         if e.device_type != device_type or (DEVICE != "cuda" and e.cpu_parent is not None):
@@ -100,6 +111,9 @@ def profile_variant(base, size, name: str, args, tokens) -> dict:
     row = {"conversion": what, "step_ms": wall_ms, "kernel_ms": busy, "idle_ms": max(0.0, wall_ms - busy),
            "kinds_ms": dict(per_kind), "saved_gib": saved,
            "optimizer_range_ms": sum(ms for n, ms in ranges.items() if n.startswith("Optimizer.step")),
+           "cpu_issue_ms": sorted(issue)[len(issue) // 2],
+           "lowprec_ops": {n: {"calls_per_step": len(t) / args.steps, "cpu_us": sum(t) / len(t)}
+                           for n, t in ops.items()},
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
            "top_kernels": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]}
     del model, step, _opt, prof
@@ -148,6 +162,11 @@ def report(size, results: dict, args) -> None:
         results["ceiling"] = c
         print(f"\nceiling: converted linears' GEMMs {args.fp8_gemm_speedup}x faster ({c['converted_gemm_share']:.0%} "
               f"of BF16's GEMM time), all else as BF16: {c['step_ms']:.1f} ms per step, {c['speedup']:.2f}x BF16")
+    for name, r in results.items():
+        if "cpu_issue_ms" in r:
+            calls = ", ".join(f"{n} {v['calls_per_step']:.0f} calls x {v['cpu_us']:.0f} us"
+                              for n, v in r["lowprec_ops"].items()) or "no lowprec op calls"
+            print(f"{name}: the CPU issues a step in {r['cpu_issue_ms']:.1f} ms (wall {r['step_ms']:.1f}); {calls}")
     for name, r in results.items():
         if "top_kernels" in r:
             print_table(f"{name}: longest kernels, ms per step", ["kernel", "ms", "kind"],
