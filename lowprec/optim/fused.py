@@ -9,6 +9,8 @@ the torch step (:func:`lowprec.optim.adamw_batch.adamw_math` between ``states.lo
 the GPU and in Triton's CPU interpreter, because the step is written as single IEEE operations that
 every backend rounds alike (see [Note: the AdamW update] in ``lowprec.optim.adamw_batch``) and the
 kernel runs them in the same order with contraction into FMAs off (``enable_fp_fusion=False``),
+constants passed as float32 arguments (the 8-bit decode multiplies by 1/127 and 1/255, as
+``states.int8_decode`` does: CUDA's torch turns a division by a number into that product),
 division and square root correctly rounded (``div_rn``, ``sqrt_rn``), and the roundings onto BF16 and
 onto integer codes done on bits and integers (the interpreter truncates float32 -> bf16). FP32, BF16
 and 8-bit moments are covered; FP8 moments raise values to per-group powers, whose last bit differs
@@ -23,7 +25,7 @@ import triton
 import triton.language as tl
 
 from lowprec.kernels.triton_numerics import abs_bits
-from lowprec.optim.states import INT8_BLOCK, Moment, StateFormat
+from lowprec.optim.states import INT8_BLOCK, INV_INT8_LEVELS, INV_UINT8_LEVELS, Moment, StateFormat
 
 FP32, BF16, INT8 = 0, 1, 2
 _KIND = {StateFormat.FP32: FP32, StateFormat.BF16: BF16, StateFormat.INT8: INT8}
@@ -67,7 +69,7 @@ def _block_absmax(v):
 
 @triton.jit
 def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, omb1, beta2, omb2, inv_bc2, eps,
-                 step_size, STATES: tl.constexpr, BLOCK: tl.constexpr):
+                 step_size, inv127, inv255, STATES: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -77,8 +79,8 @@ def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, om
         m = _bf16_decode(tl.load(m_ptr + offs, mask=mask, other=0))
         v = _bf16_decode(tl.load(v_ptr + offs, mask=mask, other=0))
     elif STATES == 2:
-        m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * tl.math.div_rn(tl.load(ms_ptr + pid), 127.0)
-        t = tl.math.div_rn(tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32), 255.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * (tl.load(ms_ptr + pid) * inv127)
+        t = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * inv255
         v = (t * t) * tl.load(vs_ptr + pid)
     else:
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
@@ -124,5 +126,6 @@ def step(p: torch.Tensor, state: dict, fmt: StateFormat, scalars: dict[str, floa
     n = p.numel()
     adamw_kernel[(triton.cdiv(n, BLOCK),)](
         p, p.grad, m, ms, v, vs, n, scalars["decay"], scalars["beta1"], scalars["omb1"], scalars["beta2"],
-        scalars["omb2"], scalars["inv_bc2"], scalars["eps"], scalars["step_size"], STATES=_KIND[fmt], BLOCK=BLOCK,
+        scalars["omb2"], scalars["inv_bc2"], scalars["eps"], scalars["step_size"], INV_INT8_LEVELS, INV_UINT8_LEVELS,
+        STATES=_KIND[fmt], BLOCK=BLOCK,
         enable_fp_fusion=False, num_warps=8)

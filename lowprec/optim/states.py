@@ -55,6 +55,9 @@ INT8_BLOCK = 2048
 """Values per 8-bit block (one absmax each)."""
 _INT8_LEVELS = 127.0
 _UINT8_LEVELS = 255.0
+INV_INT8_LEVELS = 1 / _INT8_LEVELS
+"""Rounded to float32 where it multiplies (torch's and Triton's float32 ops both round a Python float so)."""
+INV_UINT8_LEVELS = 1 / _UINT8_LEVELS
 
 
 class StateFormat(Choice):
@@ -155,9 +158,11 @@ def int8_encode(groups: torch.Tensor, moment: Moment) -> tuple[torch.Tensor, tor
 
 
 def int8_decode(codes: torch.Tensor, a: torch.Tensor, moment: Moment) -> torch.Tensor:
+    """The float32 blocks of 8-bit codes: products by the float32 reciprocals of 127 and 255, which every
+    device rounds alike (CUDA turns a division by a Python number into that product, the CPU does not)."""
     if moment is Moment.FIRST:
-        return codes.float() * (a[:, None] / _INT8_LEVELS)
-    return (codes.float() / _UINT8_LEVELS).square() * a[:, None]
+        return codes.float() * (a[:, None] * INV_INT8_LEVELS)
+    return (codes.float() * INV_UINT8_LEVELS).square() * a[:, None]
 
 
 def store(x: torch.Tensor, fmt: StateFormat, moment: Moment) -> dict[str, torch.Tensor]:
