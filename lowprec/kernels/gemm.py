@@ -63,24 +63,36 @@ def _pad_rows(t: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, 0, 0, extra), value=value)
 
 
+def _pad_cols(t: torch.Tensor, extra: int, value: float) -> torch.Tensor:
+    """``t`` (2-D) with ``extra`` columns of ``value`` appended (FP8 codes: zero bytes)."""
+    if not extra:
+        return t
+    if t.element_size() == 1:
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, extra)).view(t.dtype)
+    return torch.nn.functional.pad(t, (0, extra), value=value)
+
+
 def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, ...]:
     """``(a data, a scales, b data, b scales)`` laid out as cuBLAS's sm90 block-scaled GEMM reads them.
 
     [Note: block scales for cuBLAS]
     cuBLAS reads 1x128 scales outer-dim-major, ``(M, K/128)`` with a leading dimension of M, and
     128x128 scales ``(K/128, N/128)`` with a leading dimension of K/128; both leading dimensions must be
-    multiples of 4, and ``torch._scaled_mm`` does not check it: with K/128 = 6 (K = 768, the 125m
-    preset's width) the product came out wrong and training diverged. So the 128x128 scales' K blocks
-    are padded to a multiple of 4 (the padding is never read), and 1x128 operands' rows (their codes
-    with zeros, their scales with ones) to a multiple of 4; the caller crops the output."""
-    a_data, sa = _pad_rows(a.data, 4, 0.0), _pad_rows(a.scale, 4, 1.0)
-    sa = sa.t().contiguous().t()  # (M, K/128), outer-dim-major
-    if _blocks(b.granularity) == (1, 128):  # the weight gradient: both along the tokens
-        b_data, sb = _pad_rows(b.data, 4, 0.0), _pad_rows(b.scale, 4, 1.0).t().contiguous()
-    else:  # (N/128, K/128) -> (K/128 padded to 4, N/128) with a leading dimension of K/128 padded
-        kb = b.scale.shape[1]
-        b_data, sb = b.data, torch.nn.functional.pad(b.scale, (0, -kb % 4), value=1.0).t()
-    return a_data, sa, b_data, sb
+    multiples of 4. ``torch._scaled_mm`` (2.11) checks neither: with K/128 = 6 (K = 768, the 125m
+    preset's width) it multiplied with misread scales and fp8-blockwise training diverged on the H200,
+    and it refuses 128x128 scales padded to a leading dimension of 8 (measured, bench_gemm's ragged
+    probes). So where K/128 is not a multiple of 4 both operands' K is padded with zero codes (and
+    their scales with ones) to the next multiple of 512, which adds nothing to the product; and 1x128
+    operands' rows (codes with zeros, scales with ones) to a multiple of 4. The caller crops the output."""
+    a_data, sa, b_data, sb = a.data, a.scale, b.data, b.scale
+    if _blocks(b.granularity) == (128, 128):
+        extra = -sa.shape[1] % 4  # K blocks short of a multiple of 4
+        a_data, sa = _pad_cols(a_data, 128 * extra, 0.0), _pad_cols(sa, extra, 1.0)
+        b_data, sb = _pad_cols(b_data, 128 * extra, 0.0), _pad_cols(sb, extra, 1.0).t()  # (K/128, N/128)
+    else:  # the weight gradient, both along the tokens: (K/128, N) row-major, N padded to a multiple of 4
+        b_data, sb = _pad_rows(b_data, 4, 0.0), _pad_rows(sb, 4, 1.0).t().contiguous()
+    a_data, sa = _pad_rows(a_data, 4, 0.0), _pad_rows(sa, 4, 1.0)
+    return a_data, sa.t().contiguous().t(), b_data, sb  # a's scales (M, K/128), outer-dim-major
 
 
 def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
