@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowprec.kernels.ops import define
 from lowprec.kernels.triton_numerics import exp2i
 from lowprec.kernels.triton_tiles import _expand
 from lowprec.quant import QuantizedTensor
@@ -76,15 +77,10 @@ def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, exp_bits: int, ma
     return out
 
 
-@torch.library.custom_op("lowprec::dequantize_bf16", mutates_args=())
-def dequantize_bf16(data: torch.Tensor, scale: torch.Tensor, exp_bits: int, man_bits: int) -> torch.Tensor:
-    """:func:`dequantize_blocks` as an op."""
-    return dequantize_blocks(data, scale, exp_bits, man_bits)
-
-
-@dequantize_bf16.register_fake
-def _(data, scale, exp_bits, man_bits):
-    return data.new_empty(data.shape, dtype=torch.bfloat16)
+dequantize_bf16 = define(
+    "dequantize_bf16(Tensor data, Tensor scale, int exp_bits, int man_bits) -> Tensor", dequantize_blocks,
+    lambda data, scale, exp_bits, man_bits: data.new_empty(data.shape, dtype=torch.bfloat16))
+""":func:`dequantize_blocks` as an operator (see [Note: how kernels become operators] in ``lowprec.kernels.ops``)."""
 
 
 def block_values_bf16(q: QuantizedTensor) -> torch.Tensor:

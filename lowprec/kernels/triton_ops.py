@@ -1,6 +1,6 @@
-"""The Triton kernels as ``torch.library`` custom ops, with fake implementations.
+"""The Triton cast kernels as ``torch.library`` operators, with fake implementations.
 
-Registered as opaque ops (``custom_op`` + ``register_fake``) so that ``torch.compile`` keeps them in
+Registered as opaque operators (``lowprec.kernels.ops.define``) so that ``torch.compile`` keeps them in
 its graph without a break. Eager code calls the same implementations directly (``amax`` / ``cast``
 below), skipping the dispatcher's few tens of microseconds per call, which matter next to kernels of
 a few hundred. A plan travels as a tuple of ints (see ``triton_plan``); the kernel arguments it
@@ -14,6 +14,7 @@ import torch
 import triton
 
 from lowprec.kernels import triton_tiles as T
+from lowprec.kernels.ops import define
 from lowprec.kernels.triton_plan import Plan, Side, off_args
 
 
@@ -90,30 +91,28 @@ def cast(
     return data_a, scale_a, g_a, data_b, scale_b, g_b, record
 
 
-@torch.library.custom_op("lowprec::tile_amax", mutates_args=())
-def tile_amax(x: torch.Tensor, plan: list[int], hmat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`amax` as an op."""
+def _amax_op(x, plan, hmat):
     return amax(x, tuple(plan), hmat)
 
 
-@tile_amax.register_fake
-def _(x, plan, hmat):
+def _amax_fake(x, plan, hmat):
     p = Plan.from_ints(plan)
     return (x.new_empty(_amax_len(p.a, p, False), dtype=torch.int32),
             x.new_empty(_amax_len(p.b, p, True), dtype=torch.int32))
 
 
-@torch.library.custom_op("lowprec::tile_cast", mutates_args=())
-def tile_cast(
-    x: torch.Tensor, plan: list[int], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
-    given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None,
-    seed: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`cast` as an op."""
+def _cast_op(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
     return cast(x, tuple(plan), hmat, amax_a, amax_b, given, rand_a, rand_b, seed)
 
 
-@tile_cast.register_fake
-def _(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
+def _cast_fake(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
     p = Plan.from_ints(plan)
     return (*_outputs(x, p.a), *_outputs(x, p.b), x.new_empty(1 if p.record else 0, dtype=torch.int32))
+
+
+tile_amax = define("tile_amax(Tensor x, int[] plan, Tensor? hmat) -> (Tensor, Tensor)", _amax_op, _amax_fake)
+""":func:`amax` as an operator (see [Note: how kernels become operators] in ``lowprec.kernels.ops``)."""
+tile_cast = define("tile_cast(Tensor x, int[] plan, Tensor? hmat, Tensor amax_a, Tensor amax_b, Tensor? given, "
+                   "Tensor? rand_a, Tensor? rand_b, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
+                   "Tensor, Tensor)", _cast_op, _cast_fake)
+""":func:`cast` as an operator: (data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits)."""
