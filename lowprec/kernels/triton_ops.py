@@ -17,10 +17,14 @@ from lowprec.kernels import triton_tiles as T
 from lowprec.kernels.ops import define
 from lowprec.kernels.triton_plan import Plan, Side, off_args
 
+_Out = tuple[tuple[int, ...], torch.dtype, tuple[int, ...]] | None
+"""A side's outputs: codes' shape and storage dtype, scales' shape; None for a side not made."""
+
 
 @functools.lru_cache(maxsize=256)
-def _config(plan: tuple[int, ...]) -> tuple[Plan, tuple[int, int], dict, dict]:
-    """(plan, grid, amax-kernel constants, cast-kernel constants) of a plan."""
+def _config(plan: tuple[int, ...]) -> tuple[Plan, tuple[int, int], dict, dict, tuple[_Out, _Out], tuple[int, ...]]:
+    """(plan, grid, amax-kernel constants, cast-kernel constants, each side's outputs, the cast kernel's
+    output dimensions) of a plan: everything a launch needs but the tensors, worked out once."""
     p = Plan.from_ints(list(plan))
     bm, bk, warps = p.tile
     even = p.m % bm == 0 and p.k % bk == 0
@@ -34,7 +38,10 @@ def _config(plan: tuple[int, ...]) -> tuple[Plan, tuple[int, int], dict, dict]:
     cast_kw = dict(BM=bm, BK=bk, EVEN=even, RECORD=p.record, SHARE=p.share, num_warps=warps,
                    **(p.a.kernel_args("A") if p.a else off_args("A")),
                    **(p.b.kernel_args("B") if p.b else off_args("B")))
-    return p, grid, amax_kw, cast_kw
+    outs = tuple(None if s is None else (tuple(s.out_shape), s.format.storage_dtype, tuple(s.scale_shape))
+                 for s in (p.a, p.b))
+    dims = tuple(d for s in (p.a, p.b) for d in ((*s.out_shape, *s.scale_shape) if s is not None else (0, 0, 0, 0)))
+    return p, grid, amax_kw, cast_kw, outs, dims
 
 
 def _amax_len(s: Side | None, p: Plan, transposed: bool) -> int:
@@ -47,7 +54,7 @@ def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> t
     """int32 bits of the amaxes each side's cast needs (one per tensor or per line). ``hmat``: the
     Hadamard matrix where a side transforms (unused pointers get x: any live allocation will do)."""
     hmat = x if hmat is None else hmat
-    p, grid, kw, _ = _config(plan)
+    p, grid, kw, *_ = _config(plan)
     amax_a = torch.zeros(_amax_len(p.a, p, False), dtype=torch.int32, device=x.device)
     amax_b = torch.zeros(_amax_len(p.b, p, True), dtype=torch.int32, device=x.device)
     a_ptr, b_ptr = (t if t.numel() else hmat for t in (amax_a, amax_b))
@@ -55,11 +62,11 @@ def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> t
     return amax_a, amax_b
 
 
-def _outputs(x: torch.Tensor, s: Side | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if s is None:
+def _outputs(x: torch.Tensor, out: _Out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if out is None:
         return x.new_empty(0, dtype=torch.uint8), x.new_empty(0), x.new_empty(0)
-    return (x.new_empty(s.out_shape, dtype=s.format.storage_dtype), x.new_empty(s.scale_shape, dtype=torch.float32),
-            x.new_empty((), dtype=torch.float32))
+    shape, dtype, scale_shape = out
+    return x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32), x.new_empty(())
 
 
 def cast(
@@ -68,24 +75,20 @@ def cast(
 ) -> tuple[torch.Tensor, ...]:
     """(data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits) of one tile pass."""
     hmat = x if hmat is None else hmat
-    p, grid, _, kw = _config(plan)
-    data_a, scale_a, g_a = _outputs(x, p.a)
-    data_b, scale_b, g_b = _outputs(x, p.b)
-    record = torch.zeros(1 if p.record else 0, dtype=torch.int32, device=x.device)
-
-    def ptr(t: torch.Tensor | None) -> torch.Tensor:
-        # Unused pointers get a live allocation (x, or hmat): an empty tensor may have no address.
-        return t if t is not None and t.numel() else hmat
-
-    def dims(s: Side | None) -> tuple[int, int, int, int]:
-        return (*s.out_shape, *s.scale_shape) if s is not None else (0, 0, 0, 0)
-
-    ra, ca, sra, sca = dims(p.a)
-    rb, cb, srb, scb = dims(p.b)
+    p, grid, _, kw, (out_a, out_b), (ra, ca, sra, sca, rb, cb, srb, scb) = _config(plan)
+    data_a, scale_a, g_a = _outputs(x, out_a)
+    data_b, scale_b, g_b = _outputs(x, out_b)
+    record = torch.zeros(1, dtype=torch.int32, device=x.device) if p.record else x.new_empty(0, dtype=torch.int32)
+    # Unused pointers get a live allocation (hmat, which is x where there is none): an empty tensor may
+    # have no address. Sides not made have empty outputs.
+    a_on, b_on = out_a is not None, out_b is not None
     T.cast_kernel[grid](
-        x, x.stride(0), x.stride(1), p.m, p.k, hmat, ptr(given), ptr(seed), ptr(record),
-        ptr(amax_a), ptr(rand_a), ptr(data_a.view(torch.uint8)), ra, ca, ptr(scale_a), sra, sca, ptr(g_a),
-        ptr(amax_b), ptr(rand_b), ptr(data_b.view(torch.uint8)), rb, cb, ptr(scale_b), srb, scb, ptr(g_b),
+        x, x.stride(0), x.stride(1), p.m, p.k, hmat, hmat if given is None else given,
+        hmat if seed is None else seed, record if p.record else hmat,
+        amax_a if amax_a.numel() else hmat, hmat if rand_a is None else rand_a,
+        data_a.view(torch.uint8) if a_on else hmat, ra, ca, scale_a if a_on else hmat, sra, sca, g_a if a_on else hmat,
+        amax_b if amax_b.numel() else hmat, hmat if rand_b is None else rand_b,
+        data_b.view(torch.uint8) if b_on else hmat, rb, cb, scale_b if b_on else hmat, srb, scb, g_b if b_on else hmat,
         HW=x.is_cuda, **kw,
     )
     return data_a, scale_a, g_a, data_b, scale_b, g_b, record
@@ -106,8 +109,8 @@ def _cast_op(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
 
 
 def _cast_fake(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
-    p = Plan.from_ints(plan)
-    return (*_outputs(x, p.a), *_outputs(x, p.b), x.new_empty(1 if p.record else 0, dtype=torch.int32))
+    p, _, _, _, (out_a, out_b), _ = _config(tuple(plan))
+    return (*_outputs(x, out_a), *_outputs(x, out_b), x.new_empty(1 if p.record else 0, dtype=torch.int32))
 
 
 tile_amax = define("tile_amax(Tensor x, int[] plan, Tensor? hmat) -> (Tensor, Tensor)", _amax_op, _amax_fake)
