@@ -64,7 +64,8 @@ def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> t
 
 def _outputs(x: torch.Tensor, out: _Out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if out is None:
-        return x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32), x.new_empty(0, dtype=torch.float32)
+        return (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32),
+                x.new_empty(0, dtype=torch.float32))
     shape, dtype, scale_shape = out
     return (x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32),
             x.new_empty((), dtype=torch.float32))
