@@ -1,11 +1,16 @@
-"""Fused dequantization for emulated GEMMs: codes x block scales -> BF16, in one pass.
+"""Fused dequantization: codes x block scales -> BF16, in one pass.
 
-A device without MX/NVFP4 tensor cores (Hopper) runs those GEMMs on the exact quantized values in
-BF16 with FP32 accumulation. Element times block scale is exact in BF16 whenever the element's and
-the scale's significands fit its 8 bits together (FP8/FP6/FP4 elements with E8M0 or E4M3 scales;
-see ``gemm._exact_in_bf16``), so this kernel loses nothing: it decodes each code by bit operations,
-multiplies by its block's scale and writes BF16. NVFP4's global FP32 scale multiplies the GEMM's
-output instead (it would not be exact here).
+It decodes each code by bit operations, multiplies by its block's scale in float32 and rounds the
+product to BF16 as torch does, so it equals ``QuantizedTensor.dequantize(torch.bfloat16)`` bit for bit
+(without NVFP4's global scale). Two uses:
+
+* emulated GEMMs: a device without MX/NVFP4 tensor cores (Hopper) runs them on the exact quantized
+  values in BF16 with FP32 accumulation. Element times block scale is exact in BF16 whenever the
+  element's and the scale's significands fit its 8 bits together (FP8/FP6/FP4 elements with E8M0 or
+  E4M3 scales; see ``gemm._exact_in_bf16``), so nothing is lost there. NVFP4's global FP32 scale
+  multiplies the GEMM's output instead (it would not be exact here);
+* FP8 saved activations (``lowprec.nn.saved``) in an eager backward: 3 bytes moved per value where the
+  reference's float32 temporaries move about 19.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import triton
 import triton.language as tl
 
 from lowprec.kernels.ops import define
-from lowprec.kernels.triton_numerics import exp2i
+from lowprec.kernels.triton_numerics import bf16_bits, exp2i
 from lowprec.kernels.triton_tiles import _expand
 from lowprec.quant import QuantizedTensor
 
@@ -55,7 +60,7 @@ def dequant_kernel(data_ptr, scale_ptr, out_ptr, R, C, s_rows, s_cols, EXP: tl.c
     bj = pid_k * (BK // BC) + tl.arange(0, BK // BC)
     s = tl.load(scale_ptr + bi[:, None] * s_cols + bj[None, :], mask=(bi[:, None] < s_rows) & (bj[None, :] < s_cols),
                 other=1.0)  # (BM / BR, BK / BC): one scale per block, broadcast below
-    out = (v * _expand(s, BM, BK, BR, BC)).to(tl.bfloat16)
+    out = bf16_bits(v * _expand(s, BM, BK, BR, BC))  # the float32 product rounded as torch rounds it
     if EVEN:
         tl.store(out_ptr + ptrs, out)
     else:
@@ -71,7 +76,8 @@ def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, exp_bits: int, ma
     bm, bk = max(64, br), max(128, bc)
     native = data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and data.is_cuda
     grid = (triton.cdiv(r, bm), triton.cdiv(c, bk))
-    dequant_kernel[grid](data.view(torch.uint8), scale.contiguous(), out, r, c, scale.shape[0], scale.shape[1],
+    dequant_kernel[grid](data.view(torch.uint8), scale.contiguous(), out.view(torch.int16), r, c,
+                         scale.shape[0], scale.shape[1],
                          EXP=exp_bits, MAN=man_bits, NATIVE=native, BR=br, BC=bc, BM=bm, BK=bk,
                          EVEN=r % bm == 0 and c % bk == 0, num_warps=8)
     return out

@@ -40,6 +40,15 @@ def exp2i(e):
 
 
 @triton.jit
+def bf16_bits(v):
+    """int16 bits of float32 ``v`` rounded to nearest-even BF16 (NaN to torch's 0x7FC0), as torch's
+    ``.to(torch.bfloat16)`` rounds: on bits, since the interpreter's conversion truncates."""
+    bits = v.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
 def abs_bits(v):
     """int32 bits of ``|v|`` (float32): ordered like the magnitudes, NaN above inf."""
     return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF

@@ -17,13 +17,16 @@ block is padded to one by the cast (dims of 128k lose nothing).
 
 The cast goes through ``lowprec.kernels.cast`` on the route the device takes: on CUDA one fused
 Triton pass (FP8 per tensor, per row and ``1 x B`` are all covered), elsewhere the reference; both give
-the same bits. Compiled code keeps the reference's operations, which the compiler fuses itself.
+the same bits. In an eager backward on CUDA, BF16 inputs saved in ``1 x B`` blocks are dequantized by
+one Triton pass too (``lowprec.kernels.triton_dequant``), with the reference's bits. Compiled code keeps
+the reference's operations, which the compiler fuses itself.
 
 The saved copy is the op's input, not its output, so it is a different tensor from the one the
 next converted Linear saves (the norm's output, SwiGLU's product): the two cannot share storage.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -106,10 +109,30 @@ def pack(x: torch.Tensor, saved: SavedActivations | None, *,
     return (q.data, q.scale), (q.fmt, q.granularity, q.shape, q.dtype)
 
 
-def unpack(tensors: tuple, meta: tuple | None) -> torch.Tensor:
-    """The saved input, dequantized to its original dtype where it was quantized."""
+def unpack(tensors: tuple, meta: tuple | None, *, backend: str | None = None) -> torch.Tensor:
+    # backend: None (the device's choice), "triton" or "torch" (tests)
+    """The saved input, dequantized to its original dtype where it was quantized: by the fused Triton
+    kernel for BF16 inputs saved in ``1 x B`` blocks on CUDA in eager code (or with ``backend="triton"``:
+    tests), else by the reference; both give the same bits (compiled code fuses the reference's ops)."""
     if meta is None:
         return tensors[0]
     fmt, granularity, shape, dtype = meta
-    return QuantizedTensor(tensors[0], tensors[1], fmt, granularity, shape, dtype).dequantize()
+    q = QuantizedTensor(tensors[0], tensors[1], fmt, granularity, shape, dtype)
+    fused = backend == "triton" or (backend is None and _fused_dequantize(q))
+    if q.data.numel() and fused:
+        from lowprec.kernels.triton_dequant import dequantize_blocks  # Triton: imported where it runs
+
+        m, k = (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
+        out = dequantize_blocks(q.data, q.scale, q.fmt.exp_bits, q.fmt.man_bits)  # (Mp, Kp), padded
+        return out[:m, :k].reshape(shape)
+    return q.dequantize()
+
+
+def _fused_dequantize(q: QuantizedTensor) -> bool:
+    """Whether :func:`unpack` takes the fused kernel: eager, CUDA, BF16, ``1 x B`` blocks (B a power of two
+    up to 128, as the kernel tiles them)."""
+    g, b = q.granularity, q.granularity.block_cols
+    return (q.data.is_cuda and q.dtype == torch.bfloat16 and g.kind is GranularityKind.BLOCK and g.block_rows == 1
+            and b <= 128 and b & (b - 1) == 0 and not torch.compiler.is_compiling()
+            and K.capability(q.data.device).triton)
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowprec.kernels.triton_numerics import abs_bits
+from lowprec.kernels.triton_numerics import abs_bits, bf16_bits
 from lowprec.optim.states import INT8_BLOCK, INV_INT8_LEVELS, INV_UINT8_LEVELS, Moment, StateFormat
 
 FP32, BF16, INT8 = 0, 1, 2
@@ -40,14 +40,6 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def _bf16_decode(bits):
     """float32 of BF16 codes (int16 bits): exact."""
     return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_encode(v):
-    """int16 bits of ``v`` rounded to nearest-even BF16, NaN to torch's 0x7FC0."""
-    bits = v.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
 
 
 @triton.jit
@@ -93,8 +85,8 @@ def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, om
     p = p - tl.math.div_rn(m, denom) * step_size
     tl.store(p_ptr + offs, p, mask=mask)
     if STATES == 1:
-        tl.store(m_ptr + offs, _bf16_encode(m), mask=mask)
-        tl.store(v_ptr + offs, _bf16_encode(v), mask=mask)
+        tl.store(m_ptr + offs, bf16_bits(m), mask=mask)
+        tl.store(v_ptr + offs, bf16_bits(v), mask=mask)
     elif STATES == 2:  # masked lanes hold 0 and leave the absmax alone
         a, safe = _block_absmax(m)
         tl.store(m_ptr + offs, _round_half_even(tl.math.div_rn(m, safe) * 127.0).to(tl.int8), mask=mask)

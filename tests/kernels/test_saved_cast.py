@@ -46,6 +46,21 @@ def test_the_triton_cast_keeps_the_references_codes_and_scales(name, shape, dtyp
         assert torch.equal(_bits(back), _bits(ref.dequantize()))
 
 
+@pytest.mark.parametrize("name", ["1x128", "1x32-e5m2"])
+@pytest.mark.parametrize("shape", [(2, 24, 256), (40, 200), (6, 64)], ids=str)
+def test_the_fused_unpack_equals_the_reference(name, shape):
+    """The eager backward's one-pass dequantization (``triton_dequant``): the reference's BF16 bits, on
+    special values (NaN, infinities, subnormal products, the format's extremes) and ragged widths."""
+    saved = SAVED[name]
+    x = special(shape[0] * (shape[1] if len(shape) == 3 else 1), shape[-1], torch.bfloat16).view(shape)
+    tensors, meta = pack(x, saved, backend="torch")
+    got, want = unpack(tensors, meta, backend="triton"), unpack(tensors, meta, backend="torch")
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape == x.shape
+    nan = torch.isnan(want)
+    assert nan.any() and torch.equal(torch.isnan(got), nan)  # a NaN's payload is the device's, not the format's
+    assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
 def test_an_empty_tensor_packs_as_the_reference_does():
     x = torch.empty(0, 128, dtype=torch.bfloat16)
     tensors, meta = pack(x, SAVED["1x128"], backend="triton")
