@@ -147,14 +147,18 @@ def _summary(out: Path, label: str) -> str:
 
 
 def load_results(paths: list[str]) -> list[dict]:
-    """The runs of result directories (one JSON per run) and of merged tables (``accuracy.json``)."""
-    rows = []
+    """The runs of result directories (one JSON per run) and of merged tables (``accuracy.json``); a run
+    (recipe, seed, model, tokens) found twice is taken once, from the later path, so that merging a table
+    with the directory it came from does not count its BF16 seeds twice and narrow the band."""
+    runs: dict[tuple, dict] = {}
     for d in paths:
         if Path(d).is_file():
-            rows += json.loads(Path(d).read_text())["rows"]
+            found = json.loads(Path(d).read_text())["rows"]
         else:
-            rows += [json.loads(p.read_text()) for p in sorted(Path(d).glob("*-seed*.json"))]
-    return rows
+            found = [json.loads(p.read_text()) for p in sorted(Path(d).glob("*-seed*.json"))]
+        for r in found:
+            runs[(r["recipe"], r["seed"], r["model"], r["tokens"])] = r
+    return list(runs.values())
 
 
 def table(rows: list[dict]) -> dict:

@@ -82,8 +82,10 @@ def probe_blockwise(m: int = 2048, k: int = 1024, n: int = 1536) -> list[dict]:
     return out
 
 
-RAGGED = [(2048, 768, 768), (2048, 768, 256), (2048, 2048, 768), (1000, 640, 384), (4096, 1024, 1536)]
-"""Block counts along K that are not multiples of 4 (768 = 6 x 128, 640 = 5 x 128), rows that are not."""
+RAGGED = [(2048, 768, 768), (2048, 768, 256), (2048, 2048, 768), (1000, 640, 384), (4096, 1024, 1536),
+          (1001, 768, 130), (1002, 1024, 130)]
+"""Block counts along K that are not multiples of 4 (768 = 6 x 128, 640 = 5 x 128), and row counts (M,
+and N of a 1x128 right operand) that are not multiples of 4."""
 
 
 def probe_blockwise_shapes() -> list[dict]:
@@ -126,6 +128,7 @@ def main() -> None:
               "mm_out_dtype_fp32": probe_mm_out_dtype()}
     print(probes, flush=True)
     if args.probes_only:
+        write_json(args.out, "bench_gemm_probes.json", {"env": env, "probes": probes})
         return
     results, rows = {}, []
     for shape, (k, n) in SHAPES.items():

@@ -29,3 +29,13 @@ def test_report_merges_directories_and_tables(tmp_path):
     assert result["noise_rel"] == pytest.approx(2 * spread * math.sqrt(1 + 1 / 2) / 0.61)
     saved = json.loads((tmp_path / "all" / "accuracy.json").read_text())
     assert len(saved["rows"]) == 4
+
+
+def test_a_run_found_twice_counts_once(tmp_path):
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"rows": [_run("bf16", 0, 0.60), _run("bf16", 1, 0.62)]}))
+    with pytest.MonkeyPatch.context() as mp:
+        bench = load_benchmark("bench_accuracy", mp)
+        once = bench.main(["--report", str(table), "--out", str(tmp_path / "a")])
+        twice = bench.main(["--report", str(table), str(table), "--out", str(tmp_path / "b")])
+    assert len(twice["rows"]) == 2 and twice["noise_rel"] == once["noise_rel"]

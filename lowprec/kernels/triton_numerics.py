@@ -41,8 +41,9 @@ def exp2i(e):
 
 @triton.jit
 def bf16_bits(v):
-    """int16 bits of float32 ``v`` rounded to nearest-even BF16 (NaN to torch's 0x7FC0), as torch's
-    ``.to(torch.bfloat16)`` rounds: on bits, since the interpreter's conversion truncates."""
+    """int16 bits of float32 ``v`` rounded to nearest-even BF16, as torch's ``.to(torch.bfloat16)`` rounds
+    finite values and infinities (a NaN becomes 0x7FC0; torch keeps the device's payload): on bits,
+    since the interpreter's conversion truncates."""
     bits = v.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)

@@ -8,8 +8,10 @@ per-group scales of FP8 and 8-bit moments are rows of one table: each parameter'
 zero-padded as :func:`lowprec.optim.states.store` pads them), updated by the same elementwise ops as
 the per-parameter step, encoded again, and copied back into each parameter's own state tensors, so
 the state_dict is unchanged. Every op is elementwise or reduces within one group, so each value is
-the per-parameter step's bit for bit. A bucket's float32 working copies take ``16 x BUCKET`` bytes at
-most (a larger parameter alone takes its own size, as in the per-parameter step).
+the per-parameter step's bit for bit. A bucket's working copies take about ``28 x BUCKET`` bytes at
+most: four float32 vectors (gradient, parameter, both moments), the update's float32 temporaries and
+the float64 copy its square root is taken in (a larger parameter alone takes its own size, as in the
+per-parameter step). CUDA parameters with FP32, BF16 or 8-bit moments take the fused kernel instead.
 
 [Note: the AdamW update]
 torch's AdamW formulas (decoupled weight decay, bias correction, ``eps`` added to the corrected
@@ -30,7 +32,7 @@ import torch
 from lowprec.optim.states import Moment, StateFormat, load, sqrt_rn, store
 
 BUCKET = 1 << 22
-"""Most elements updated together (a larger parameter alone is a bucket): 64 MiB of float32 working
+"""Most elements updated together (a larger parameter alone is a bucket): about 112 MiB of working
 copies, small against the moments' savings, and enough to make launches rare."""
 
 

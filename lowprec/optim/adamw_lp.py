@@ -78,7 +78,7 @@ class AdamWLP(torch.optim.Optimizer):
         if closure is not None:
             fail("closure", "None (AdamWLP takes no closure)", describe(closure))
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if p.grad is not None and p.numel()]  # nothing to update in empty ones
             states = [self._counted(p) for p in params]
             if any(is_dtensor(p) for p in params):  # FP32 moments of FSDP2 shards: one at a time
                 for p, state in zip(params, states):
@@ -90,7 +90,7 @@ class AdamWLP(torch.optim.Optimizer):
 
                 rest = []
                 for i, p in enumerate(params):
-                    if (p.is_cuda or fused.INTERPRETED) and fused.covers(p, self.states):
+                    if (p.is_cuda or fused.INTERPRETED) and fused.covers(p, states[i], self.states):
                         fused.step(p, states[i], self.states, batch.constants(group, steps[i]))
                     else:
                         rest.append(i)

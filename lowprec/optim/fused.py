@@ -14,10 +14,12 @@ constants passed as float32 arguments (the 8-bit decode multiplies by 1/127 and 
 division and square root correctly rounded (``div_rn``, ``sqrt_rn``), and the roundings onto BF16 and
 onto integer codes done on bits and integers (the interpreter truncates float32 -> bf16). FP32, BF16
 and 8-bit moments are covered; FP8 moments raise values to per-group powers, whose last bit differs
-between math libraries, so they keep the torch step.
+between math libraries, so they keep the torch step. Equality holds for finite values: a NaN's payload
+and the code of an infinite moment are the device's (the step guard skips non-finite gradients).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -101,10 +103,13 @@ def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, om
         tl.store(v_ptr + offs, v, mask=mask)
 
 
-def covers(p: torch.Tensor, fmt: StateFormat) -> bool:
-    """Whether :func:`step` takes this parameter: float32, contiguous, its gradient contiguous."""
-    return (fmt in COVERED and p.dtype == torch.float32 and p.is_contiguous() and p.grad is not None
-            and p.grad.is_contiguous() and p.numel() < 2**31 - BLOCK)
+def covers(p: torch.Tensor, state: dict, fmt: StateFormat) -> bool:
+    """Whether :func:`step` takes this parameter: float32 and contiguous, its gradient and every state
+    tensor contiguous on its device (the kernel reads them as flat vectors)."""
+    if not (fmt in COVERED and p.dtype == torch.float32 and p.is_contiguous() and p.grad is not None
+            and p.grad.is_contiguous() and p.numel() < 2**31 - BLOCK):
+        return False
+    return all(v.is_contiguous() and v.device == p.device for k, v in state.items() if k != "step")
 
 
 def step(p: torch.Tensor, state: dict, fmt: StateFormat, scalars: dict[str, float]) -> None:
@@ -116,6 +121,13 @@ def step(p: torch.Tensor, state: dict, fmt: StateFormat, scalars: dict[str, floa
     ms = state.get(Moment.FIRST.value + "_scale", m)  # unused but for 8-bit moments
     vs = state.get(Moment.SECOND.value + "_scale", v)
     n = p.numel()
+    if n == 0:
+        return
+    with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():  # launch on p's device
+        _launch(p, m, ms, v, vs, n, fmt, scalars)
+
+
+def _launch(p, m, ms, v, vs, n, fmt, scalars) -> None:
     adamw_kernel[(triton.cdiv(n, BLOCK),)](
         p, p.grad, m, ms, v, vs, n, scalars["decay"], scalars["beta1"], scalars["omb1"], scalars["beta2"],
         scalars["omb2"], scalars["inv_bc2"], scalars["eps"], scalars["step_size"], INV_INT8_LEVELS, INV_UINT8_LEVELS,

@@ -113,7 +113,7 @@ def state_bytes(numel: int, fmt: StateFormat) -> int:
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """float32 square roots correctly rounded on every device (torch's CPU kernel may miss by an ulp): taken
     in float64 and rounded once more, which for a square root gives the correctly rounded float32."""
-    return x.double().sqrt().float()
+    return x.double().sqrt_().float()
 
 
 def _groups(x: torch.Tensor, size: int) -> torch.Tensor:

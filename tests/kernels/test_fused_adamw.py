@@ -34,20 +34,21 @@ def _grads(step: int, shapes) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("states", ["fp32", "bf16", "int8"])
-def test_fused_step_equals_the_torch_step(states):
+def test_fused_step_equals_the_torch_step(states, monkeypatch):
+    assert fused.INTERPRETED  # the kernel runs here (tests/kernels/conftest.py), or this compares torch with torch
+    launches = []
+    monkeypatch.setattr(fused, "_launch", lambda *a, _f=fused._launch: launches.append(1) or _f(*a))
     ref = [p.requires_grad_() for p in _params(0)]
     got = [p.clone().detach().requires_grad_() for p in ref]
     opt_ref = AdamWLP(ref, states=states, fused=False, **HP)
     opt_got = AdamWLP(got, states=states, fused=True, **HP)
     for step in range(4):
-        if step == 0:
-            for p in got:
-                p.grad = torch.zeros_like(p)
-            assert all(fused.covers(p, StateFormat.parse(states)) for p in got)
         for a, b, g in zip(ref, got, _grads(step, SHAPES)):
             a.grad, b.grad = g.clone(), g.clone()
         opt_ref.step()
+        before = len(launches)
         opt_got.step()
+        assert len(launches) - before == len(SHAPES)  # every parameter took the kernel
         for a, b in zip(ref, got):
             assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32)), f"step {step}"
             sa, sb = opt_ref.state[a], opt_got.state[b]
@@ -56,13 +57,25 @@ def test_fused_step_equals_the_torch_step(states):
                 assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), (step, key)
 
 
-def test_bf16_gradients_and_coverage():
-    """BF16 gradients are widened in the kernel as torch widens them; FP8 moments are not covered."""
+def test_coverage():
+    """The kernel takes float32 parameters whose gradient and states are contiguous; FP8 moments are not
+    covered (per-group powers); other parameters take the torch step."""
     p = torch.randn(3000, requires_grad=True)
-    p.grad = torch.randn(3000).to(torch.bfloat16).float()
-    assert fused.covers(p, StateFormat.INT8)
-    assert not fused.covers(p, StateFormat.FP8)
-    assert not fused.covers(p.detach().to(torch.bfloat16).requires_grad_(), StateFormat.INT8)
+    p.grad = torch.randn(3000)
+    state = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3000, dtype=torch.int8)}
+    assert fused.covers(p, state, StateFormat.INT8)
+    assert not fused.covers(p, state, StateFormat.FP8)
+    assert not fused.covers(p.detach().to(torch.bfloat16).requires_grad_(), state, StateFormat.INT8)
+    assert not fused.covers(p, {"exp_avg": torch.zeros(3000, 2, dtype=torch.int8)[:, 0]}, StateFormat.INT8)
+
+
+def test_empty_parameters_are_skipped():
+    empty, full = torch.zeros(0, requires_grad=True), torch.randn(100, requires_grad=True)
+    for fused_step in (True, False):
+        opt = AdamWLP([empty, full], states="int8", fused=fused_step, **HP)
+        empty.grad, full.grad = torch.zeros(0), torch.randn(100)
+        opt.step()
+        assert empty not in opt.state and full in opt.state
 
 
 def test_fused_flag_is_checked():
