@@ -28,6 +28,7 @@ def prof_fixture():
     ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", "inductor fused"),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
     ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("adamw_kernel", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>", "other torch kernels"),
 ])
 def test_kernels_sorted_by_kind(prof, name, kind):
