@@ -81,3 +81,25 @@ def test_empty_parameters_are_skipped():
 def test_fused_flag_is_checked():
     with pytest.raises(ValueError, match="fused"):
         AdamWLP([torch.zeros(3, requires_grad=True)], states="int8", fused="yes")
+
+
+@pytest.mark.parametrize("states", ["bf16", "int8"])
+def test_training_through_the_optimizer_is_the_same_fused_or_not(states):
+    """BF16 parameters with FP32 masters (``lowprec.optim.Optimizer``): five training steps give the same
+    weights, masters and moments with the fused step as with the torch step; the state_dict round trips."""
+    from lowprec.optim import Optimizer
+    from tests.optim.common import assert_same_state, batch, mlp, mse
+
+    runs = []
+    for use in (False, True):
+        model = mlp(torch.bfloat16)
+        opt = Optimizer(model.parameters(), AdamWLP, states=states, fused=use, master_weights=True, **HP)
+        for s in range(5):
+            x, y = batch(s, torch.bfloat16)
+            opt.backward(mse(model, x, y))
+            opt.step()
+        runs.append((model, opt))
+    (a, opt_a), (b, opt_b) = runs
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+    assert_same_state(opt_a.state_dict(), opt_b.state_dict())
