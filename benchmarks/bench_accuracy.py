@@ -93,8 +93,14 @@ def run_one(args, recipe: str, seed: int) -> dict:
             "final_train_loss": result.final_train_loss, "tokens_per_s": result.tokens_per_s,
             "peak_memory_gib": (result.peak_memory_bytes or 0) / 2**30, "skipped": result.skipped_steps,
             "diverged": result.diverged, "first_step_s": result.history[0]["elapsed_s"],
-            "wall_s": time.perf_counter() - start, "data": data.source, "conversion": result.conversion.split("\n")[0],
+            "wall_s": time.perf_counter() - start, "data": _source(data.source, args.data),
+            "conversion": result.conversion.split("\n")[0],
             "val_curve": [(r["step"], r["val_loss"]) for r in result.history if r.get("val_loss") is not None]}
+
+
+def _source(source: str, path: str | None) -> str:
+    """The data's description without the folder the corpus was written to (a temporary one)."""
+    return source if path is None else source.replace(str(Path(path).parent) + os.sep, "")
 
 
 def worker(args) -> None:
