@@ -27,13 +27,17 @@ class Size:
         """Tokens per GPU per step."""
         return self.batch * self.seq_len
 
+    def linear_params(self) -> int:
+        """Weights of every linear, the LM head's included (parameters less the embedding and the norms)."""
+        c = self.config
+        return c.num_params() - c.vocab_size * c.dim - (2 * c.n_layers + 1) * c.dim
+
     def flops_per_token(self) -> int:
         """Model FLOPs of one token's forward and backward, as ``lowprec.plan`` counts them: 6 per
         parameter of every linear (the LM head too, not the embedding lookup), plus attention's scores
         and weighted sum, 12 x seq x dim per layer (PaLM's count; the causal mask is not credited)."""
         c = self.config
-        linears = c.num_params() - c.vocab_size * c.dim - (2 * c.n_layers + 1) * c.dim  # less embedding and norms
-        return 6 * linears + 12 * self.seq_len * c.dim * c.n_layers
+        return 6 * self.linear_params() + 12 * self.seq_len * c.dim * c.n_layers
 
 
 def llama_ffn(dim: int) -> int:

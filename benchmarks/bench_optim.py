@@ -26,10 +26,10 @@ from lowprec.train.model import Transformer
 CHECKED = ("fp32", "bf16", "int8")
 
 
-def parameters(size_name: str, seed: int = 0) -> list[torch.Tensor]:
-    """Float32 tensors shaped like the model's parameters, each with a gradient, on ``DEVICE``."""
+def parameters(size_name: str, seed: int = 0, count: int | None = None) -> list[torch.Tensor]:
+    """Float32 tensors shaped like the model's parameters (its first ``count``), each with a gradient, on ``DEVICE``."""
     with torch.device("meta"):
-        shapes = [p.shape for p in Transformer(SIZES[size_name].config).parameters()]
+        shapes = [p.shape for p in Transformer(SIZES[size_name].config).parameters()][:count]
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     out = []
     for shape in shapes:
@@ -45,7 +45,7 @@ def check(size_name: str) -> dict[str, bool]:
         return {}
     out = {}
     for states in CHECKED:
-        a = parameters(size_name, seed=1)[:12]  # the embedding, the first blocks' weights and norms
+        a = parameters(size_name, seed=1, count=12)  # the embedding, the first blocks' weights and norms
         b = [nn.Parameter(p.detach().clone()) for p in a]
         for p, q in zip(a, b):
             q.grad = p.grad.clone()

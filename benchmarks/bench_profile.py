@@ -53,10 +53,8 @@ def kind_of(name: str) -> str:
 
 def ceiling(size, bf16_step_ms: float, bf16_gemm_ms: float, speedup: float) -> dict:
     """The step time of BF16's profile with the converted linears' GEMMs ``speedup`` times faster."""
-    c = size.config
-    head = c.vocab_size * c.dim
-    linears = c.num_params() - head - (2 * c.n_layers + 1) * c.dim - head  # less embedding, norms and head
-    share = linears / (linears + head)  # of the GEMM FLOPs (6 per parameter for each linear)
+    head = size.config.vocab_size * size.config.dim
+    share = (size.linear_params() - head) / size.linear_params()  # of the GEMM FLOPs (6 per linear weight)
     saved = bf16_gemm_ms * share * (1 - 1 / speedup)
     return {"converted_gemm_share": share, "step_ms": bf16_step_ms - saved,
             "speedup": bf16_step_ms / (bf16_step_ms - saved)}

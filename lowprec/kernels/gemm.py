@@ -53,23 +53,13 @@ def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str
     return gemm_path(a.fmt.name, a.granularity, b.fmt.name, b.granularity, cap)
 
 
-def _pad_rows(t: torch.Tensor, multiple: int, value: float) -> torch.Tensor:
-    """``t`` (2-D) with rows of ``value`` appended up to a multiple of ``multiple`` rows."""
-    extra = -t.shape[0] % multiple
-    if not extra:
-        return t
-    if t.element_size() == 1:  # FP8 codes: padded with zero bytes (+0)
-        return torch.nn.functional.pad(t.view(torch.uint8), (0, 0, 0, extra)).view(t.dtype)
-    return torch.nn.functional.pad(t, (0, 0, 0, extra), value=value)
-
-
-def _pad_cols(t: torch.Tensor, extra: int, value: float) -> torch.Tensor:
-    """``t`` (2-D) with ``extra`` columns of ``value`` appended (FP8 codes: zero bytes)."""
-    if not extra:
+def _pad(t: torch.Tensor, value: float, *, rows: int = 0, cols: int = 0) -> torch.Tensor:
+    """``t`` (2-D) with ``rows`` rows and ``cols`` columns of ``value`` appended (FP8 codes: zero bytes, +0)."""
+    if not rows and not cols:
         return t
     if t.element_size() == 1:
-        return torch.nn.functional.pad(t.view(torch.uint8), (0, extra)).view(t.dtype)
-    return torch.nn.functional.pad(t, (0, extra), value=value)
+        return torch.nn.functional.pad(t.view(torch.uint8), (0, cols, 0, rows)).view(t.dtype)
+    return torch.nn.functional.pad(t, (0, cols, 0, rows), value=value)
 
 
 def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Tensor, ...]:
@@ -84,14 +74,14 @@ def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Te
     probes). So where K/128 is not a multiple of 4 both operands' K is padded with zero codes (and
     their scales with ones) to the next multiple of 512, which adds nothing to the product; and 1x128
     operands' rows (codes with zeros, scales with ones) to a multiple of 4. The caller crops the output."""
-    a_data, sa, b_data, sb = a.data, a.scale, b.data, b.scale
+    m4 = -a.data.shape[0] % 4  # rows short of a multiple of 4
     if _blocks(b.granularity) == (128, 128):
-        extra = -sa.shape[1] % 4  # K blocks short of a multiple of 4
-        a_data, sa = _pad_cols(a_data, 128 * extra, 0.0), _pad_cols(sa, extra, 1.0)
-        b_data, sb = _pad_cols(b_data, 128 * extra, 0.0), _pad_cols(sb, extra, 1.0).t()  # (K/128, N/128)
+        kb = -a.scale.shape[1] % 4  # K blocks short of a multiple of 4
+        b_data, sb = _pad(b.data, 0.0, cols=128 * kb), _pad(b.scale, 1.0, cols=kb).t()  # (K/128, N/128)
     else:  # the weight gradient, both along the tokens: (K/128, N) row-major, N padded to a multiple of 4
-        b_data, sb = _pad_rows(b_data, 4, 0.0), _pad_rows(sb, 4, 1.0).t().contiguous()
-    a_data, sa = _pad_rows(a_data, 4, 0.0), _pad_rows(sa, 4, 1.0)
+        kb, n4 = 0, -b.data.shape[0] % 4
+        b_data, sb = _pad(b.data, 0.0, rows=n4), _pad(b.scale, 1.0, rows=n4).t().contiguous()
+    a_data, sa = _pad(a.data, 0.0, rows=m4, cols=128 * kb), _pad(a.scale, 1.0, rows=m4, cols=kb)
     return a_data, sa.t().contiguous().t(), b_data, sb  # a's scales (M, K/128), outer-dim-major
 
 

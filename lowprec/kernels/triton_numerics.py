@@ -40,6 +40,18 @@ def exp2i(e):
 
 
 @triton.jit
+def bf16_value(bits):
+    """float32 of BF16 codes (int16 bits), exactly: the interpreter flushes bf16 subnormals."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def half_even_up(fl, frac):
+    """Whether ``fl + frac`` (``fl`` an int32 floor, ``frac`` its exact fraction) rounds up, half to even."""
+    return (frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))
+
+
+@triton.jit
 def bf16_bits(v):
     """int16 bits of float32 ``v`` rounded to nearest-even BF16, as torch's ``.to(torch.bfloat16)`` rounds
     finite values and infinities (a NaN becomes 0x7FC0; torch keeps the device's payload): on bits,
@@ -69,7 +81,7 @@ def grid_round(a, rnd, EMIN: tl.constexpr, MAN: tl.constexpr, STOCH: tl.constexp
     if STOCH:
         up = rnd < frac
     else:
-        up = (frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))
+        up = half_even_up(fl, frac)
     return binade, fl + up.to(tl.int32)
 
 

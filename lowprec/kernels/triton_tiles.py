@@ -29,6 +29,7 @@ import triton.language as tl
 from lowprec.kernels.triton_numerics import (
     F32_MAX,
     abs_bits,
+    bf16_value,
     e2m1_codes,
     nvfp4_encode,
     nvfp4_global_encode,
@@ -61,7 +62,7 @@ def _tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.co
 def _to_f32(x):
     """x as float32, exactly: bf16 by its bits, since Triton's interpreter flushes bf16 subnormals."""
     if x.dtype == tl.bfloat16:
-        v = (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        v = bf16_value(x.to(tl.int16, bitcast=True))
     else:
         v = x.to(tl.float32)
     return v

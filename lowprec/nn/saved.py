@@ -26,7 +26,6 @@ next converted Linear saves (the norm's output, SwiGLU's product): the two canno
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field, replace
 
@@ -110,7 +109,6 @@ def pack(x: torch.Tensor, saved: SavedActivations | None, *,
 
 
 def unpack(tensors: tuple, meta: tuple | None, *, backend: str | None = None) -> torch.Tensor:
-    # backend: None (the device's choice), "triton" or "torch" (tests)
     """The saved input, dequantized to its original dtype where it was quantized: by the fused Triton
     kernel for BF16 inputs saved in ``1 x B`` blocks on CUDA in eager code (or with ``backend="triton"``:
     tests), else by the reference; both give the same bits (compiled code fuses the reference's ops)."""
@@ -122,9 +120,7 @@ def unpack(tensors: tuple, meta: tuple | None, *, backend: str | None = None) ->
     if q.data.numel() and fused:
         from lowprec.kernels.triton_dequant import dequantize_blocks  # Triton: imported where it runs
 
-        m, k = (math.prod(shape[:-1]), shape[-1]) if len(shape) else (1, 1)
-        out = dequantize_blocks(q.data, q.scale, q.fmt.exp_bits, q.fmt.man_bits)  # (Mp, Kp), padded
-        return out[:m, :k].reshape(shape)
+        return q.crop(dequantize_blocks(q.data, q.scale, q.fmt.exp_bits, q.fmt.man_bits))
     return q.dequantize()
 
 

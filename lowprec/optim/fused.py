@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowprec.kernels.triton_numerics import abs_bits, bf16_bits
+from lowprec.kernels.triton_numerics import abs_bits, bf16_bits, bf16_value, half_even_up
 from lowprec.optim.states import INT8_BLOCK, INV_INT8_LEVELS, INV_UINT8_LEVELS, Moment, StateFormat
 
 FP32, BF16, INT8 = 0, 1, 2
@@ -39,18 +39,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _bf16_decode(bits):
-    """float32 of BF16 codes (int16 bits): exact."""
-    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _round_half_even(q):
     """``torch.round`` of float32 ``|q| < 2^31``, as int32."""
     a = tl.abs(q)
     fl = a.to(tl.int32)  # floor of a >= 0
-    frac = a - fl.to(tl.float32)  # exact
-    r = fl + ((frac > 0.5) | ((frac == 0.5) & ((fl & 1) == 1))).to(tl.int32)
+    r = fl + half_even_up(fl, a - fl.to(tl.float32)).to(tl.int32)  # the fraction is exact
     return tl.where(q < 0, -r, r)
 
 
@@ -70,8 +63,8 @@ def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, om
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if STATES == 1:
-        m = _bf16_decode(tl.load(m_ptr + offs, mask=mask, other=0))
-        v = _bf16_decode(tl.load(v_ptr + offs, mask=mask, other=0))
+        m = bf16_value(tl.load(m_ptr + offs, mask=mask, other=0))
+        v = bf16_value(tl.load(v_ptr + offs, mask=mask, other=0))
     elif STATES == 2:
         m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * (tl.load(ms_ptr + pid) * inv127)
         t = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * inv255

@@ -70,8 +70,12 @@ class QuantizedTensor:
         mb, kb = self.scale.shape
         v = self.values().view(mb, br, kb, bc)  # (Mb, br, Kb, bc)
         x = (v * self.effective_scale()[:, None, :, None]).view(mp, kp)
+        return self.crop(x).to(dtype or self.dtype)
+
+    def crop(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2``, laid out like the padded 2-D data, cropped and reshaped to the original shape."""
         m, k = (math.prod(self.shape[:-1]), self.shape[-1]) if len(self.shape) else (1, 1)
-        return x[:m, :k].reshape(self.shape).to(dtype or self.dtype)
+        return x2[:m, :k].reshape(self.shape)
 
     def scale_codes(self) -> torch.Tensor:
         """The block scales as uint8 codes of their format (E8M0 or E4M3); for FP32 scales, the floats."""
