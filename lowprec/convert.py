@@ -169,7 +169,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
             report.layers.append(LayerReport(name, lin.in_features, lin.out_features, False, reason))
             continue
         new = lin if isinstance(lin, Linear) else Linear.from_linear(lin, None)
-        new.set_recipe(recipe, min_features=policy.small_rule)
+        new.set_recipe(recipe, min_features=policy.small_rule, recast_input=policy.recasts_inputs)
         if new is not lin:
             _set_module(model, name, new)
         converted[name] = new

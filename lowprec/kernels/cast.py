@@ -4,6 +4,13 @@ A route (``lowprec.kernels.route``) says which sides are made and how; ``cast`` 
 asking the device again. On the Triton backend the kernels read the operand once for every side
 (and the amax delayed scaling records); on the reference backend the sides are cast one after the
 other, through ``lowprec.kernels.quantize``, with the same values.
+
+[Note: casts a compiled backward makes]
+Backward makes some casts again rather than keep forward's (weight.T; a layer's input under
+``torch.compile``: see ``lowprec.nn.function``). In a compiled graph a Triton cast is an opaque
+operator, which the compiler's partitioner never recomputes; one whose inputs all exist in forward it
+moves into forward and saves its output, undoing the point. ``after`` (backward passes its incoming
+gradient) makes the operator depend on a backward tensor it never reads, so it stays in backward.
 """
 from __future__ import annotations
 
@@ -34,10 +41,11 @@ def _one(x: torch.Tensor, spec: CastSpec, backend: Backend, scale, generator) ->
 
 def cast(x2: torch.Tensor, route: CastRoute, *, scale_k: torch.Tensor | None = None,
          scale_t: torch.Tensor | None = None, record_amax: bool = False,
-         generator: torch.Generator | None = None) -> Casts:
+         generator: torch.Generator | None = None, after: torch.Tensor | None = None) -> Casts:
     """``x2 (M, K)`` cast as ``route.along_k`` and ``x2.T`` as ``route.transposed``; ``scale_k`` /
     ``scale_t`` are the sides' delayed scales (None: current scaling); ``record_amax`` also returns
-    ``x2.abs().amax()`` (NaN if x2 holds one) for the amax history."""
+    ``x2.abs().amax()`` (NaN if x2 holds one) for the amax history. ``after``: a backward tensor the
+    cast comes after in compiled code (see [Note: casts a compiled backward makes])."""
     a, b = route.along_k, route.transposed
     if route.pairing is Pairing.FUSED and x2.numel():
         from lowprec.kernels import triton_quant
@@ -45,7 +53,7 @@ def cast(x2: torch.Tensor, route: CastRoute, *, scale_k: torch.Tensor | None = N
         # one pass: a given scale serves every side (the route fused them only where they share it)
         scale = scale_k if a is not None else scale_t
         return Casts(*triton_quant.cast(x2, a, b, scale=scale, generator=generator, record_amax=record_amax,
-                                        templates=route.templates))
+                                        templates=route.templates, after=after))
     amax = x2.detach().abs().amax().float() if record_amax else None
     q = _one(x2, a, route.backend_k, scale_k, generator) if a is not None else None
     if b is None:

@@ -106,11 +106,11 @@ def _amax_fake(x, plan, hmat):
             x.new_empty(_amax_len(p.b, p, True), dtype=torch.int32))
 
 
-def _cast_op(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
+def _cast_op(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed, after=None):
     return cast(x, tuple(plan), hmat, amax_a, amax_b, given, rand_a, rand_b, seed)
 
 
-def _cast_fake(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
+def _cast_fake(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed, after=None):
     p, _, _, _, (out_a, out_b), _ = _config(tuple(plan))
     return (*_outputs(x, out_a), *_outputs(x, out_b), x.new_empty(1 if p.record else 0, dtype=torch.int32))
 
@@ -118,6 +118,8 @@ def _cast_fake(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed):
 tile_amax = define("tile_amax(Tensor x, int[] plan, Tensor? hmat) -> (Tensor, Tensor)", _amax_op, _amax_fake)
 """:func:`amax` as an operator (see [Note: how kernels become operators] in ``lowprec.kernels.ops``)."""
 tile_cast = define("tile_cast(Tensor x, int[] plan, Tensor? hmat, Tensor amax_a, Tensor amax_b, Tensor? given, "
-                   "Tensor? rand_a, Tensor? rand_b, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, "
-                   "Tensor, Tensor)", _cast_op, _cast_fake)
-""":func:`cast` as an operator: (data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits)."""
+                   "Tensor? rand_a, Tensor? rand_b, Tensor? seed, Tensor? after=None) -> (Tensor, Tensor, Tensor, "
+                   "Tensor, Tensor, Tensor, Tensor)", _cast_op, _cast_fake)
+""":func:`cast` as an operator: (data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits).
+``after`` is never read: a tensor the cast must come after in the graph (see [Note: casts a compiled
+backward makes] in ``lowprec.kernels.cast``)."""

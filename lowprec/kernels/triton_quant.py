@@ -92,7 +92,7 @@ def _amaxes(x2, launch: Launch, hmat, compiling: bool):
     return ops.amax(x2, launch.ints, hmat)
 
 
-def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator):
+def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator, after=None):
     compiling = torch.compiler.is_compiling()  # ops in a graph; direct calls in eager mode
     if launch.amax_kinds != (T.AMAX_NONE, T.AMAX_NONE):
         amax_a, amax_b = _amaxes(x2, launch, hmat, compiling)
@@ -101,7 +101,7 @@ def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator):
     given = None if given is None else given.detach().float().reshape(1).contiguous()
     args = (x2, hmat, amax_a, amax_b, given, rand_a, rand_b, _seeds(launch, x2.device, generator))
     if compiling:
-        return ops.tile_cast(args[0], list(launch.ints), *args[1:])
+        return ops.tile_cast(args[0], list(launch.ints), *args[1:], after)
     return ops.cast(args[0], launch.ints, *args[1:])
 
 
@@ -115,7 +115,7 @@ def cast(
     x2: torch.Tensor, a: CastSpec | None, b: CastSpec | None, *, saturate: bool = True,
     scale: torch.Tensor | None = None, generator: torch.Generator | None = None,
     rand: torch.Tensor | None = None, rand_t: torch.Tensor | None = None, record_amax: bool = False,
-    templates: tuple[Template | None, Template | None] | None = None,
+    templates: tuple[Template | None, Template | None] | None = None, after: torch.Tensor | None = None,
 ) -> tuple[QuantizedTensor | None, QuantizedTensor | None, torch.Tensor | None]:
     """``(x2 cast as a, x2.T [Hadamard-transformed] cast as b, amax of x2 or None)`` from one read of the
     non-empty 2-D ``x2``; a side that is None is not made. The kernels must cover both sides
@@ -123,7 +123,8 @@ def cast(
 
     ``scale`` (delayed scaling) applies to both sides. A Hadamard side's shape is the padded one.
     ``templates``: the route's launch templates without and with a given scale (see
-    :class:`lowprec.kernels.triton_plan.Template`), for casts with the default saturation and rounding."""
+    :class:`lowprec.kernels.triton_plan.Template`), for casts with the default saturation and rounding.
+    ``after``: in compiled code, a tensor the cast comes after (see ``lowprec.kernels.cast.cast``)."""
     dtype = x2.dtype
     x2 = _prepare(x2)
     m, k = x2.shape
@@ -136,7 +137,7 @@ def cast(
     else:
         plan = launch(a, b, m, k, saturate, scale is not None, rand is not None, rand_t is not None, record_amax)
     seed = next((s.hadamard_seed for s in (a, b) if s is not None and s.hadamard_seed is not None), None)
-    out = _run(x2, plan, _hmat(seed, x2.device), scale, _rand2(rand), _rand2(rand_t), generator)
+    out = _run(x2, plan, _hmat(seed, x2.device), scale, _rand2(rand), _rand2(rand_t), generator, after)
     q = None if a is None else _result(plan, 0, out[0], out[1], out[2], a, x2.shape, dtype, scale)
     q_t = None
     if b is not None:

@@ -13,6 +13,20 @@ is alive anyway, through the same kernel and with the forward's delayed scale (s
 costs one read of the weight per step and spares a copy of every weight from forward to backward,
 so a converted model never keeps more than a BF16 one. Inside ``cached_weight_casts`` the cached
 cast is kept instead, and a stochastically rounded weight cast is kept (a second draw would differ).
+
+[Note: recasting the input in backward]
+Under ``torch.compile`` a layer whose plan says ``recast_input`` keeps its high-precision input
+instead of the input's transposed cast, and backward makes that cast again, with forward's scale
+where it is one per tensor (the along-K cast's: same amax or delayed scale, same format) and from
+the tensor alone otherwise: the same bits. Kept this way, the input need not cost anything: the
+compiler's partitioner decides what backward gets, and where the input is a norm's or SwiGLU's output
+it rebuilds it from what their own backward keeps (their inputs) rather than save it; the attention
+output is saved by attention's backward anyway. Forward then writes one cast of the input instead of
+two, and backward reads the input once more (and recomputes what made it). The cast ops are opaque
+to the compiler, so without this their outputs must be saved: one byte per element of every
+converted linear's input. Eager code keeps the cast: there the input would be an extra copy in its
+own dtype. ``Policy.recast_inputs`` turns it off (and does when the norms keep FP8 copies, from
+which their outputs cannot be rebuilt).
 """
 from __future__ import annotations
 
@@ -60,12 +74,14 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, need_wgrad: bool,
-          record: bool = True, codes: tuple = ()):
+          record: bool = True, codes: tuple = (), recast_x: bool = False):
     """The forward GEMM; also what backward needs: (y, x.T cast or None, w.T cast or None, the delayed
-    scale to cast w.T with in backward or None). Where backward recasts weight.T the w.T cast is None
-    (see [Note: what backward keeps]). ``record``: add the amaxes to the delayed-scaling history
-    (training, not evaluation). ``codes``: an FP8 primary weight's (codes, scales, amax) as plain
-    tensors, or () (see [Note: FP8 primary weights under torch.compile] in ``lowprec.nn.fp8_weight``)."""
+    scale to cast w.T with in backward or None, the scale to cast x.T with in backward or None).
+    Where backward recasts weight.T the w.T cast is None (see [Note: what backward keeps]), and where
+    it recasts x.T (``recast_x``), x.T's (see [Note: recasting the input in backward]). ``record``: add
+    the amaxes to the delayed-scaling history (training, not evaluation). ``codes``: an FP8 primary
+    weight's (codes, scales, amax) as plain tensors, or () (see [Note: FP8 primary weights under
+    torch.compile] in ``lowprec.nn.fp8_weight``)."""
     out_dtype = output_dtype(x)
     w_op = plan.weight
     stored = _stored(codes, plan, weight.shape, weight.dtype)
@@ -80,7 +96,9 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
         scale_t = state.delayed.scale(w_op.role, w_op.transposed.transposed.fmt, weight)
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        qx, qx_t = input_casts(x, x2, plan.input, need_wgrad, state, record)
+        qx, qx_t = input_casts(x, x2, plan.input, need_wgrad and not recast_x, state, record)
+        # per tensor, backward's x.T cast takes forward's scale (see _recast_route in lowprec.nn.plan)
+        x_scale = qx.scale if recast_x and plan.input.recast.transposed.delayed else None
         if direct and stored is not None:  # the codes are the operand (and in backward, transposed)
             qw, qw_t = stored, None
             if record and w_op.delayed and state.delayed is not None:
@@ -94,7 +112,7 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
         y = gemm(qx, qw, plan.fprop, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
-    return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t
+    return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t, x_scale
 
 
 def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,
@@ -105,24 +123,33 @@ def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype
     return stored_operand(codes[0], codes[1], plan.weight_storage, shape, dtype, transposed)
 
 
-def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None) -> Operand:
+def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None,
+              after: torch.Tensor | None = None) -> Operand:
     """weight.T's cast made again in backward, with forward's delayed scale and no amax recorded: the
-    same bits as forward would have made (every backend equals the reference)."""
+    same bits as forward would have made (every backend equals the reference). ``after``: backward's
+    incoming gradient (see [Note: casts a compiled backward makes] in ``lowprec.kernels.cast``)."""
     if isinstance(weight, QuantizedWeight):  # an FP8 weight all-gathered by FSDP2, or not held by a layer
         if weight.serves(plan.weight):
             return weight.quantized(transposed=True)
         weight = weight.dequantize()
     route = plan.weight.transposed
-    return K.cast(weight, route, scale_t=scale_t).transposed
+    return K.cast(weight, route, scale_t=scale_t, after=after).transposed
+
+
+def _input_t(x: torch.Tensor, plan: LayerPlan, x_scale: torch.Tensor | None, after: torch.Tensor) -> Operand:
+    """x.T's cast made again in backward (see [Note: recasting the input in backward]); ``after`` as
+    for :func:`_weight_t`."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    return K.cast(x2, plan.input.recast, scale_t=x_scale, after=after).transposed
 
 
 def _stored_t(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,
-              scale_t: torch.Tensor | None) -> Operand:
+              scale_t: torch.Tensor | None, after: torch.Tensor | None = None) -> Operand:
     """weight.T's operand from an FP8 primary weight's codes: the codes transposed where they serve the
     recipe, else the decoded weight cast as :func:`_weight_t` casts it."""
     if plan.stored_weight:
         return _stored(codes, plan, shape, dtype, transposed=True)
-    return _weight_t(_stored(codes, plan, shape, dtype).dequantize(dtype), plan, scale_t)
+    return _weight_t(_stored(codes, plan, shape, dtype).dequantize(dtype), plan, scale_t, after)
 
 
 class LinearFunction(torch.autograd.Function):
@@ -134,8 +161,11 @@ class LinearFunction(torch.autograd.Function):
         # data, scale, amax: an FP8 primary weight's codes as plain tensors (see lowprec.nn.fp8_weight)
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
         codes = (data, scale, amax) if data is not None else ()
-        y, qx_t, qw_t, scale_t = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad, codes=codes)
-        x_saved, x_meta = _save(qx_t)
+        recast_x = need_wgrad and plan.recast_input and torch.compiler.is_compiling()
+        y, qx_t, qw_t, scale_t, x_scale = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad,
+                                                codes=codes, recast_x=recast_x)
+        # x itself, for the compiler to keep or rebuild, with the scale to cast it again by
+        x_saved, x_meta = _save(qx_t) if not recast_x else ((x, x_scale, None), "recast")
         w_saved, w_meta = _save(qw_t)
         recast = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
         # an FP8 weight's own codes are kept rather than the parameter, which compiled code cannot unwrap
@@ -150,16 +180,18 @@ class LinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x_meta, w_meta, x_shape, x_dtype, w_shape, w_dtype, b_dtype = ctx.meta
         saved = ctx.saved_tensors
-        qx_t, qw_t = _restore(saved[:3], x_meta), _restore(saved[3:6], w_meta)
+        recast_x = x_meta == "recast"
+        qx_t = _restore(saved[:3], x_meta) if not recast_x else None
+        qw_t = _restore(saved[3:6], w_meta)
         scale_t, weight, data, scale = saved[6:10]
         plan: LayerPlan = ctx.plan
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             if data is not None:
-                qw_t = _stored_t((data, scale), plan, w_shape, w_dtype, scale_t)
+                qw_t = _stored_t((data, scale), plan, w_shape, w_dtype, scale_t, dy)
             elif weight is not None:
-                qw_t = _weight_t(weight.detach(), plan, scale_t)
+                qw_t = _weight_t(weight.detach(), plan, scale_t, dy)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
             if need_dgrad or need_wgrad:  # a frozen input (the first layer) needs only wgrad's operand
                 qdy, qdy_t = cast_operand(dy2, plan.grad_output, need_dgrad, need_wgrad, ctx.state.delayed, True)
@@ -169,6 +201,10 @@ class LinearFunction(torch.autograd.Function):
             if need_dgrad:
                 dx = gemm(qdy, qw_t, plan.dgrad, x_dtype).view(x_shape)  # (M, K)
             if need_wgrad:
+                if recast_x:
+                    qx_t = _input_t(saved[0], plan, saved[1], dy)
+                    if collector is not None:
+                        collector.recast_input(ctx.state, plan, saved[0].reshape(-1, x_shape[-1]), qx_t)
                 dw = gemm(qdy_t, qx_t, plan.wgrad, w_dtype)  # (N, K)
             if b_dtype is not None and need_bias:
                 db = dy2.sum(0).to(b_dtype)

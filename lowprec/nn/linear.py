@@ -50,6 +50,9 @@ class Linear(nn.Linear):
         self.min_features: int | None = None
         """Where the recipe runs natively, a layer with a dimension under this stays in high precision
         (set by ``convert`` from the policy; see :func:`lowprec.nn.plan.small_reason`)."""
+        self.recast_input = True
+        """Under ``torch.compile``, backward makes the input's transposed cast again rather than keep it
+        (set by ``convert`` from ``Policy.recast_inputs``; see :attr:`lowprec.nn.plan.LayerPlan.recast_input`)."""
         self.set_recipe(R.get(recipe) if recipe is not None else None)
         self.register_state_dict_post_hook(_drop_empty_extra_state)
 
@@ -67,11 +70,12 @@ class Linear(nn.Linear):
     # ---- the recipe and its plan --------------------------------------------------------------
 
     def set_recipe(self, recipe: R.Recipe | None, *, policy_reason: str | None = None,
-                   min_features: int | None = None, share: InputShare | None = None) -> None:
+                   min_features: int | None = None, share: InputShare | None = None,
+                   recast_input: bool = True) -> None:
         """Bind ``recipe`` (None: high precision), with the policy's decisions; makes the plan for the
         weight's device and the delayed-scaling state it needs, outside any compiled graph."""
         self.recipe: R.Recipe | None = recipe
-        self.policy_reason, self.min_features = policy_reason, min_features
+        self.policy_reason, self.min_features, self.recast_input = policy_reason, min_features, recast_input
         self.state.share = share
         self.clear_cache()
         self._plans = (None, None)
@@ -102,7 +106,7 @@ class Linear(nn.Linear):
         if same and memo.device == self.weight.device and memo.weight_storage == storage:
             return memo
         plan = layer_plan(recipe, self.weight.device, self.in_features, self.out_features, self.policy_reason,
-                          self.min_features, nearest, storage)
+                          self.min_features, nearest, storage, self.recast_input)
         if not torch.compiler.is_compiling():
             self._plans = (plan, self._plans[1]) if i == 0 else (self._plans[0], plan)
         return plan

@@ -12,13 +12,13 @@ function follows its plan and never looks at the module (see ``lowprec.nn.functi
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lowprec import formats as F
 from lowprec import recipes as R
-from lowprec.kernels import CastRoute, CastSpec, capability, gemm_path, route
+from lowprec.kernels import Backend, CastRoute, CastSpec, capability, gemm_path, route
 from lowprec.quant import Granularity, GranularityKind
 from lowprec.quant.hadamard import RHT_SEED
 
@@ -52,6 +52,11 @@ class OperandPlan:
     """Some side takes its scale from the amax history of ``role``."""
     shareable: bool
     """Deterministic and not delayed: layers reading the same tensor may share these casts."""
+    recast: CastRoute | None = None
+    """The transposed side alone, to make again in backward from the high-precision tensor with
+    forward's bits (see [Note: recasting the input in backward] in ``lowprec.nn.function``); its scale,
+    where it is one per tensor, is given: forward's along-K scale. None where the side cannot be made
+    again alike (stochastic rounding; a per-tensor scale of another format than along K's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +85,9 @@ class LayerPlan:
     recast_weight_t: bool = False
     """Backward casts weight.T again from the parameter rather than keep forward's cast (deterministic
     casts only; see [Note: what backward keeps] in ``lowprec.nn.function``)."""
+    recast_input: bool = False
+    """Under ``torch.compile``, backward makes the input's transposed cast again rather than keep it
+    (``input.recast``; see [Note: recasting the input in backward] in ``lowprec.nn.function``)."""
     weight_storage: Granularity | None = None
     """The granularity of the layer's FP8 primary weight's E4M3 codes, None for a plain weight (see
     ``lowprec.nn.fp8_weight``): a plan is made for the weight the layer holds."""
@@ -117,6 +125,21 @@ def _spec(c: R.Cast, nearest: bool) -> CastSpec | None:
                     c.scaling is R.Scaling.DELAYED)
 
 
+def _recast_route(a: CastSpec | None, b: CastSpec | None, device: torch.device) -> CastRoute | None:
+    """The route of :attr:`OperandPlan.recast` (None where there is none): the reference's, always,
+    since only compiled code takes it, and the compiler must see its operations to fuse them with what
+    rebuilds the input (see [Note: recasting the input in backward] in ``lowprec.nn.function``)."""
+    if b is None or b.stochastic:
+        return None
+    if not b.granularity.per_tensor:
+        return route(None, b, device, Backend.TORCH)  # its scales come from the tensor alone
+    # one scale per tensor: along K's, which holds for the transposed side in the same format only
+    if a is None or a.fmt is not b.fmt or a.granularity != b.granularity or a.hadamard_seed is not None \
+            or b.hadamard_seed is not None:
+        return None
+    return route(None, replace(b, delayed=True), device, Backend.TORCH)
+
+
 @functools.lru_cache(maxsize=512)
 def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torch.device,
                  nearest: bool = False) -> OperandPlan:
@@ -131,6 +154,7 @@ def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torc
         transposed=route(None, b, device) if b is not None else None,
         delayed=any(s.delayed for s in specs),
         shareable=all(not s.delayed and not s.stochastic for s in specs),
+        recast=_recast_route(a, b, device),
     )
 
 
@@ -167,11 +191,14 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
 @functools.lru_cache(maxsize=1024)
 def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_features: int,
                policy_reason: str | None = None, min_features: int | None = None,
-               nearest: bool = False, weight_storage: Granularity | None = None) -> LayerPlan:
+               nearest: bool = False, weight_storage: Granularity | None = None,
+               recast_input: bool = True) -> LayerPlan:
     """The plan of a layer of this shape with ``recipe`` on ``device``; ``policy_reason``: why the
     conversion keeps it in high precision (or None); ``min_features``: see :func:`small_reason`;
     ``nearest``: every cast rounds to nearest (evaluation: see [Note: evaluation is deterministic]);
-    ``weight_storage``: the granularity of the layer's FP8 primary weight (None: a plain weight)."""
+    ``weight_storage``: the granularity of the layer's FP8 primary weight (None: a plain weight);
+    ``recast_input``: backward under ``torch.compile`` makes the input's transposed cast again where it
+    can (:attr:`LayerPlan.recast_input`)."""
     device = torch.device(device)
     reason = (policy_reason or fallback_reason(in_features, out_features, recipe)
               or small_reason(in_features, out_features, min_features, device, recipe))
@@ -181,13 +208,15 @@ def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_fea
     r = recipe
     dgrad_w = r.dgrad.rhs
     weight = operand_plan(R.Role.WEIGHT, r.fprop.rhs, r.dgrad.rhs, device, nearest)
+    inp = operand_plan(R.Role.INPUT, r.fprop.lhs, r.wgrad.rhs, device, nearest)
     return LayerPlan(
         recipe, device, None, None,
-        input=operand_plan(R.Role.INPUT, r.fprop.lhs, r.wgrad.rhs, device, nearest),
+        input=inp,
         weight=weight,
         grad_output=operand_plan(R.Role.GRAD_OUTPUT, r.dgrad.lhs, r.wgrad.lhs, device, nearest),
         fprop=_gemm(r.fprop, device), dgrad=_gemm(r.dgrad, device), wgrad=_gemm(r.wgrad, device),
         recast_weight_t=dgrad_w.quantized and (nearest or not dgrad_w.stochastic),
+        recast_input=recast_input and inp.recast is not None,
         weight_storage=weight_storage,
         stored_weight=weight_storage is not None and codes_serve(weight_storage, weight),
     )

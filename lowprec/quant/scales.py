@@ -35,6 +35,8 @@ zeros whatever they are. Blocks holding inf or NaN stay lowprec's: NaN scale, ze
 """
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from lowprec import formats as F
@@ -95,13 +97,19 @@ def nvfp4_global_scales(amax: torch.Tensor, fmt: F.Format) -> tuple[torch.Tensor
     return encode, torch.ones_like(encode) / encode
 
 
+def _fp32(v: float) -> float:
+    """``v`` rounded to FP32 (to nearest even), as a Python float; plain Python, so compiled code
+    takes it as a constant rather than breaking its graph on a tensor's ``item()``."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
 def nvfp4_block_scale(amax: torch.Tensor, fmt: F.Format, global_encode: torch.Tensor) -> torch.Tensor:
     """E4M3 block scale (as FP32) ``e4m3(amax * (G * fp32(1 / fmax)))``, saturating at 448 (step 3);
     NaN for non-finite blocks."""
     finite = torch.isfinite(amax)
     # 1 / fmax rounded to FP32 once, as a Python float that FP32 holds exactly, so the multiply
     # below rounds once on every device whatever precision it widens the scalar to.
-    rcp = torch.tensor(1.0 / fmt.max, dtype=torch.float32).item()
+    rcp = _fp32(1.0 / fmt.max)
     multiplier = global_encode * rcp
     s = (torch.where(finite, amax, 0.0) * multiplier).clamp_max(_FP32_MAX)
     return _nonfinite_to_nan(F.round_unchecked(s, _E4M3), amax)

@@ -259,7 +259,7 @@ class PrecisionController:
                 continue
             layer.state.delayed = None  # recorded for other casts: the new recipe starts its own
             layer.set_recipe(recipe, policy_reason=layer.policy_reason, min_features=layer.min_features,
-                             share=layer.state.share)
+                             share=layer.state.share, recast_input=layer.recast_input)
 
     def levels(self) -> dict[str, str]:
         """Each moved layer's recipe now (layers at the run's recipe are left out)."""
