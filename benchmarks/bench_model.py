@@ -63,7 +63,7 @@ def torchao_float8():
 
 MEMORY_OPTIONS = {"fp8w": "FP8 primary weights", "fp8act": "FP8 saved activations (1x128)",
                   "bf16states": "BF16 AdamW moments", "fp8states": "FP8 AdamW moments", "int8states": "8-bit moments",
-                  "keepcasts": "each input's transposed cast kept for backward (Policy(recast_inputs=False))"}
+                  "recast": "inputs recast in a compiled backward (Policy(recast_inputs=True))"}
 """``lowprec:<recipe>+<option>+...``: the memory options of a lowprec variant (the last three need
 ``--params bf16-master``, whose optimizer is lowprec's; FP8 weights too, for their masters)."""
 
@@ -93,7 +93,7 @@ def convert(model: nn.Module, name: str) -> str:
     if kind == "lowprec":
         recipe, options = lowprec_options(name)
         policy = lowprec.Policy(saved_activations=fp8_activations("1x128") if "fp8act" in options else None,
-                                recast_inputs=False if "keepcasts" in options else None)
+                                recast_inputs="recast" in options)
         # the default policy keeps the LM head
         return lowprec.convert(model, recipe, policy, fp8_weights="fp8w" in options).summary()
     if kind == "torchao":

@@ -268,3 +268,19 @@ def test_a_bad_policy_is_refused_by_name(kw, message):
 def test_a_model_without_linears_gives_an_empty_report():
     report = quiet_convert(nn.Sequential(nn.Embedding(4, 4), nn.LayerNorm(4)), "fp8-current")
     assert report.layers == [] and report.summary().startswith("recipe fp8-current: 0 of 0 linears converted")
+
+
+def test_recast_inputs_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"recast_inputs: expected a bool, got 'yes'"):
+        Policy(recast_inputs="yes")
+
+
+def test_the_policy_says_which_layers_recast_their_inputs_in_a_compiled_backward():
+    saved = lowprec.nn.fp8_activations("1x128")
+    cases = [(Policy(), False), (Policy(recast_inputs=True), True),
+             (Policy(saved_activations=saved, recast_inputs=True), False)]
+    for policy, want in cases:
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+        quiet_convert(model, "fp8-current", policy)
+        assert policy.recasts_inputs is want
+        assert all(m.recast_input is want and m.plan().recast_input is want for m in model), policy

@@ -25,8 +25,9 @@ output is saved by attention's backward anyway. Forward then writes one cast of 
 two, and backward reads the input once more (and recomputes what made it). The cast ops are opaque
 to the compiler, so without this their outputs must be saved: one byte per element of every
 converted linear's input. Eager code keeps the cast: there the input would be an extra copy in its
-own dtype. ``Policy.recast_inputs`` turns it off (and does when the norms keep FP8 copies, from
-which their outputs cannot be rebuilt).
+own dtype. ``Policy.recast_inputs`` turns it on (off by default: it cost 8% of the compiled 1B
+step's speed on the H200 for 7% of its peak; not while the norms keep FP8 copies, from which their
+outputs cannot be rebuilt).
 """
 from __future__ import annotations
 
@@ -202,9 +203,8 @@ class LinearFunction(torch.autograd.Function):
                 dx = gemm(qdy, qw_t, plan.dgrad, x_dtype).view(x_shape)  # (M, K)
             if need_wgrad:
                 if recast_x:
+                    # compiled code only, where telemetry's sampled steps run eagerly and keep the cast
                     qx_t = _input_t(saved[0], plan, saved[1], dy)
-                    if collector is not None:
-                        collector.recast_input(ctx.state, plan, saved[0].reshape(-1, x_shape[-1]), qx_t)
                 dw = gemm(qdy_t, qx_t, plan.wgrad, w_dtype)  # (N, K)
             if b_dtype is not None and need_bias:
                 db = dy2.sum(0).to(b_dtype)

@@ -50,7 +50,7 @@ class Linear(nn.Linear):
         self.min_features: int | None = None
         """Where the recipe runs natively, a layer with a dimension under this stays in high precision
         (set by ``convert`` from the policy; see :func:`lowprec.nn.plan.small_reason`)."""
-        self.recast_input = True
+        self.recast_input = False
         """Under ``torch.compile``, backward makes the input's transposed cast again rather than keep it
         (set by ``convert`` from ``Policy.recast_inputs``; see :attr:`lowprec.nn.plan.LayerPlan.recast_input`)."""
         self.set_recipe(R.get(recipe) if recipe is not None else None)
@@ -71,7 +71,7 @@ class Linear(nn.Linear):
 
     def set_recipe(self, recipe: R.Recipe | None, *, policy_reason: str | None = None,
                    min_features: int | None = None, share: InputShare | None = None,
-                   recast_input: bool = True) -> None:
+                   recast_input: bool = False) -> None:
         """Bind ``recipe`` (None: high precision), with the policy's decisions; makes the plan for the
         weight's device and the delayed-scaling state it needs, outside any compiled graph."""
         self.recipe: R.Recipe | None = recipe

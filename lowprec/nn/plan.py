@@ -192,7 +192,7 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
 def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_features: int,
                policy_reason: str | None = None, min_features: int | None = None,
                nearest: bool = False, weight_storage: Granularity | None = None,
-               recast_input: bool = True) -> LayerPlan:
+               recast_input: bool = False) -> LayerPlan:
     """The plan of a layer of this shape with ``recipe`` on ``device``; ``policy_reason``: why the
     conversion keeps it in high precision (or None); ``min_features``: see :func:`small_reason`;
     ``nearest``: every cast rounds to nearest (evaluation: see [Note: evaluation is deterministic]);

@@ -67,11 +67,6 @@ class Collector:
             self.side(state, 1, False, weight, qw, _spec(plan.weight, False))
             self.side(state, 1, True, weight.t(), qw_t, _spec(plan.weight, True))
 
-    def recast_input(self, state: object, plan, x2: torch.Tensor, qx_t) -> None:
-        """Report the input's wgrad cast where backward made it (see [Note: recasting the input in
-        backward] in ``lowprec.nn.function``)."""
-        self.side(state, 0, True, x2.t(), qx_t, _spec(plan.input, True))
-
     def backward(self, state: object, plan, dy2: torch.Tensor, qdy, qdy_t, weight: torch.Tensor | None,
                  qw_t) -> None:
         """Report a backward's casts: grad_output's for dgrad and wgrad, and weight.T's when backward

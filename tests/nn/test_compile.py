@@ -17,9 +17,9 @@ from tests.nn.common import make_linear, randn
 pytestmark = pytest.mark.slow
 
 
-def _compiled_matches_eager(recipe: str) -> None:
+def _compiled_matches_eager(recipe) -> None:
     torch._dynamo.reset()
-    lin = make_linear(recipe, 64, 32)
+    lin = make_linear(recipe, 64, 32) if not isinstance(recipe, torch.nn.Module) else recipe
     x, dy = randn(16, 64, seed=1), randn(16, 32, seed=2)
     compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
     xc = x.clone().requires_grad_()
@@ -29,14 +29,23 @@ def _compiled_matches_eager(recipe: str) -> None:
     xe = x.clone().requires_grad_()
     ye = lin(xe)
     ye.backward(dy)
-    torch.testing.assert_close(yc, ye, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dwc, lin.weight.grad, rtol=1e-6, atol=1e-6)
+    assert torch.equal(yc, ye) and torch.equal(xc.grad, xe.grad) and torch.equal(dwc, lin.weight.grad)
 
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
 def test_a_converted_linear_compiles_with_fullgraph(recipe):
     _compiled_matches_eager(recipe)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-rowwise", "mxfp8"])
+def test_a_compiled_backward_recasts_the_input_with_eagers_bits(recipe):
+    # [Note: recasting the input in backward]: compiled code casts x.T again in backward, eager code
+    # keeps forward's cast; the gradients agree (that the partitioner then keeps no cast is
+    # tests/kernels/test_recast_input.py's).
+    lin = make_linear(recipe, 64, 32)
+    lin.set_recipe(lin.recipe, recast_input=True)
+    assert lin.plan().recast_input
+    _compiled_matches_eager(lin)
 
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
