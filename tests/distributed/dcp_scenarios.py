@@ -24,8 +24,8 @@ from lowprec.train.loop import train
 from lowprec.train.model import build_model
 from tests.distributed.launch_helpers import MICRO, MICRO_CFG
 
-RESUME_RECIPE = "mxfp4"
-"""Stochastic rounding draws random bits: an exact resume needs each rank's generators restored."""
+RESUME_RECIPE = "nvfp4"
+"""Its gradients are rounded stochastically: an exact resume needs each rank's generators restored."""
 RESUME_STEPS = 4
 KILL_AT_STEP = 4
 

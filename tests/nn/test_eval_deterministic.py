@@ -1,6 +1,7 @@
 """Evaluation is deterministic: under ``model.eval()`` or without gradients every cast rounds to
-nearest, so a stochastic-rounding recipe (mxfp4, nvfp4) gives the same output on every call, equal to
-the recipe with its roundings set to nearest; training forwards still round stochastically."""
+nearest, so a stochastic-rounding recipe (nvfp4's gradients; a recipe that rounds its forward
+stochastically) gives the same output on every call, equal to the recipe with its roundings set to
+nearest; training forwards still round stochastically."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from lowprec import recipes as R
+from tests.helpers import stochastic_forward_recipe
 from tests.nn.common import make_linear, randn
 
 
@@ -21,14 +23,15 @@ def _nearest(recipe: R.Recipe) -> R.Recipe:
     return replace(recipe, name=recipe.name + "-nearest", **gemms)
 
 
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["sr-forward", "nvfp4"])
 def test_eval_and_no_grad_forwards_round_to_nearest(name):
-    lin = make_linear(name, 128, 256)
+    recipe = stochastic_forward_recipe() if name == "sr-forward" else R.get(name)
+    lin = make_linear(recipe, 128, 256)
     x = randn(64, 128, seed=3)
-    stochastic_forward = R.get(name).fprop.lhs.stochastic  # mxfp4's forward; nvfp4 rounds gradients only
+    stochastic_forward = recipe.fprop.lhs.stochastic  # nvfp4 rounds gradients only
     train_a, train_b = lin(x.requires_grad_()), lin(x)
     assert torch.equal(train_a, train_b) != stochastic_forward  # training draws its random bits anew
-    ref = make_linear(_nearest(R.get(name)), 128, 256)(x.detach())  # the same weights, nearest rounding
+    ref = make_linear(_nearest(recipe), 128, 256)(x.detach())  # the same weights, nearest rounding
     with torch.no_grad():
         assert torch.equal(lin(x), lin(x)) and torch.equal(lin(x), ref)
     lin.eval()

@@ -34,7 +34,7 @@ def test_any_number_of_leading_dims_gives_the_same_rows(recipe, shape):
     lin = make_linear(recipe)
     x = randn(*shape, seed=2)
     flat = x.reshape(-1, 128)
-    torch.manual_seed(0)  # mxfp4 rounds its forward operands stochastically
+    torch.manual_seed(0)  # nvfp4 rounds its gradients stochastically
     xg = x.clone().requires_grad_()
     y = lin(xg)
     dy = randn(*y.shape, seed=3)

@@ -15,6 +15,7 @@ from lowprec import quant
 from lowprec import recipes as R
 from lowprec.quant.hadamard import RHT_BLOCK as HADAMARD_BLOCK
 from lowprec.quant.hadamard import RHT_SEED as HADAMARD_SEED
+from tests.helpers import stochastic_forward_recipe
 from tests.nn.common import LOW_PRECISION, GemmSpy, QuantizeSpy, assert_same_quantized, make_linear, randn
 
 M, K, N = 48, 128, 256  # tokens (2 x 24), in, out: all different, K and N multiples of 128
@@ -28,10 +29,10 @@ def expected(t: torch.Tensor, cast: R.Cast, rng_state: torch.Tensor | None) -> q
     return quant.quantize(t, cast.format, cast.granularity, rounding=cast.rounding)
 
 
-@pytest.mark.parametrize("recipe", LOW_PRECISION)
+@pytest.mark.parametrize("recipe", [*LOW_PRECISION, "sr-forward"])
 def test_every_gemm_operand_equals_lowprec_quant_of_the_same_tensor(recipe, monkeypatch):
-    r = R.get(recipe)
-    lin = make_linear(recipe, K, N, seed=1)
+    r = stochastic_forward_recipe() if recipe == "sr-forward" else R.get(recipe)
+    lin = make_linear(r, K, N, seed=1)
     x = randn(2, 24, K, seed=2, scale=3.0).requires_grad_()
     dy = randn(2, 24, N, seed=3, scale=1e-3)
     gemms, casts = GemmSpy(monkeypatch), QuantizeSpy(monkeypatch)
@@ -50,8 +51,8 @@ def test_every_gemm_operand_equals_lowprec_quant_of_the_same_tensor(recipe, monk
 
 
 def test_stochastic_operands_change_with_the_random_bits(monkeypatch):
-    # the replay above is only a test if the bits matter: two seeds, two different MXFP4 casts of x
-    lin = make_linear("mxfp4", K, N, seed=1)
+    # the replay above is only a test if the bits matter: two seeds, two different stochastic casts of x
+    lin = make_linear(stochastic_forward_recipe(), K, N, seed=1)
     x = randn(M, K, seed=2).requires_grad_()  # a training forward: evaluation rounds to nearest
     gemms = GemmSpy(monkeypatch)
     for seed in (0, 1):

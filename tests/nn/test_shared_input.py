@@ -12,6 +12,7 @@ import torch
 import lowprec
 from lowprec.nn import InputShare
 from lowprec.train.model import ModelConfig, build_model
+from tests.helpers import stochastic_forward_recipe
 from tests.nn.common import QuantizeSpy, make_linear, randn
 
 
@@ -70,11 +71,11 @@ def test_an_inplace_change_of_the_input_is_cast_anew():
     assert torch.equal(yb, make_linear("fp8-current", seed=1)(x.clone())) and not torch.equal(ya, yb)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-delayed", "mxfp4"])
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "sr-forward"])
 def test_delayed_and_stochastic_casts_are_not_shared(recipe, monkeypatch):
     spy = QuantizeSpy(monkeypatch)
     x = randn(32, 128, seed=1).requires_grad_()
-    layers, share = _group(recipe)
+    layers, share = _group(stochastic_forward_recipe() if recipe == "sr-forward" else recipe)
     layers[0](x)
     once = spy.reads(x)
     layers[1](x)

@@ -28,7 +28,7 @@ def _nvfp4() -> dict[str, Cast]:
 
 
 def _mxfp4() -> dict[str, Cast]:
-    fwd = Cast(format="e2m1", granularity=mx(32, "ceil"), rounding="stochastic")
+    fwd = Cast(format="e2m1", granularity=mx(32, "ceil"))
     bwd = Cast(format="e4m3", granularity=mx(32, "ceil"))
     return dict(zip(ROLES, (fwd, fwd, bwd, bwd, bwd, bwd)))
 

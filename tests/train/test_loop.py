@@ -43,10 +43,10 @@ def test_it_learns(data):
 
 
 
-@pytest.mark.parametrize(("recipe", "hp_start_steps"), [("bf16", 0), ("mxfp4", 0), ("fp8-delayed", 0),
+@pytest.mark.parametrize(("recipe", "hp_start_steps"), [("bf16", 0), ("nvfp4", 0), ("fp8-delayed", 0),
                                                         ("fp8-delayed", 2)])
 def test_resume_after_an_interruption_repeats_the_curve_bit_for_bit(data, tmp_path, recipe, hp_start_steps):
-    # mxfp4 draws random bits (stochastic rounding); fp8-delayed carries amax histories, which with a
+    # nvfp4 draws random bits (its gradients' stochastic rounding); fp8-delayed carries amax histories, which with a
     # high-precision start the BF16 steps recorded: the resumed step 3 is the first delayed one
     cfg = replace(CFG, recipe=recipe, save_every=2, hp_start_steps=hp_start_steps)
     whole = _run(data, cfg, out_dir=tmp_path / "whole")
