@@ -60,6 +60,7 @@ def test_dry_run_profiles_each_variant(prof, tmp_path):
         assert r["step_ms"] > 0 and r["kernel_ms"] > 0
         assert sum(r["kinds_ms"].values()) == pytest.approx(r["kernel_ms"])
         assert r["top_kernels"] and all(ms >= 0 for _, ms in r["top_kernels"])
+        assert 0 < r["optimizer_wall_ms"] < r["cpu_issue_ms"]  # the update alone, within the step
     assert "int8" not in results["bf16"]["conversion"]
     assert 0 < results["ceiling"]["speedup"] < 1.9
     saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master.json").read_text())
