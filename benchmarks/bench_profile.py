@@ -52,7 +52,8 @@ def kind_of(name: str) -> str:
 
 
 def ceiling(size, bf16_step_ms: float, bf16_gemm_ms: float, speedup: float) -> dict:
-    """The step time of BF16's profile with the converted linears' GEMMs ``speedup`` times faster."""
+    """``bf16_step_ms`` less what the converted linears save of ``bf16_gemm_ms`` (BF16's GEMM kernel time)
+    at ``speedup`` times the speed, and the speed-up that gives."""
     head = size.config.vocab_size * size.config.dim
     share = (size.linear_params() - head) / size.linear_params()  # of the GEMM FLOPs (6 per linear weight)
     saved = bf16_gemm_ms * share * (1 - 1 / speedup)
