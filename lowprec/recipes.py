@@ -302,7 +302,7 @@ def mxfp4() -> Recipe:
     """MXFP4 forward (E2M1 in blocks of 32, E8M0 scales rounded up so that no element saturates,
     rounded to nearest), MXFP8 E4M3 backward (OCP MX v1.0). Stochastic rounding is for gradients, where
     an unbiased estimate matters; in the forward it only adds error (3.6 dB less SQNR on the forward
-    GEMM's output), as the FP4 training papers found (arXiv 2505.19115, 2509.25149)."""
+    GEMM's output); the FP4 training papers round their forward to nearest too (arXiv 2505.19115, 2509.25149)."""
     fwd = Cast(format="e2m1", granularity=mx(32, "ceil"))
     bwd = Cast(format="e4m3", granularity=mx(32, "ceil"))
     return Recipe(name="mxfp4", doc=mxfp4.__doc__,
