@@ -15,7 +15,9 @@ From BF16's profile it prints the ceiling of an FP8 recipe on this model: the st
 converted linear's GEMM ran ``--fp8-gemm-speedup`` times faster (1.9x: the H200's FP8 against BF16
 GEMM throughput, ANCHORS.md) and nothing else changed. The converted linears' share of the GEMM time
 is their share of the GEMM FLOPs (the LM head stays BF16). A recipe's figure against that ceiling
-says how much of the gap is casts and how much is arithmetic the recipe does not touch.
+says how much of the gap is casts and how much is arithmetic the recipe does not touch. Beside it, the
+least memory traffic of per-tensor FP8 casts made as separate kernels (an amax pass, then one pass
+writing every copy), and its time at ``--hbm-tb-s``: what such casts cost at best.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from _common import DEVICE, environment, print_table, sync, write_json
 from _models import SIZES
 from bench_model import TORCHAO_MISSING, check_variant, lowprec_options, make_step, place, torchao_float8
 
+from lowprec.plan.gpus import get_gpu
 from lowprec.train.model import build_model
 
 KINDS = (  # (kind, pattern on the kernel's name), the first match wins
@@ -59,6 +62,24 @@ def ceiling(size, bf16_step_ms: float, bf16_gemm_ms: float, speedup: float) -> d
     saved = bf16_gemm_ms * share * (1 - 1 / speedup)
     return {"converted_gemm_share": share, "step_ms": bf16_step_ms - saved,
             "speedup": bf16_step_ms / (bf16_step_ms - saved)}
+
+
+def cast_traffic(size, weight_bytes: int = 4) -> dict:
+    """Bytes per step that per-tensor FP8 casts made as separate kernels must move at least, for every
+    converted linear of ``size`` (the LM head stays BF16): an amax pass over each BF16 activation and
+    gradient, then one pass reading it again and writing its E4M3/E5M2 copy in both orientations (the
+    forward's and the weight gradient's), and the weight read in ``weight_bytes`` per element for its
+    forward cast and again for backward's transposed one. Inputs that several linears share (q/k/v,
+    gate/up) are cast once."""
+    c, tokens = size.config, size.tokens
+    kv = c.dim // c.n_heads * c.n_kv_heads
+    # (K, N) of the linears that share one input: q/k/v, the attention output, gate/up, down
+    shapes = ((c.dim, c.dim + 2 * kv), (c.dim, c.dim), (c.dim, 2 * c.ffn_dim), (c.ffn_dim, c.dim))
+    amax = sum(2 * tokens * (k + n) for k, n in shapes)  # x and dy read once more for their amaxes
+    cast = sum(2 * tokens * (k + n) + 2 * tokens * (k + n) for k, n in shapes)  # read BF16, write two FP8
+    weights = sum(2 * (weight_bytes * k * n + k * n) for k, n in shapes)
+    per_step = c.n_layers * (amax + cast + weights)
+    return {"bytes": per_step, "amax_bytes": c.n_layers * amax, "weight_bytes": c.n_layers * weights}
 
 
 def profile_variant(base, size, name: str, args, tokens) -> dict:
@@ -197,6 +218,13 @@ def report(size, results: dict, args) -> None:
               f"of BF16's GEMM time), all else as BF16: {c['step_ms']:.1f} ms per step against "
               f"{bf['unprofiled_step_ms']:.1f}, {c['speedup']:.2f}x BF16 (from the profiled step's "
               f"{bf['step_ms']:.1f} ms: {profiled['speedup']:.2f}x)")
+        w = 4 if args.params == "fp32-autocast" else 2
+        traffic = cast_traffic(size, w)
+        ms = traffic["bytes"] / (args.hbm_tb_s * 1e12) * 1e3
+        results["cast_traffic"] = {**traffic, "ms_at_hbm": ms, "hbm_tb_s": args.hbm_tb_s}
+        print(f"separate per-tensor FP8 casts move at least {traffic['bytes'] / 1e9:.1f} GB per step "
+              f"({traffic['amax_bytes'] / 1e9:.1f} in amax passes, {traffic['weight_bytes'] / 1e9:.1f} of weights): "
+              f"{ms:.1f} ms at {args.hbm_tb_s} TB/s")
     for name, r in results.items():
         if "cpu_issue_ms" in r:
             calls = ", ".join(f"{n} {v['calls_per_step']:.0f} calls x {v['cpu_us']:.0f} us"
@@ -219,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict:
                     type=lambda s: [check_variant(v) for v in s.split(",")])
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
     ap.add_argument("--fp8-gemm-speedup", type=float, default=1.9)
+    ap.add_argument("--hbm-tb-s", type=float, default=get_gpu("h200").hbm_tb_s,
+                    help="the memory bandwidth the cast traffic is timed at (default: the H200's)")
     args = ap.parse_args(argv)
     size = SIZES[args.size]
     base = build_model(size.config, seed=0)

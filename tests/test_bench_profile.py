@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowprec.train.model import Transformer
+from lowprec.train.model import ModelConfig, Transformer
 from tests.helpers import load_benchmark
 
 
@@ -51,6 +51,23 @@ def test_ceiling_counts_the_converted_linears_only(prof):
     assert prof.ceiling(size, 100.0, 60.0, 1.0)["speedup"] == pytest.approx(1.0)
 
 
+def test_cast_traffic_counts_each_operand_once_per_pass(prof):
+    # one layer of dim 128, ffn 256, 2 of 2 heads (no GQA), 8 tokens: the sums spelled out by hand
+    cfg = ModelConfig(dim=128, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=256, vocab_size=64)
+    size = type(prof.SIZES["1b"])(config=cfg, batch=1, seq_len=8)
+    shapes = [(128, 384), (128, 128), (128, 512), (256, 128)]  # qkv, wo, gate+up (one input), down
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    weights = [m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)][:-1]  # not the LM head
+    assert sum(weights) == sum(k * n for k, n in shapes)  # the shapes are the model's linears
+    acts = sum(k + n for k, n in shapes)
+    got = prof.cast_traffic(size, weight_bytes=4)
+    assert got["amax_bytes"] == 2 * 8 * acts
+    assert got["weight_bytes"] == sum(10 * k * n for k, n in shapes)  # FP32 read + FP8 write, twice
+    assert got["bytes"] == 3 * 2 * 8 * acts + got["weight_bytes"]
+    assert prof.cast_traffic(size, weight_bytes=2)["weight_bytes"] == sum(6 * k * n for k, n in shapes)
+
+
 def test_dry_run_profiles_each_variant(prof, tmp_path):
     with torch.random.fork_rng():
         results = prof.main(["--size", "tiny", "--mode", "eager", "--params", "bf16-master", "--steps", "1",
@@ -64,4 +81,4 @@ def test_dry_run_profiles_each_variant(prof, tmp_path):
     assert "int8" not in results["bf16"]["conversion"]
     assert 0 < results["ceiling"]["speedup"] < 1.9
     saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master.json").read_text())
-    assert set(saved["results"]) == {"bf16", "lowprec:fp8-current+int8states", "ceiling"}
+    assert set(saved["results"]) == {"bf16", "lowprec:fp8-current+int8states", "ceiling", "cast_traffic"}
