@@ -52,10 +52,10 @@ def test_ceiling_counts_the_converted_linears_only(prof):
 
 
 def test_cast_traffic_counts_each_operand_once_per_pass(prof):
-    # one layer of dim 128, ffn 256, 2 of 2 heads (no GQA), 8 tokens: the sums spelled out by hand
-    cfg = ModelConfig(dim=128, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=256, vocab_size=64)
+    # one layer of dim 128, ffn 256, 2 query heads sharing 1 key/value head, 8 tokens: the sums by hand
+    cfg = ModelConfig(dim=128, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=256, vocab_size=64)
     size = type(prof.SIZES["1b"])(config=cfg, batch=1, seq_len=8)
-    shapes = [(128, 384), (128, 128), (128, 512), (256, 128)]  # qkv, wo, gate+up (one input), down
+    shapes = [(128, 256), (128, 128), (128, 512), (256, 128)]  # qkv (GQA 2/1), wo, gate+up (one input), down
     with torch.device("meta"):
         model = Transformer(cfg)
     weights = [m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)][:-1]  # not the LM head

@@ -8,7 +8,7 @@ tokens. Activations, norms and attention stay float32, so the recipes differ onl
 GEMMs (the default policy keeps the LM head in high precision, and nvfp4's also its last block). The
 final loss is the validation loss of the trained model under its own recipe. Bounds: 2% of BF16 for
 the FP8 and FP16 recipes, 5% for the FP4 ones. Measured gaps: fp16 -0.3%, FP8 recipes -0.9% to
--0.04%, mxfp4 +0.1%, nvfp4 +0.5% (BF16 2.192).
+-0.04%, mxfp4 -0.6%, nvfp4 +0.5% (BF16 2.192).
 """
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ def _run(layers, x):
     return outs
 
 
-@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4"])
 def test_a_group_casts_the_input_once_and_matches_separate_casts(recipe, monkeypatch):
     spy = QuantizeSpy(monkeypatch)
     x = randn(32, 128, seed=1).requires_grad_()
