@@ -108,6 +108,12 @@ def sqnr(ref: torch.Tensor, test: torch.Tensor) -> float:
     return float("inf") if noise == 0 else 20 * torch.log10(torch.linalg.vector_norm(ref) / noise).item()
 
 
+def result_name(*parts: str) -> str:
+    """A result file's name from what was asked (so that runs split over several calls do not overwrite
+    one another), without the characters some file transfers drop: ``,`` ``:`` ``+``."""
+    return ("_".join(parts) + ".json").replace(",", "-").replace(":", ".").replace("+", "_")
+
+
 def write_json(out_dir: str, name: str, payload: dict) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, name), "w") as fh:

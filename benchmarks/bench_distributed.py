@@ -42,7 +42,7 @@ import torch
 import torch._inductor.config
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import environment, print_table, sync, timed, write_json
+from _common import environment, print_table, result_name, sync, timed, write_json
 from _models import ADAMW, Size
 from _models import SIZES as MODEL_SIZES
 from torch import nn
@@ -285,11 +285,9 @@ def table(results: dict) -> None:
 
 
 def json_name(args) -> str:
-    """Named by what was asked, so runs split over several launches do not overwrite one another."""
     variants = "all" if args.variants == DEFAULT_VARIANTS else "-".join(args.variants)
     mode = "compiled" if args.compile else "eager"
-    name = f"bench_distributed_{args.sizes}_{mode}_{dist.get_world_size()}ranks_{variants}.json"
-    return name.replace(",", "-").replace(":", ".").replace("+", "_")
+    return result_name("bench_distributed", args.sizes, mode, f"{dist.get_world_size()}ranks", variants)
 
 
 def run_size(size_name: str, device: torch.device, mesh: DeviceMesh, args, env: dict, results: dict) -> None:

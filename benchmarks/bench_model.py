@@ -32,7 +32,7 @@ from dataclasses import asdict
 import torch
 import torch._inductor.config
 import torch.nn.functional as F
-from _common import DEVICE, environment, print_table, sync, timed, write_json
+from _common import DEVICE, environment, print_table, result_name, sync, timed, write_json
 from _models import ADAMW, SIZES, Size
 from torch import nn
 
@@ -223,11 +223,10 @@ def runs(variants: list[str], convert_on: list[str]) -> list[tuple[str, str, str
 
 
 def json_name(args) -> str:
-    """Named by what was asked, so runs split over several calls do not overwrite one another."""
     variants = "all" if args.variants == DEFAULT_VARIANTS else "-".join(args.variants)
     parts = [args.sizes, args.modes, args.params, variants] + ([] if args.convert_on == ["device"] else
                                                                ["convert-on-" + "-".join(args.convert_on)])
-    return ("bench_model_" + "_".join(parts) + ".json").replace(",", "-").replace(":", ".")
+    return result_name("bench_model", *parts)
 
 
 def run_size(size_name: str, args, env: dict, results: dict) -> None:
