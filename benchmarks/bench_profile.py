@@ -227,9 +227,13 @@ def report(size, results: dict, args) -> None:
         traffic = cast_traffic(size, w)
         ms = traffic["bytes"] / (args.hbm_tb_s * 1e12) * 1e3
         results["cast_traffic"] = {**traffic, "ms_at_hbm": ms, "hbm_tb_s": args.hbm_tb_s}
+        fused = (traffic["bytes"] - traffic["amax_bytes"]) / (args.hbm_tb_s * 1e12) * 1e3
+        results["cast_traffic"]["ms_at_hbm_amax_fused"] = fused
         print(f"separate per-tensor FP8 casts move at least {traffic['bytes'] / 1e9:.1f} GB per step "
               f"({traffic['amax_bytes'] / 1e9:.1f} in amax passes, {traffic['weight_bytes'] / 1e9:.1f} of weights): "
-              f"{ms:.1f} ms at {args.hbm_tb_s} TB/s")
+              f"{ms:.1f} ms at {args.hbm_tb_s} TB/s, {fused:.1f} ms where every amax fuses into the kernel that "
+              f"produces its tensor; the ceiling with those casts: "
+              f"{bf['unprofiled_step_ms'] / (c['step_ms'] + fused):.2f}x BF16")
     for name, r in results.items():
         if "cpu_issue_ms" in r:
             calls = ", ".join(f"{n} {v['calls_per_step']:.0f} calls x {v['cpu_us']:.0f} us"
