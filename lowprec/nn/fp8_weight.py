@@ -25,12 +25,13 @@ that one would take the delayed scale), as under FSDP2's FP8 all-gather.
 
 *How it trains.* The FP32 master of each FP8 weight lives only in ``lowprec.optim.Optimizer`` (see
 [Note: master weights] there); after every step the optimizer writes the master into the parameter
-with :meth:`FP8Weight.requantize_`. The master is first rounded to the parameter's dtype and then
-quantized, which is exactly the cast a layer with BF16 weights and FP32 masters makes of its weight at
-each forward: the model computes bit for bit as that one, under ``fp8-current`` and ``fp8-blockwise``,
-while it stores 1 byte per weight instead of 2. Until an optimizer takes it, an :class:`FP8Weight`
-keeps the high-precision value it was made from (:meth:`FP8Weight.take_initial`), so that the master
-starts from the model's weights, not from their FP8 rounding; the optimizer then drops it.
+with :meth:`FP8Weight.requantize_` (:func:`requantize_all`, for all of them at once). The master is
+first rounded to the parameter's dtype and then quantized, which is exactly the cast a layer with BF16
+weights and FP32 masters makes of its weight at each forward: the model computes bit for bit as that
+one, under ``fp8-current`` and ``fp8-blockwise``, while it stores 1 byte per weight instead of 2. Until
+an optimizer takes it, an :class:`FP8Weight` keeps the high-precision value it was made from
+(:meth:`FP8Weight.take_initial`), so that the master starts from the model's weights, not from their
+FP8 rounding; the optimizer then drops it.
 
 *Everything else.* Any other op on the parameter (a high-precision layer, ``torch.norm``, a
 ``state_dict`` copy) sees the decoded weight, in the parameter's dtype. ``copy_`` into it quantizes
@@ -50,6 +51,7 @@ writes the codes in place, so the compiled graph, whose inputs they are, reads e
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -61,6 +63,7 @@ from lowprec._checks import fail
 from lowprec.nn.casts import QuantizedWeight
 from lowprec.nn.plan import OperandPlan, codes_serve
 from lowprec.quant import Granularity, QuantizedTensor, blockwise, tensorwise
+from lowprec.quant.scales import amax_scale
 
 aten = torch.ops.aten
 E4M3 = F.get("e4m3")
@@ -90,6 +93,29 @@ def stored_operand(data: torch.Tensor, scale: torch.Tensor, granularity: Granula
     if transposed:
         data, scale, shape = data.t().contiguous(), scale.t().contiguous(), torch.Size(reversed(shape))
     return QuantizedTensor(data, scale, E4M3, granularity, shape, dtype)
+
+
+@torch.no_grad()
+def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None:
+    """``p.requantize_(src)`` for every pair, the same bits, with the amaxes of the per-tensor weights
+    taken together: one multi-tensor pass over their sources and one computation of their scales, so
+    that each such weight costs a rounding, a cast with a given scale and its copies, not an amax pass
+    of its own (the optimizer requantizes every FP8 weight after each step, launch by launch). The
+    amax of a tensor rounded to the parameter's dtype is the rounded amax of the tensor: rounding to
+    nearest is monotonic. Other weights (128x128 blocks, distributed shards) take ``requantize_``."""
+    groups: dict[tuple, list[tuple[FP8Weight, torch.Tensor]]] = {}
+    for p, src in zip(params, sources, strict=True):
+        if type(src) is torch.Tensor and type(p) is FP8Weight and p._granularity.per_tensor:
+            groups.setdefault((src.device, src.dtype, p.dtype), []).append((p, src.detach()))
+        else:
+            p.requantize_(src)
+    for (_, _, dtype), pairs in groups.items():
+        norms = torch._foreach_norm([src for _, src in pairs], ord=math.inf)
+        amaxes = torch.stack(norms).to(dtype).float()  # (n,) the amaxes of the rounded sources
+        scales = amax_scale(amaxes, E4M3)
+        for (p, src), amax, scale in zip(pairs, amaxes.unbind(), scales.unbind()):
+            q = K.quantize(src.to(dtype), E4M3, p._granularity, scale=scale)
+            p._store(q, amax if p._amax is not None else None)
 
 
 def _quantize(hp: torch.Tensor, granularity: Granularity, amax: bool) -> tuple[QuantizedTensor, torch.Tensor | None]:
@@ -166,7 +192,10 @@ class FP8Weight(QuantizedWeight):
         """Store ``src`` (an FP32 master, or any tensor of this shape), rounded to the parameter's dtype
         and quantized; counts as a write for autograd's version checks."""
         src = src.dequantize() if isinstance(src, FP8Weight) else src
-        q, amax = _quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None)
+        self._store(*_quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None))
+
+    def _store(self, q: QuantizedTensor, amax: torch.Tensor | None) -> None:
+        # in place: a compiled graph holds these tensors as its inputs
         self._data.copy_(q.data)
         self._scale.copy_(q.scale)
         if amax is not None:

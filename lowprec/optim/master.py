@@ -23,7 +23,7 @@ import torch
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.agree import local
-from lowprec.nn.fp8_weight import FP8Weight
+from lowprec.nn.fp8_weight import FP8Weight, requantize_all
 from lowprec.optim.accumulate import is_low_precision
 
 
@@ -71,10 +71,11 @@ class MasterWeights:
     def copy_to_params(self) -> None:
         """Round each master to nearest onto its parameter's dtype."""
         groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+        fp8 = [(p, m) for p, m in zip(self.params, self.masters) if isinstance(p, FP8Weight)]
+        if fp8:  # rounded to p's dtype, then quantized: see [Note: FP8 primary weights]
+            requantize_all([p for p, _ in fp8], [m for _, m in fp8])
         for p, m in zip(self.params, self.masters):
-            if isinstance(p, FP8Weight):
-                p.requantize_(m)  # rounded to p's dtype, then quantized: see [Note: FP8 primary weights]
-            elif m is not None:
+            if m is not None and not isinstance(p, FP8Weight):
                 dst, src = groups[(p.device, p.dtype)]
                 dst.append(local(p))  # in place into the shard FSDP2 all-gathers from
                 src.append(local(m))
