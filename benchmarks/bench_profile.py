@@ -72,15 +72,15 @@ def cast_traffic(size, weight_bytes: int = 4) -> dict:
     weight read (``weight_bytes`` per element) and written in FP8 once for the forward's cast and once
     for backward's transposed one, its amax pass not counted. Inputs that several linears share
     (q/k/v, gate/up) are cast once."""
-    c, tokens = size.config, size.tokens
-    kv = c.dim // c.n_heads * c.n_kv_heads
+    c = size.config
     # (K, N) of the linears that share one input: q/k/v, the attention output, gate/up, down
-    shapes = ((c.dim, c.dim + 2 * kv), (c.dim, c.dim), (c.dim, 2 * c.ffn_dim), (c.ffn_dim, c.dim))
-    amax = sum(2 * tokens * (k + n) for k, n in shapes)  # x and dy read once more for their amaxes
-    cast = sum(2 * tokens * (k + n) + 2 * tokens * (k + n) for k, n in shapes)  # read BF16, write two FP8
+    shapes = ((c.dim, c.dim + 2 * c.n_kv_heads * c.head_dim), (c.dim, c.dim), (c.dim, 2 * c.ffn_dim),
+              (c.ffn_dim, c.dim))
+    amax = sum(2 * size.tokens * (k + n) for k, n in shapes)  # x and dy (BF16) read once for their amaxes
+    cast = 2 * amax  # read once more, each element written as two FP8 bytes
     weights = sum(2 * (weight_bytes * k * n + k * n) for k, n in shapes)
-    per_step = c.n_layers * (amax + cast + weights)
-    return {"bytes": per_step, "amax_bytes": c.n_layers * amax, "weight_bytes": c.n_layers * weights}
+    return {"bytes": c.n_layers * (amax + cast + weights), "amax_bytes": c.n_layers * amax,
+            "weight_bytes": c.n_layers * weights}
 
 
 def profile_variant(base, size, name: str, args, tokens) -> dict:
@@ -223,12 +223,11 @@ def report(size, results: dict, args) -> None:
               f"of BF16's GEMM time), all else as BF16: {c['step_ms']:.1f} ms per step against "
               f"{bf['unprofiled_step_ms']:.1f}, {c['speedup']:.2f}x BF16 (from the profiled step's "
               f"{bf['step_ms']:.1f} ms: {profiled['speedup']:.2f}x)")
-        w = 4 if args.params == "fp32-autocast" else 2
-        traffic = cast_traffic(size, w)
-        ms = traffic["bytes"] / (args.hbm_tb_s * 1e12) * 1e3
-        results["cast_traffic"] = {**traffic, "ms_at_hbm": ms, "hbm_tb_s": args.hbm_tb_s}
-        fused = (traffic["bytes"] - traffic["amax_bytes"]) / (args.hbm_tb_s * 1e12) * 1e3
-        results["cast_traffic"]["ms_at_hbm_amax_fused"] = fused
+        traffic = cast_traffic(size, 4 if args.params == "fp32-autocast" else 2)
+        ms_per_byte = 1e3 / (args.hbm_tb_s * 1e12)
+        ms, fused = traffic["bytes"] * ms_per_byte, (traffic["bytes"] - traffic["amax_bytes"]) * ms_per_byte
+        results["cast_traffic"] = {**traffic, "ms_at_hbm": ms, "ms_at_hbm_amax_fused": fused,
+                                   "hbm_tb_s": args.hbm_tb_s}
         print(f"separate per-tensor FP8 casts move at least {traffic['bytes'] / 1e9:.1f} GB per step "
               f"({traffic['amax_bytes'] / 1e9:.1f} in amax passes, {traffic['weight_bytes'] / 1e9:.1f} of weights): "
               f"{ms:.1f} ms at {args.hbm_tb_s} TB/s, {fused:.1f} ms where every amax fuses into the kernel that "

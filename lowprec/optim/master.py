@@ -71,14 +71,19 @@ class MasterWeights:
     def copy_to_params(self) -> None:
         """Round each master to nearest onto its parameter's dtype."""
         groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
-        fp8 = [(p, m) for p, m in zip(self.params, self.masters) if isinstance(p, FP8Weight)]
-        if fp8:  # rounded to p's dtype, then quantized: see [Note: FP8 primary weights]
-            requantize_all([p for p, _ in fp8], [m for _, m in fp8])
+        fp8: tuple[list, list] = ([], [])
         for p, m in zip(self.params, self.masters):
-            if m is not None and not isinstance(p, FP8Weight):
+            if isinstance(p, FP8Weight):
+                dst, src = fp8
+            elif m is not None:
                 dst, src = groups[(p.device, p.dtype)]
-                dst.append(local(p))  # in place into the shard FSDP2 all-gathers from
-                src.append(local(m))
+                p, m = local(p), local(m)  # in place into the shard FSDP2 all-gathers from
+            else:
+                continue
+            dst.append(p)
+            src.append(m)
+        if fp8[0]:  # rounded to p's dtype, then quantized: see [Note: FP8 primary weights]
+            requantize_all(*fp8)
         for dst, src in groups.values():
             torch._foreach_copy_(dst, src)
 
