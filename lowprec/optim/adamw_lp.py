@@ -6,8 +6,8 @@ two moments are decoded to float32, updated by torch's AdamW formulas (decoupled
 correction, ``eps`` added to the corrected root; see [Note: the AdamW update] in
 ``lowprec.optim.adamw_batch``), the parameter updated from them, and the moments encoded again, so
 only one bucket's float32 moments exist at a time. On CUDA, float32 parameters with FP32, BF16 or
-8-bit moments take the fused kernel instead (``lowprec.optim.fused``: one pass per parameter, the same
-bits); FP8 moments and other parameters take the batched torch step.
+8-bit moments take the fused kernel instead (``lowprec.optim.fused``: one launch for all of them, the
+same bits); FP8 moments and other parameters take the batched torch step.
 Build it through :class:`lowprec.optim.Optimizer` (``Optimizer(params, AdamWLP, states="fp8", ...)``):
 with master weights it updates the float32 masters; without, BF16 parameters widened to float32 for
 the step and rounded back stochastically.
@@ -88,12 +88,15 @@ class AdamWLP(torch.optim.Optimizer):
             if self.fused:
                 from lowprec.optim import fused  # Triton: imported only where it is used
 
-                rest = []
+                rest, launches = [], {}  # one launch per device, gradient dtype and step count
                 for i, p in enumerate(params):
                     if (p.is_cuda or fused.INTERPRETED) and fused.covers(p, states[i], self.states):
-                        fused.step(p, states[i], self.states, batch.constants(group, steps[i]))
+                        launches.setdefault((p.device, p.grad.dtype, steps[i]), []).append(i)
                     else:
                         rest.append(i)
+                for (*_, count), idx in launches.items():
+                    fused.step([params[i] for i in idx], [states[i] for i in idx], self.states,
+                               batch.constants(group, count))
                 params, states, steps = [params[i] for i in rest], [states[i] for i in rest], [steps[i] for i in rest]
             for bucket in batch.buckets(params, steps):
                 batch.update([params[i] for i in bucket], [states[i] for i in bucket], self.states, group,

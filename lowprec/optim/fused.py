@@ -16,10 +16,17 @@ onto integer codes done on bits and integers (the interpreter truncates float32 
 and 8-bit moments are covered; FP8 moments raise values to per-group powers, whose last bit differs
 between math libraries, so they keep the torch step. Equality holds for finite values: a NaN's payload
 and the code of an infinite moment are the device's (the step guard skips non-finite gradients).
+
+One launch updates every parameter of one device, gradient dtype and step count (per parameter, the
+host's launch work, some tens of microseconds, outlasts the kernel of all but the largest, and after
+the step's host sync nothing hides it): a table on the device holds each parameter's row (see
+:data:`ROW`), and a second one each program's parameter, so a program finds its block's tensors and
+its block's index within them.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -54,22 +61,48 @@ def _block_absmax(v):
     return a, tl.where(a > 0, a, 1.0)
 
 
+ROW = 8
+"""Entries of a parameter's row in a launch's table: the addresses of the parameter, its gradient, both
+moments' codes and their block scales, its length and its first block's index among the launch's."""
+_GRAD = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 @triton.jit
-def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, omb1, beta2, omb2, inv_bc2, eps,
-                 step_size, inv127, inv255, STATES: tl.constexpr, BLOCK: tl.constexpr):
+def _at(row, i: tl.constexpr, dtype: tl.constexpr):
+    """The tensor whose address is the row's entry ``i``, seen as ``dtype``."""
+    return tl.load(row + i).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def adamw_kernel(rows_ptr, owner_ptr, decay, beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, inv127, inv255,
+                 STATES: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    row = rows_ptr + tl.load(owner_ptr + pid).to(tl.int64) * 8  # ROW
+    blk = pid - tl.load(row + 7).to(tl.int32)
+    n = tl.load(row + 6)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
+    p_ptr = _at(row, 0, tl.float32)
+    if GRAD == 0:
+        g_ptr = _at(row, 1, tl.float32)
+    elif GRAD == 1:
+        g_ptr = _at(row, 1, tl.bfloat16)
+    else:
+        g_ptr = _at(row, 1, tl.float16)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if STATES == 1:
+        m_ptr, v_ptr = _at(row, 2, tl.int16), _at(row, 4, tl.int16)
         m = bf16_value(tl.load(m_ptr + offs, mask=mask, other=0))
         v = bf16_value(tl.load(v_ptr + offs, mask=mask, other=0))
     elif STATES == 2:
-        m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * (tl.load(ms_ptr + pid) * inv127)
+        m_ptr, v_ptr = _at(row, 2, tl.int8), _at(row, 4, tl.uint8)
+        ms_ptr, vs_ptr = _at(row, 3, tl.float32), _at(row, 5, tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * (tl.load(ms_ptr + blk) * inv127)
         t = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * inv255
-        v = (t * t) * tl.load(vs_ptr + pid)
+        v = (t * t) * tl.load(vs_ptr + blk)
     else:
+        m_ptr, v_ptr = _at(row, 2, tl.float32), _at(row, 4, tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     # [Note: the AdamW update], one rounding per operation
@@ -85,44 +118,65 @@ def adamw_kernel(p_ptr, g_ptr, m_ptr, ms_ptr, v_ptr, vs_ptr, n, decay, beta1, om
     elif STATES == 2:  # masked lanes hold 0 and leave the absmax alone
         a, safe = _block_absmax(m)
         tl.store(m_ptr + offs, _round_half_even(tl.math.div_rn(m, safe) * 127.0).to(tl.int8), mask=mask)
-        tl.store(ms_ptr + pid, a)
+        tl.store(ms_ptr + blk, a)
         a, safe = _block_absmax(v)
         q = _round_half_even(tl.math.sqrt_rn(tl.math.div_rn(v, safe)) * 255.0)
         q = tl.where(v > 0, tl.maximum(q, 1), q)  # a nonzero moment never gets code 0
         tl.store(v_ptr + offs, q.to(tl.uint8), mask=mask)
-        tl.store(vs_ptr + pid, a)
+        tl.store(vs_ptr + blk, a)
     else:
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
 
 
 def covers(p: torch.Tensor, state: dict, fmt: StateFormat) -> bool:
-    """Whether :func:`step` takes this parameter: float32 and contiguous, its gradient and every state
-    tensor contiguous on its device (the kernel reads them as flat vectors)."""
-    if not (fmt in COVERED and p.dtype == torch.float32 and p.is_contiguous() and p.grad is not None
-            and p.grad.is_contiguous() and p.numel() < 2**31 - BLOCK):
+    """Whether :func:`step` takes this parameter: float32 and contiguous, its gradient (float32, BF16 or
+    FP16) and every state tensor contiguous on its device (the kernel reads them as flat vectors)."""
+    g = p.grad
+    if not (fmt in COVERED and p.dtype == torch.float32 and p.is_contiguous() and g is not None
+            and g.dtype in _GRAD and g.is_contiguous() and p.numel() < 2**31 - BLOCK):
         return False
-    return all(v.is_contiguous() and v.device == p.device for k, v in state.items() if k != "step")
+    tensors = [p, g, *(v for k, v in state.items() if k != "step")]
+    return all(v.is_contiguous() and v.device == p.device for v in tensors)
 
 
-def step(p: torch.Tensor, state: dict, fmt: StateFormat, scalars: dict[str, float]) -> None:
-    """One AdamW step of ``p`` (float32) and its ``state`` (in ``fmt``) in place, from ``p.grad``;
+def step(params: list[torch.Tensor], states: list[dict], fmt: StateFormat, scalars: dict[str, float]) -> None:
+    """One AdamW step of every parameter in ``params`` (float32, on one device, their gradients of one
+    dtype, each covered) and its state (in ``fmt``) in place, from ``p.grad``, in one launch;
     ``scalars``: the update's constants (``lowprec.optim.adamw_batch.constants``)."""
-    m, v = state[Moment.FIRST.value], state[Moment.SECOND.value]
-    if fmt is StateFormat.BF16:
-        m, v = m.view(torch.int16), v.view(torch.int16)
-    ms = state.get(Moment.FIRST.value + "_scale", m)  # unused but for 8-bit moments
-    vs = state.get(Moment.SECOND.value + "_scale", v)
-    n = p.numel()
-    if n == 0:
+    work = [(p, s) for p, s in zip(params, states, strict=True) if p.numel()]
+    if not work:
         return
-    with torch.cuda.device(p.device) if p.is_cuda else contextlib.nullcontext():  # launch on p's device
-        _launch(p, m, ms, v, vs, n, fmt, scalars)
+    rows, first = [], 0
+    for p, state in work:
+        m, v = state[Moment.FIRST.value], state[Moment.SECOND.value]
+        ms = state.get(Moment.FIRST.value + "_scale", m)  # read but for 8-bit moments
+        vs = state.get(Moment.SECOND.value + "_scale", v)
+        rows += [p.data_ptr(), p.grad.data_ptr(), m.data_ptr(), ms.data_ptr(), v.data_ptr(), vs.data_ptr(),
+                 p.numel(), first]
+        first += triton.cdiv(p.numel(), BLOCK)
+    device = work[0][0].device
+    table, owners = _table(tuple(rows), device), _owners(tuple(p.numel() for p, _ in work), device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch on it
+        _launch(table, owners, first, _KIND[fmt], _GRAD[work[0][0].grad.dtype], scalars)
 
 
-def _launch(p, m, ms, v, vs, n, fmt, scalars) -> None:
-    adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        p, p.grad, m, ms, v, vs, n, scalars["decay"], scalars["beta1"], scalars["omb1"], scalars["beta2"],
-        scalars["omb2"], scalars["inv_bc2"], scalars["eps"], scalars["step_size"], INV_INT8_LEVELS, INV_UINT8_LEVELS,
-        STATES=_KIND[fmt], BLOCK=BLOCK,
-        enable_fp_fusion=False, num_warps=8)
+@functools.lru_cache(maxsize=8)
+def _table(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The launch's rows on ``device``: copied once for addresses that recur step after step (the
+    caching allocator gives gradients the same ones), else once per step, after its host sync."""
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _owners(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """For each program (block) of a launch, the index of its parameter's row."""
+    counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels])
+    return torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(device)
+
+
+def _launch(table, owners, blocks, states, grad, scalars) -> None:
+    adamw_kernel[(blocks,)](
+        table, owners, scalars["decay"], scalars["beta1"], scalars["omb1"], scalars["beta2"], scalars["omb2"],
+        scalars["inv_bc2"], scalars["eps"], scalars["step_size"], INV_INT8_LEVELS, INV_UINT8_LEVELS,
+        STATES=states, GRAD=grad, BLOCK=BLOCK, enable_fp_fusion=False, num_warps=8)

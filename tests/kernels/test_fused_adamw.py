@@ -37,7 +37,7 @@ def _grads(step: int, shapes) -> list[torch.Tensor]:
 def test_fused_step_equals_the_torch_step(states, monkeypatch):
     assert fused.INTERPRETED  # the kernel runs here (tests/kernels/conftest.py), or this compares torch with torch
     launches = []
-    monkeypatch.setattr(fused, "_launch", lambda *a, _f=fused._launch: launches.append(1) or _f(*a))
+    monkeypatch.setattr(fused, "_launch", lambda *a, _f=fused._launch: launches.append(a[0].numel()) or _f(*a))
     ref = [p.requires_grad_() for p in _params(0)]
     got = [p.clone().detach().requires_grad_() for p in ref]
     opt_ref = AdamWLP(ref, states=states, fused=False, **HP)
@@ -48,13 +48,40 @@ def test_fused_step_equals_the_torch_step(states, monkeypatch):
         opt_ref.step()
         before = len(launches)
         opt_got.step()
-        assert len(launches) - before == len(SHAPES)  # every parameter took the kernel
+        assert launches[before:] == [len(SHAPES) * fused.ROW]  # every parameter took the kernel, in one launch
         for a, b in zip(ref, got):
             assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32)), f"step {step}"
             sa, sb = opt_ref.state[a], opt_got.state[b]
             assert sa.keys() == sb.keys()
             for key in sa:
                 assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), (step, key)
+
+
+def test_one_launch_per_gradient_dtype_and_step_count(monkeypatch):
+    """Parameters whose gradients differ in dtype, or whose step counts differ (one sat out a step),
+    take one launch each, with the same bits as the torch step."""
+    launches = []
+    monkeypatch.setattr(fused, "_launch", lambda *a, _f=fused._launch: launches.append(a[0].numel()) or _f(*a))
+    ref = [p.requires_grad_() for p in _params(1)]
+    got = [p.clone().detach().requires_grad_() for p in ref]
+    for p in ref + got:
+        p.grad_dtype = None  # let a float32 parameter take a BF16 gradient
+    opt_ref = AdamWLP(ref, states="int8", fused=False, **HP)
+    opt_got = AdamWLP(got, states="int8", fused=True, **HP)
+    for step in range(3):
+        for i, (a, b, g) in enumerate(zip(ref, got, _grads(step, SHAPES))):
+            g = g.bfloat16() if i % 2 else g  # BF16 gradients beside float32 ones
+            a.grad, b.grad = (None, None) if (step == 0 and i == 4) else (g.clone(), g.clone())
+        opt_ref.step()
+        before = len(launches)
+        opt_got.step()
+        # step 0: float32 (0, 2) and BF16 (1, 3) gradients; then parameter 4 is one step behind
+        want = [2, 2] if step == 0 else [2, 2, 1]
+        assert sorted(launches[before:], reverse=True) == [n * fused.ROW for n in want]
+        for a, b in zip(ref, got):
+            assert torch.equal(a.detach().view(torch.int32), b.detach().view(torch.int32)), f"step {step}"
+            for key in opt_ref.state[a]:
+                assert torch.equal(opt_ref.state[a][key], opt_got.state[b][key]), (step, key)
 
 
 def test_coverage():
