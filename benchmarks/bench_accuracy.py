@@ -10,17 +10,19 @@ Each run is ``lowprec.train.train`` as ``lowprec train`` runs it (AdamW, warmup 
 parameters with FP32 masters on CUDA), compiled (``--compile``), with a policy that converts every
 linear but the LM head (``skip_small=False``: the table is about the recipe's numerics, so layers the
 default policy would keep in BF16 for speed are converted; NVFP4 keeps its last blocks as the recipe
-says). BF16 trains with ``--bf16-seeds`` seeds (0, 1, ..), each recipe with seed 0 (the same
-initialisation and data order as BF16's seed 0). One process per visible GPU takes the runs in turn;
-a run that could not end by ``--deadline`` seconds (judged by the longest so far) is left for a later
-call (``--recipes``/``--bf16-seeds`` name what to run; ``--report`` merges several calls' results).
+says). BF16 trains with ``--bf16-seeds`` seeds (0, 1, ..), each recipe with ``--recipe-seeds`` (seed 0
+by default); a recipe's seed s has the initialisation and data order of BF16's seed s. One process per
+visible GPU takes the runs in turn; a run that could not end by ``--deadline`` seconds (judged by the
+longest so far) is left for a later call (``--recipes``/``--bf16-seeds`` name what to run; ``--report``
+merges several calls' results).
 
 The data: every UTF-8 ``.py`` file of this Python installation (standard library and installed
 packages, sorted by path, at most ``--corpus-mb``), as bytes. It needs no download and is the same
 bytes for every run of one call (its sha256 is in each result); the last 10% is the validation split.
 
-Prints, per recipe: final validation loss, gap to BF16's seed mean, BF16's seed band (mean, spread,
-two standard errors), tokens/s and peak memory, each with its ratio to BF16.
+Prints, per run: final validation loss, gap to BF16's seed mean, BF16's seed band (mean, spread,
+two standard errors), gap to BF16's run of the same seed, tokens/s and peak memory, each with its ratio
+to BF16; then per recipe over its seeds: the gap of its mean, that mean's noise and its mean paired gap.
 """
 from __future__ import annotations
 
@@ -72,8 +74,11 @@ def build_corpus(path: Path, limit_bytes: int) -> Path:
 
 
 def jobs(args) -> list[tuple[str, int]]:
-    """(recipe, seed) to run: BF16 with each seed first, then the recipes with seed 0."""
-    return [("bf16", s) for s in range(args.bf16_seeds)] + [(r, 0) for r in args.recipes if r != "bf16"]
+    """(recipe, seed) to run: BF16 with each of its seeds first, then each recipe with each of its seeds
+    (``--seed-start``, ``--seed-start`` + 1, ...)."""
+    bf16 = range(args.seed_start, args.seed_start + args.bf16_seeds)
+    seeds = range(args.seed_start, args.seed_start + args.recipe_seeds)
+    return [("bf16", s) for s in bf16] + [(r, s) for r in args.recipes if r != "bf16" for s in seeds]
 
 
 def run_one(args, recipe: str, seed: int) -> dict:
@@ -181,17 +186,47 @@ def table(rows: list[dict]) -> dict:
     mem = statistics.fmean(r["peak_memory_gib"] for r in base)
     print(f"BF16 over {len(vals)} seeds: val loss {mean:.4f} (seeds: {', '.join(f'{v:.4f}' for v in vals)}; "
           f"spread {spread:.4f}, two standard errors of a one-seed gap {100 * noise:.2f}%)")
+    paired = {r["seed"]: r["final_val_loss"] for r in base}  # BF16's run of the same seed: same init, same data
     out = []
     for r in sorted(rows, key=lambda r: (r["recipe"] != "bf16", r["recipe"], r["seed"])):
         gap = (r["final_val_loss"] - mean) / mean
+        same = paired.get(r["seed"])
         out.append([r["recipe"], str(r["seed"]), f"{r['final_val_loss']:.4f}", f"{100 * gap:+.2f}%",
-                    "yes" if abs(gap) <= noise else "no", f"{r['tokens_per_s']:,.0f}",
+                    "yes" if abs(gap) <= noise else "no",
+                    "-" if same is None else f"{100 * (r['final_val_loss'] - same) / same:+.2f}%",
+                    f"{r['tokens_per_s']:,.0f}",
                     f"{r['tokens_per_s'] / tps:.2f}x", f"{r['peak_memory_gib']:.1f}",
                     f"{r['peak_memory_gib'] / mem:.2f}x", f"{r['tokens'] / 1e6:.1f}M", str(r["skipped"])])
     print_table(f"{base[0]['model']}: final validation loss against BF16's seeds",
-                ["recipe", "seed", "val loss", "gap", "in noise", "tokens/s", "vs bf16", "peak GiB", "vs bf16",
-                 "tokens", "skipped"], out)
-    return {"bf16_mean": mean, "bf16_spread": spread, "noise_rel": noise, "rows": rows}
+                ["recipe", "seed", "val loss", "gap", "in noise", "gap to the same seed", "tokens/s", "vs bf16",
+                 "peak GiB", "vs bf16", "tokens", "skipped"], out)
+    recipes_ = summary(rows, mean, spread, len(vals), paired)
+    if recipes_:
+        print_table("each recipe over its seeds", ["recipe", "seeds", "mean gap", "noise of that mean",
+                                                    "mean gap to the same seeds"],
+                    [[name, str(v["seeds"]), f"{100 * v['gap']:+.2f}%", f"±{100 * v['noise']:.2f}%",
+                      "-" if v["paired_gap"] is None else f"{100 * v['paired_gap']:+.2f}%"]
+                     for name, v in recipes_.items()])
+    return {"bf16_mean": mean, "bf16_spread": spread, "noise_rel": noise, "recipes": recipes_, "rows": rows}
+
+
+def summary(rows: list[dict], mean: float, spread: float, n_bf16: int, paired: dict[int, float]) -> dict:
+    """Per recipe (BF16 aside, finished runs): its seeds, the gap of their mean loss to BF16's mean, two
+    standard errors of that gap (BF16's spread standing for both: ``2 s sqrt(1/k + 1/n) / mean``), and
+    the mean of its gaps to BF16's run of the same seed (same initialisation and data order: the
+    difference the seed does not move), None where BF16 has no such run."""
+    out = {}
+    for name in sorted({r["recipe"] for r in rows} - {"bf16"}):
+        runs = [r for r in rows if r["recipe"] == name and math.isfinite(r["final_val_loss"])]
+        if not runs:
+            continue
+        k = len(runs)
+        gaps = [(r["final_val_loss"] - paired[r["seed"]]) / paired[r["seed"]] for r in runs if r["seed"] in paired]
+        out[name] = {"seeds": k,
+                     "gap": (statistics.fmean(r["final_val_loss"] for r in runs) - mean) / mean,
+                     "noise": 2 * spread * math.sqrt(1 / k + 1 / n_bf16) / mean if n_bf16 > 1 else math.nan,
+                     "paired_gap": statistics.fmean(gaps) if len(gaps) == k else None}
+    return out
 
 
 def plot(result: dict, path: str) -> None:
@@ -232,6 +267,8 @@ def parse_args(argv):
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--val-batches", type=int, default=16)
     ap.add_argument("--bf16-seeds", type=int, default=2)
+    ap.add_argument("--recipe-seeds", type=int, default=1, help="Seeds per recipe (BF16's seed s pairs with seed s).")
+    ap.add_argument("--seed-start", type=int, default=0, help="The first seed of both (to add seeds in a later call).")
     ap.add_argument("--recipes", default=",".join(ALL_RECIPES))
     ap.add_argument("--deadline", type=float, default=math.inf, help="Seconds after which no run starts.")
     ap.add_argument("--data", default=None, help="Default: the installation's Python sources (see above).")

@@ -39,3 +39,31 @@ def test_a_run_found_twice_counts_once(tmp_path):
         once = bench.main(["--report", str(table), "--out", str(tmp_path / "a")])
         twice = bench.main(["--report", str(table), str(table), "--out", str(tmp_path / "b")])
     assert len(twice["rows"]) == 2 and twice["noise_rel"] == once["noise_rel"]
+
+
+def test_each_recipe_is_summarised_over_its_seeds(tmp_path):
+    """A recipe run with two seeds: the gap of its mean to BF16's mean, the noise of a two-seed mean, and
+    its mean gap to BF16's run of the same seed; a recipe whose seed BF16 lacks has no paired gap."""
+    table = tmp_path / "table.json"
+    rows = [_run("bf16", 0, 0.60), _run("bf16", 1, 0.62), _run("bf16", 2, 0.61),
+            _run("mxfp4", 0, 0.612), _run("mxfp4", 1, 0.6324), _run("nvfp4", 5, 0.63)]
+    table.write_text(json.dumps({"rows": rows}))
+    with pytest.MonkeyPatch.context() as mp:
+        bench = load_benchmark("bench_accuracy", mp)
+        result = bench.main(["--report", str(table), "--out", str(tmp_path / "all")])
+    mx = result["recipes"]["mxfp4"]
+    assert mx["seeds"] == 2
+    assert mx["gap"] == pytest.approx((0.6222 - 0.61) / 0.61)
+    assert mx["noise"] == pytest.approx(2 * 0.01 * math.sqrt(1 / 2 + 1 / 3) / 0.61)  # BF16's spread: 0.01
+    assert mx["paired_gap"] == pytest.approx((0.012 / 0.60 + 0.0124 / 0.62) / 2)  # +2% against each own seed
+    assert result["recipes"]["nvfp4"]["paired_gap"] is None and "bf16" not in result["recipes"]
+
+
+def test_jobs_pair_recipe_seeds_with_bf16_seeds():
+    with pytest.MonkeyPatch.context() as mp:
+        bench = load_benchmark("bench_accuracy", mp)
+        default = bench.jobs(bench.parse_args(["--recipes", "mxfp4,nvfp4"]))
+        more = bench.jobs(bench.parse_args(["--recipes", "bf16,mxfp4", "--bf16-seeds", "1", "--recipe-seeds", "2",
+                                            "--seed-start", "3"]))
+    assert default == [("bf16", 0), ("bf16", 1), ("mxfp4", 0), ("nvfp4", 0)]
+    assert more == [("bf16", 3), ("mxfp4", 3), ("mxfp4", 4)]
