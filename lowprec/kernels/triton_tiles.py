@@ -175,13 +175,15 @@ def _divide(v, d, r, in_range, KIND: tl.constexpr):
     when ``r`` is normal and the quotient is above FP32's subnormals (which round to zero in every
     target format anyway); amax scales always qualify.
     KIND 2: scales of any size (given): the same where the whole tile's divisors are in range,
-    else a full division. A quotient that overflows keeps its inf, as the division would."""
+    else a full division. A quotient that overflows keeps its inf, and a zero one its sign, as the
+    division would."""
     if KIND == 0:
         out = v * r
     else:
         q = v * r
         out = tl.fma(tl.fma(-q, d, v), r, q)
-        out = tl.where(abs_bits(q) == 0x7F800000, q, out)
+        # an infinite quotient keeps its inf, a zero one its sign (the FMAs give -0 / d as +0)
+        out = tl.where((abs_bits(q) == 0x7F800000) | (q == 0), q, out)
         if KIND == 2:
             if not in_range:
                 out = tl.math.div_rn(v, d)

@@ -32,13 +32,15 @@ def assert_same(q, r):
 
 
 def special(m: int, k: int, dtype=torch.bfloat16, seed: int = 0) -> torch.Tensor:
-    """Outliers across the columns, plus a NaN, infs, a zero block, subnormals and huge values."""
+    """Outliers across the columns, plus a NaN, infs, a zero block, negative zeros, subnormals and huge values."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * torch.logspace(-4, 4, k)
     x[1, 2], x[m // 2, k // 3], x[m - 1, 0] = math.nan, math.inf, -math.inf
     x[m // 4: m // 4 + 3, :] = 0
     x[3, :] = 1e-40  # FP32 subnormals (bf16 keeps some)
     x[m // 3, k // 2: k // 2 + 5] = 3e38
+    x[5, 1::7] = -0.0  # negative zeros among other values: their code keeps the sign
+    x[m // 4 + 1, ::2] = -0.0  # and in a zero block
     return x.to(dtype)
 
 
