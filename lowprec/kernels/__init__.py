@@ -14,8 +14,10 @@ import torch
 from lowprec.kernels.capability import Capability, capability
 from lowprec.kernels.gemm import gemm_backend, gemm_path, scaled_mm
 from lowprec.kernels.route import Backend, CastRoute, CastSpec, Pairing, backend_for, route
-from lowprec.quant import Granularity, QuantizedTensor
+from lowprec.quant import Granularity, QuantizedTensor, tensorwise
 from lowprec.quant import quantize as _reference_quantize
+
+_E4M3 = "e4m3"
 
 
 def quantize(
@@ -33,7 +35,31 @@ def quantize(
                                generator=generator)
 
 
+def requantize_many(sources: list[torch.Tensor], scales: torch.Tensor, codes: list[torch.Tensor],
+                    scale_outs: list[torch.Tensor], dtype: torch.dtype, *, backend: str | None = None) -> None:
+    """FP8 weights cast again: for each i, ``codes[i]`` and ``scale_outs[i]`` set in place to the codes and
+    the scale of ``lowprec.quant.quantize(sources[i].to(dtype), "e4m3", tensorwise(), scale=scales[i])``.
+    Where the route takes Triton, float32 sources onto BF16 go in one launch (see [Note: one launch for
+    many tensors] in ``lowprec.kernels.triton_multi``); otherwise one cast each. Same bits either way."""
+    if not sources:
+        return
+    device = sources[0].device
+    spec = CastSpec.of(_E4M3, tensorwise(), delayed=True)
+    if dtype == torch.bfloat16 and backend_for(spec, device, backend) is Backend.TRITON:
+        from lowprec.kernels import triton_multi as multi  # Triton: imported where it runs
+
+        if all(s.dtype == torch.float32 and s.is_contiguous() and 0 < s.numel() <= multi.MAX_NUMEL
+               and s.device == device and c.is_contiguous() and c.numel() == s.numel() and c.device == device
+               and o.numel() == 1 for s, c, o in zip(sources, codes, scale_outs, strict=True)):
+            multi.requantize(sources, scales, codes, scale_outs)
+            return
+    for src, scale, c, o in zip(sources, scales.unbind(), codes, scale_outs, strict=True):
+        q = quantize(src.to(dtype), _E4M3, tensorwise(), scale=scale, backend=backend)
+        c.copy_(q.data.view(c.shape))
+        o.copy_(q.scale.view(o.shape))
+
+
 from lowprec.kernels.cast import Casts, cast  # noqa: E402  (cast calls quantize above)
 
 __all__ = ["Backend", "Capability", "CastRoute", "CastSpec", "Casts", "Pairing", "backend_for", "capability",
-           "cast", "gemm_backend", "gemm_path", "quantize", "route", "scaled_mm"]
+           "cast", "gemm_backend", "gemm_path", "quantize", "requantize_many", "route", "scaled_mm"]

@@ -99,8 +99,8 @@ def stored_operand(data: torch.Tensor, scale: torch.Tensor, granularity: Granula
 def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None:
     """``p.requantize_(src)`` for every pair, the same bits, with the amaxes of the per-tensor weights
     taken together: one multi-tensor pass over their sources and one computation of their scales, so
-    that each such weight costs a rounding, a cast with a given scale and its copies, not an amax pass
-    of its own (the optimizer requantizes every FP8 weight after each step, launch by launch). The
+    that no weight needs an amax pass of its own, then their casts with the given scales (one launch for
+    all on the Triton route: ``lowprec.kernels.requantize_many``). The
     amax of a tensor rounded to the parameter's dtype is the rounded amax of the tensor: rounding to
     nearest is monotonic. Other weights (128x128 blocks, distributed shards) take ``requantize_``."""
     groups: dict[tuple, list[tuple[FP8Weight, torch.Tensor]]] = {}
@@ -110,12 +110,15 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
         else:
             p.requantize_(src)
     for (_, _, dtype), pairs in groups.items():
-        norms = torch._foreach_norm([src for _, src in pairs], ord=math.inf)
-        amaxes = torch.stack(norms).to(dtype).float()  # (n,) the amaxes of the rounded sources
-        scales = amax_scale(amaxes, E4M3)
-        for (p, src), amax, scale in zip(pairs, amaxes.unbind(), scales.unbind()):
-            q = K.quantize(src.to(dtype), E4M3, p._granularity, scale=scale)
-            p._store(q, amax if p._amax is not None else None)
+        params, srcs = [p for p, _ in pairs], [src for _, src in pairs]
+        amaxes = torch.stack(torch._foreach_norm(srcs, ord=math.inf)).to(dtype).float()  # of the rounded sources
+        K.requantize_many(srcs, amax_scale(amaxes, E4M3), [p._data for p in params], [p._scale for p in params],
+                          dtype)
+        kept = [(p._amax, amax) for p, amax in zip(params, amaxes.unbind()) if p._amax is not None]
+        if kept:
+            torch._foreach_copy_([a for a, _ in kept], [b for _, b in kept])
+        for p in params:
+            p._stored()
 
 
 def _quantize(hp: torch.Tensor, granularity: Granularity, amax: bool) -> tuple[QuantizedTensor, torch.Tensor | None]:
@@ -200,6 +203,10 @@ class FP8Weight(QuantizedWeight):
         self._scale.copy_(q.scale)
         if amax is not None:
             self._amax.copy_(amax)
+        self._stored()
+
+    def _stored(self) -> None:
+        """After new codes were written: the initial value is gone, and autograd sees a new version."""
         self._initial = None
         torch.autograd.graph.increment_version(self)
 

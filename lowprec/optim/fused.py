@@ -17,22 +17,19 @@ and 8-bit moments are covered; FP8 moments raise values to per-group powers, who
 between math libraries, so they keep the torch step. Equality holds for finite values: a NaN's payload
 and the code of an infinite moment are the device's (the step guard skips non-finite gradients).
 
-One launch updates every parameter of one device, gradient dtype and step count (per parameter, the
-host's launch work, some tens of microseconds, outlasts the kernel of all but the largest, and after
-the step's host sync nothing hides it): a table on the device holds each parameter's row (see
-:data:`ROW`), and a second one each program's parameter, so a program finds its block's tensors and
-its block's index within them.
+One launch updates every parameter of one device, gradient dtype and step count, from a table of
+their addresses (:data:`ROW`; see [Note: one launch for many tensors] in ``lowprec.kernels.triton_multi``).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from lowprec.kernels.triton_multi import MAX_NUMEL, device_rows, first_blocks, owners, tensor_at
 from lowprec.kernels.triton_numerics import abs_bits, bf16_bits, bf16_value, half_even_up
 from lowprec.optim.states import INT8_BLOCK, INV_INT8_LEVELS, INV_UINT8_LEVELS, Moment, StateFormat
 
@@ -68,12 +65,6 @@ _GRAD = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
-def _at(row, i: tl.constexpr, dtype: tl.constexpr):
-    """The tensor whose address is the row's entry ``i``, seen as ``dtype``."""
-    return tl.load(row + i).to(tl.pointer_type(dtype))
-
-
-@triton.jit
 def adamw_kernel(rows_ptr, owner_ptr, decay, beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, inv127, inv255,
                  STATES: tl.constexpr, GRAD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -82,27 +73,27 @@ def adamw_kernel(rows_ptr, owner_ptr, decay, beta1, omb1, beta2, omb2, inv_bc2, 
     n = tl.load(row + 6)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    p_ptr = _at(row, 0, tl.float32)
+    p_ptr = tensor_at(row, 0, tl.float32)
     if GRAD == 0:
-        g_ptr = _at(row, 1, tl.float32)
+        g_ptr = tensor_at(row, 1, tl.float32)
     elif GRAD == 1:
-        g_ptr = _at(row, 1, tl.bfloat16)
+        g_ptr = tensor_at(row, 1, tl.bfloat16)
     else:
-        g_ptr = _at(row, 1, tl.float16)
+        g_ptr = tensor_at(row, 1, tl.float16)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if STATES == 1:
-        m_ptr, v_ptr = _at(row, 2, tl.int16), _at(row, 4, tl.int16)
+        m_ptr, v_ptr = tensor_at(row, 2, tl.int16), tensor_at(row, 4, tl.int16)
         m = bf16_value(tl.load(m_ptr + offs, mask=mask, other=0))
         v = bf16_value(tl.load(v_ptr + offs, mask=mask, other=0))
     elif STATES == 2:
-        m_ptr, v_ptr = _at(row, 2, tl.int8), _at(row, 4, tl.uint8)
-        ms_ptr, vs_ptr = _at(row, 3, tl.float32), _at(row, 5, tl.float32)
+        m_ptr, v_ptr = tensor_at(row, 2, tl.int8), tensor_at(row, 4, tl.uint8)
+        ms_ptr, vs_ptr = tensor_at(row, 3, tl.float32), tensor_at(row, 5, tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32) * (tl.load(ms_ptr + blk) * inv127)
         t = tl.load(v_ptr + offs, mask=mask, other=0).to(tl.float32) * inv255
         v = (t * t) * tl.load(vs_ptr + blk)
     else:
-        m_ptr, v_ptr = _at(row, 2, tl.float32), _at(row, 4, tl.float32)
+        m_ptr, v_ptr = tensor_at(row, 2, tl.float32), tensor_at(row, 4, tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     # [Note: the AdamW update], one rounding per operation
@@ -134,7 +125,7 @@ def covers(p: torch.Tensor, state: dict, fmt: StateFormat) -> bool:
     FP16) and every state tensor contiguous on its device (the kernel reads them as flat vectors)."""
     g = p.grad
     if not (fmt in COVERED and p.dtype == torch.float32 and p.is_contiguous() and g is not None
-            and g.dtype in _GRAD and g.is_contiguous() and p.numel() < 2**31 - BLOCK):
+            and g.dtype in _GRAD and g.is_contiguous() and p.numel() <= MAX_NUMEL):
         return False
     tensors = [p, g, *(v for k, v in state.items() if k != "step")]
     return all(v.is_contiguous() and v.device == p.device for v in tensors)
@@ -147,32 +138,19 @@ def step(params: list[torch.Tensor], states: list[dict], fmt: StateFormat, scala
     work = [(p, s) for p, s in zip(params, states, strict=True) if p.numel()]
     if not work:
         return
-    rows, first = [], 0
-    for p, state in work:
+    numels = [p.numel() for p, _ in work]
+    first = first_blocks(numels, BLOCK)
+    rows = []
+    for (p, state), f in zip(work, first[:-1], strict=True):
         m, v = state[Moment.FIRST.value], state[Moment.SECOND.value]
         ms = state.get(Moment.FIRST.value + "_scale", m)  # read but for 8-bit moments
         vs = state.get(Moment.SECOND.value + "_scale", v)
         rows += [p.data_ptr(), p.grad.data_ptr(), m.data_ptr(), ms.data_ptr(), v.data_ptr(), vs.data_ptr(),
-                 p.numel(), first]
-        first += triton.cdiv(p.numel(), BLOCK)
+                 p.numel(), f]
     device = work[0][0].device
-    table, owners = _table(tuple(rows), device), _owners(tuple(p.numel() for p, _ in work), device)
+    table, own = device_rows(tuple(rows), device), owners(tuple(numels), BLOCK, device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch on it
-        _launch(table, owners, first, _KIND[fmt], _GRAD[work[0][0].grad.dtype], scalars)
-
-
-@functools.lru_cache(maxsize=8)
-def _table(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """The launch's rows on ``device``: copied once for addresses that recur step after step (the
-    caching allocator gives gradients the same ones), else once per step, after its host sync."""
-    return torch.tensor(rows, dtype=torch.int64).to(device)
-
-
-@functools.lru_cache(maxsize=8)
-def _owners(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """For each program (block) of a launch, the index of its parameter's row."""
-    counts = torch.tensor([triton.cdiv(n, BLOCK) for n in numels])
-    return torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(device)
+        _launch(table, own, first[-1], _KIND[fmt], _GRAD[work[0][0].grad.dtype], scalars)
 
 
 def _launch(table, owners, blocks, states, grad, scalars) -> None:

@@ -1,0 +1,108 @@
+"""Kernels over many tensors in one launch, and the tables they read.
+
+[Note: one launch for many tensors]
+After each optimizer step every parameter is updated and every FP8 weight cast again. Launched tensor
+by tensor, the host's work per launch (some tens of microseconds) outlasts the kernels of all but the
+largest tensors, and after the step's host sync nothing hides it: a 1B model's optimizer step took 37 ms
+from idle to idle with 10 ms of kernels. A multi-tensor kernel takes a table instead: one row of int64
+per tensor (the addresses it reads and writes, its length, the index of its first block among the
+launch's blocks) and, per program, the index of its tensor's row. A program loads its row and works on
+its block. The rows are copied to the device once for addresses that recur step after step (the
+caching allocator gives a step's new gradients the addresses of the last step's), else once per launch;
+the program-to-row table depends on the lengths alone and is kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from lowprec.kernels.triton_numerics import bf16_bits, bf16_value, to_codes
+from lowprec.kernels.triton_tiles import _divide, _divisor, _hw_fp8
+
+MAX_NUMEL = 2**31 - 2**16
+"""Largest tensor a multi-tensor kernel takes: its offsets are int32."""
+
+
+@triton.jit
+def tensor_at(row, i: tl.constexpr, dtype: tl.constexpr):
+    """The tensor whose address is the row's entry ``i``, seen as ``dtype``."""
+    return tl.load(row + i).to(tl.pointer_type(dtype))
+
+
+@functools.lru_cache(maxsize=16)
+def device_rows(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A launch's rows (flat int64) on ``device`` (see [Note: one launch for many tensors])."""
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def owners(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
+    """For each program of a launch over tensors of ``numels`` elements, ``block`` elements a program,
+    the index of its tensor's row."""
+    counts = torch.tensor([triton.cdiv(n, block) for n in numels])
+    return torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(device)
+
+
+def first_blocks(numels: list[int], block: int) -> list[int]:
+    """Each tensor's first block among the launch's, and the launch's block count last."""
+    out = [0]
+    for n in numels:
+        out.append(out[-1] + triton.cdiv(n, block))
+    return out
+
+
+# ---- FP8 weights cast again after a step: E4M3 per tensor, from a given scale ----------------------
+
+REQUANT_ROW = 5
+"""A row: the float32 source, the E4M3 codes, the scale's destination, the length, the first block."""
+REQUANT_BLOCK = 4096
+
+
+@triton.jit
+def requantize_kernel(rows_ptr, owner_ptr, scales_ptr, HW: tl.constexpr, BLOCK: tl.constexpr):
+    """codes = E4M3(RN_bf16(src) / scale), saturating, zero where the scale is not finite or zero; the
+    scale stored beside them: ``lowprec.quant.quantize(src.to(bfloat16), "e4m3", tensorwise(),
+    scale=scale)`` bit for bit (the division correctly rounded as the tile kernels do it), but for the sign
+    of a NaN's code, which follows the device's rounding to BF16 (torch's on the CPU may turn a NaN
+    negative). A NaN in a weight's master makes its amax, so its scale, NaN, and its codes zero."""
+    pid = tl.program_id(0)
+    t = tl.load(owner_ptr + pid)
+    row = rows_ptr + t.to(tl.int64) * 5  # REQUANT_ROW
+    blk = pid - tl.load(row + 4).to(tl.int32)
+    offs = blk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < tl.load(row + 3)
+    s = tl.load(scales_ptr + t)
+    x = tl.load(tensor_at(row, 0, tl.float32) + offs, mask=mask, other=0.0)
+    v = bf16_value(bf16_bits(x))
+    d, r, dead, ok = _divisor(tl.zeros((1,), tl.float32) + s)
+    scaled = _divide(v, d, r, ok, 2)
+    nan_sign = (x.to(tl.int32, bitcast=True) >> 31) & 1  # the source's (a NaN's sign is the device's)
+    if HW:
+        codes = _hw_fp8(scaled, nan_sign, 4, True)
+    else:
+        codes = to_codes(scaled, nan_sign, scaled, 4, 3, 1, True, False)
+    tl.store(tensor_at(row, 1, tl.uint8) + offs, tl.where(dead, 0, codes).to(tl.uint8), mask=mask)
+    if blk == 0:
+        tl.store(tensor_at(row, 2, tl.float32), s)
+
+
+def requantize(sources: list[torch.Tensor], scales: torch.Tensor, codes: list[torch.Tensor],
+               scale_outs: list[torch.Tensor]) -> None:
+    """For each i, ``codes[i]`` (E4M3, contiguous, ``sources[i]``'s length) and ``scale_outs[i]`` (one
+    float32) in place from ``sources[i]`` (float32, contiguous, non-empty) rounded to BF16 and cast with
+    the scale ``scales[i]``, in one launch (callers check the layouts: ``lowprec.kernels.requantize_many``)."""
+    numels = [s.numel() for s in sources]
+    first = first_blocks(numels, REQUANT_BLOCK)
+    rows = []
+    for src, out, so, n, f in zip(sources, codes, scale_outs, numels, first[:-1], strict=True):
+        rows += [src.data_ptr(), out.data_ptr(), so.data_ptr(), n, f]
+    device = sources[0].device
+    table, own = device_rows(tuple(rows), device), owners(tuple(numels), REQUANT_BLOCK, device)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch on it
+        requantize_kernel[(first[-1],)](table, own, scales.float().contiguous(), HW=device.type == "cuda",
+                                        BLOCK=REQUANT_BLOCK, num_warps=8)
+
