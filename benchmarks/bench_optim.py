@@ -9,6 +9,9 @@ each with a fixed random float32 gradient. First a check: on CUDA, AdamWLP's fus
 bit for bit, for each moment format the kernel covers. Then the median time of one ``step()`` of:
 torch's AdamW (``fused=True``, FP32 moments), and AdamWLP with FP32, BF16, 8-bit and FP8 moments, fused
 where covered and batched torch ops otherwise; with the moments' bytes and the ratios to torch's.
+Last, the FP8 weights' requantization after a step (``--fp8-weights``): the model's linear weights as
+per-tensor FP8 weights with float32 masters, cast weight by weight (``requantize_``) against all at once
+(``requantize_all``, one launch on CUDA): the same bits, and the time of each.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from _common import DEVICE, environment, print_table, sync, timed, write_json
 from _models import ADAMW, SIZES
 from torch import nn
 
+from lowprec.nn.fp8_weight import FP8Weight, requantize_all
 from lowprec.optim import AdamWLP
+from lowprec.quant import tensorwise
 from lowprec.train.model import Transformer
 
 CHECKED = ("fp32", "bf16", "int8")
@@ -80,6 +85,30 @@ def measure(size_name: str, make, steps: int) -> dict:
             "params": sum(p.numel() for p in params)}
 
 
+def requantization(size_name: str, steps: int) -> dict:
+    """The model's 2-D weights but the embedding's (the LM head's too), as per-tensor FP8 weights: each
+    requantized from its own float32 master weight by weight and all at once; same bits, median ms."""
+    masters = [p.detach() for p in parameters(size_name)[1:] if p.dim() == 2]
+    made = {way: [FP8Weight.of(m.bfloat16(), tensorwise()) for m in masters] for way in ("alone", "together")}
+
+    def alone() -> None:
+        for w, m in zip(made["alone"], masters):
+            w.requantize_(m)
+
+    def together() -> None:
+        requantize_all(made["together"], masters)
+
+    out = {"weights": len(masters)}
+    for way, fn in (("alone", alone), ("together", together)):
+        fn()
+        sync(DEVICE)
+        seconds, _ = timed(fn, steps, DEVICE)
+        out[f"{way}_ms"] = statistics.median(seconds) * 1e3
+    out["bit_exact"] = all(torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8))
+                           and torch.equal(a._scale, b._scale) for a, b in zip(made["alone"], made["together"]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
@@ -99,9 +128,15 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(f"{args.size}: one optimizer step", ["optimizer", "ms", "vs torch AdamW", "moments GiB"],
                 [[k, f"{r['step_ms']:.2f}", f"{base['step_ms'] / r['step_ms']:.2f}x", f"{r['moments_gib']:.2f}"]
                  for k, r in results.items()])
-    write_json(args.out, f"bench_optim_{args.size}.json",
-               {"env": environment(), "args": vars(args), "bit_exact": exact, "results": results})
-    return {"bit_exact": exact, "results": results}
+    requant = requantization(args.size, args.steps)
+    print(f"FP8 weights requantized after a step ({requant['weights']} per-tensor weights): "
+          f"{'bit-exact' if requant['bit_exact'] else 'DIFFERENT'} together; weight by weight "
+          f"{requant['alone_ms']:.2f} ms, together {requant['together_ms']:.2f} ms "
+          f"({requant['alone_ms'] / requant['together_ms']:.2f}x)")
+    write_json(args.out, f"bench_optim_{args.size}.json", {"env": environment(), "args": vars(args),
+                                                          "bit_exact": exact, "results": results,
+                                                          "requantization": requant})
+    return {"bit_exact": exact, "results": results, "requantization": requant}
 
 
 if __name__ == "__main__":

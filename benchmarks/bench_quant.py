@@ -99,12 +99,13 @@ def _to_cpu(q):
 
 
 def special_tensor(m: int, k: int) -> torch.Tensor:
-    """Random data with NaN, inf, all-zero, subnormal-only and huge blocks sprinkled in."""
+    """Random data with NaN, inf, all-zero, subnormal-only and huge blocks and negative zeros sprinkled in."""
     x = torch.randn(m, k, device=DEVICE) * torch.logspace(-4, 4, k, device=DEVICE)
     x[5, 7], x[m // 3, k // 4], x[m // 2, 3] = float("nan"), float("inf"), -float("inf")
     x[m // 16:m // 8, k // 16:k // 8] = 0
     x[m // 4:m // 4 + 8, :] = 1e-40  # FP32 subnormals
     x[m // 5:m // 5 + 10, k // 5:k // 5 + 100] = 3e38
+    x[m // 7, 1::3] = -0.0  # negative zeros keep their sign bit in the codes
     return x.bfloat16()
 
 

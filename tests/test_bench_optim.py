@@ -1,4 +1,5 @@
-"""benchmarks/bench_optim.py's dry run: every optimizer steps, and the moments take the bytes their formats say."""
+"""benchmarks/bench_optim.py's dry run: every optimizer steps, the moments take the bytes their formats say, and the
+FP8 weights requantized together equal those requantized one by one."""
 from __future__ import annotations
 
 import pytest
@@ -19,3 +20,5 @@ def test_dry_run_times_every_optimizer(tmp_path):
     assert gib["fp32"] == pytest.approx(8.0) and gib["bf16"] == pytest.approx(4.0)
     assert 2.0 < gib["int8"] < 2.01 and 2.0 < gib["fp8"] < 2.2  # codes plus per-block float32 scales
     assert (tmp_path / "bench_optim_tiny.json").exists()
+    requant = out["requantization"]
+    assert requant["bit_exact"] and requant["weights"] == 29 and requant["together_ms"] > 0  # 4 x 7 + the LM head
