@@ -33,26 +33,32 @@ def tensor_at(row, i: tl.constexpr, dtype: tl.constexpr):
     return tl.load(row + i).to(tl.pointer_type(dtype))
 
 
+def tables(addresses: list[list[int]], numels: list[int], block: int,
+           device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(rows, program-to-row table, program count) of a launch over tensors of ``numels`` elements,
+    ``block`` elements a program: each tensor's row is its ``addresses``, its length and its first
+    block's index among the launch's (see [Note: one launch for many tensors])."""
+    rows, first = [], 0
+    for a, n in zip(addresses, numels, strict=True):
+        rows += [*a, n, first]
+        first += triton.cdiv(n, block)
+    return _device_rows(tuple(rows), device), _owners(tuple(numels), block, device), first
+
+
+def on(device: torch.device):
+    """The context a launch on ``device`` runs in (its CUDA device; nothing elsewhere)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @functools.lru_cache(maxsize=16)
-def device_rows(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A launch's rows (flat int64) on ``device`` (see [Note: one launch for many tensors])."""
+def _device_rows(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).to(device)
 
 
 @functools.lru_cache(maxsize=16)
-def owners(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
-    """For each program of a launch over tensors of ``numels`` elements, ``block`` elements a program,
-    the index of its tensor's row."""
+def _owners(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
     counts = torch.tensor([triton.cdiv(n, block) for n in numels])
     return torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(device)
-
-
-def first_blocks(numels: list[int], block: int) -> list[int]:
-    """Each tensor's first block among the launch's, and the launch's block count last."""
-    out = [0]
-    for n in numels:
-        out.append(out[-1] + triton.cdiv(n, block))
-    return out
 
 
 # ---- FP8 weights cast again after a step: E4M3 per tensor, from a given scale ----------------------
@@ -95,14 +101,9 @@ def requantize(sources: list[torch.Tensor], scales: torch.Tensor, codes: list[to
     """For each i, ``codes[i]`` (E4M3, contiguous, ``sources[i]``'s length) and ``scale_outs[i]`` (one
     float32) in place from ``sources[i]`` (float32, contiguous, non-empty) rounded to BF16 and cast with
     the scale ``scales[i]``, in one launch (callers check the layouts: ``lowprec.kernels.requantize_many``)."""
-    numels = [s.numel() for s in sources]
-    first = first_blocks(numels, REQUANT_BLOCK)
-    rows = []
-    for src, out, so, n, f in zip(sources, codes, scale_outs, numels, first[:-1], strict=True):
-        rows += [src.data_ptr(), out.data_ptr(), so.data_ptr(), n, f]
+    addresses = [[src.data_ptr(), out.data_ptr(), so.data_ptr()] for src, out, so in zip(sources, codes, scale_outs)]
     device = sources[0].device
-    table, own = device_rows(tuple(rows), device), owners(tuple(numels), REQUANT_BLOCK, device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch on it
-        requantize_kernel[(first[-1],)](table, own, scales.float().contiguous(), HW=device.type == "cuda",
-                                        BLOCK=REQUANT_BLOCK, num_warps=8)
-
+    table, own, programs = tables(addresses, [s.numel() for s in sources], REQUANT_BLOCK, device)
+    with on(device):
+        requantize_kernel[(programs,)](table, own, scales.float().contiguous(), HW=device.type == "cuda",
+                                       BLOCK=REQUANT_BLOCK, num_warps=8)

@@ -22,14 +22,13 @@ their addresses (:data:`ROW`; see [Note: one launch for many tensors] in ``lowpr
 """
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from lowprec.kernels.triton_multi import MAX_NUMEL, device_rows, first_blocks, owners, tensor_at
+from lowprec.kernels.triton_multi import MAX_NUMEL, on, tables, tensor_at
 from lowprec.kernels.triton_numerics import abs_bits, bf16_bits, bf16_value, half_even_up
 from lowprec.optim.states import INT8_BLOCK, INV_INT8_LEVELS, INV_UINT8_LEVELS, Moment, StateFormat
 
@@ -127,8 +126,8 @@ def covers(p: torch.Tensor, state: dict, fmt: StateFormat) -> bool:
     if not (fmt in COVERED and p.dtype == torch.float32 and p.is_contiguous() and g is not None
             and g.dtype in _GRAD and g.is_contiguous() and p.numel() <= MAX_NUMEL):
         return False
-    tensors = [p, g, *(v for k, v in state.items() if k != "step")]
-    return all(v.is_contiguous() and v.device == p.device for v in tensors)
+    return g.device == p.device and all(v.is_contiguous() and v.device == p.device
+                                        for k, v in state.items() if k != "step")
 
 
 def step(params: list[torch.Tensor], states: list[dict], fmt: StateFormat, scalars: dict[str, float]) -> None:
@@ -138,19 +137,16 @@ def step(params: list[torch.Tensor], states: list[dict], fmt: StateFormat, scala
     work = [(p, s) for p, s in zip(params, states, strict=True) if p.numel()]
     if not work:
         return
-    numels = [p.numel() for p, _ in work]
-    first = first_blocks(numels, BLOCK)
-    rows = []
-    for (p, state), f in zip(work, first[:-1], strict=True):
+    addresses = []
+    for p, state in work:
         m, v = state[Moment.FIRST.value], state[Moment.SECOND.value]
         ms = state.get(Moment.FIRST.value + "_scale", m)  # read but for 8-bit moments
         vs = state.get(Moment.SECOND.value + "_scale", v)
-        rows += [p.data_ptr(), p.grad.data_ptr(), m.data_ptr(), ms.data_ptr(), v.data_ptr(), vs.data_ptr(),
-                 p.numel(), f]
+        addresses.append([t.data_ptr() for t in (p, p.grad, m, ms, v, vs)])
     device = work[0][0].device
-    table, own = device_rows(tuple(rows), device), owners(tuple(numels), BLOCK, device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # launch on it
-        _launch(table, own, first[-1], _KIND[fmt], _GRAD[work[0][0].grad.dtype], scalars)
+    table, own, programs = tables(addresses, [p.numel() for p, _ in work], BLOCK, device)
+    with on(device):
+        _launch(table, own, programs, _KIND[fmt], _GRAD[work[0][0].grad.dtype], scalars)
 
 
 def _launch(table, owners, blocks, states, grad, scalars) -> None:
