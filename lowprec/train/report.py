@@ -19,7 +19,18 @@ from typing import Any
 from lowprec._checks import fail
 from lowprec._table import format_table
 from lowprec.train.result import FINAL_WINDOW, RunResult
-from lowprec.train.verdict import Family, Level, SeedBand, Thresholds, Verdict, gap_and_noise, judge, pct, worst
+from lowprec.train.verdict import (
+    Family,
+    Level,
+    SeedBand,
+    Thresholds,
+    Verdict,
+    gap_and_noise,
+    judge,
+    paired_gap,
+    pct,
+    worst,
+)
 
 __all__ = ["CompareReport", "PNG_NAME", "RecipeRuns", "Thresholds", "overall"]
 
@@ -111,6 +122,7 @@ class CompareReport:
                 "val_losses": [res.final_val_loss for res in r.results],
                 "final_train_loss": _mean([res.final_train_loss for res in r.results]),
                 "final_val_loss": r.band.mean, "gap_to_baseline": v.gap, "noise": v.noise,
+                "gap_same_seeds": math.nan if r is self.base else paired_gap(r.band, self.base.band),
                 "within_noise": v.within_noise, "tolerance": v.tolerance, "tolerance_source": r.family.source,
                 "tokens_per_s": statistics.fmean(res.tokens_per_s for res in r.results),
                 "peak_memory_bytes": max((res.peak_memory_bytes for res in r.results if res.peak_memory_bytes
@@ -141,12 +153,12 @@ class CompareReport:
                         for row, r in zip(self.rows(), self.runs)],
         })
 
-    _HEADERS = ("recipe", "seeds", "train loss", "val loss", "gap to {}", "noise ±", "tolerance", "tokens/s",
-                "peak mem (GiB)", "skipped", "verdict")
+    _HEADERS = ("recipe", "seeds", "train loss", "val loss", "gap to {}", "noise ±", "same seeds", "tolerance",
+                "tokens/s", "peak mem (GiB)", "skipped", "verdict")
 
     def _cells(self) -> list[list[Any]]:
         return [[row["recipe"], len(row["seeds"]), _num(row["final_train_loss"]), _num(row["final_val_loss"]),
-                 _gap(row["gap_to_baseline"]), _abs(row["noise"]), pct(row["tolerance"]),
+                 _gap(row["gap_to_baseline"]), _abs(row["noise"]), _gap(row["gap_same_seeds"]), pct(row["tolerance"]),
                  f"{row['tokens_per_s']:,.0f}", _mem(row["peak_memory_bytes"]), row["skipped_steps"], row["label"]]
                 for row in self.rows()]
 
@@ -167,7 +179,9 @@ class CompareReport:
             self.band_line(),
             f"Gap: relative difference of the mean final validation loss to `{self.baseline}`'s; lower is better. "
             f"Noise: {t.noise_z:g} standard errors of the gap, from the seed-to-seed spread pooled over both "
-            "recipes' seeds; a gap no larger is *within noise*.",
+            "recipes' seeds; a gap no larger is *within noise*. Same seeds: the mean gap to "
+            f"`{self.baseline}`'s runs of the recipe's own seeds (same initialisation and data order), which most "
+            "of the seed-to-seed spread does not move; shown, not judged.",
             f"PASS: gap <= the family's tolerance ({tols}); WARN: beyond it by less than the noise or "
             f"{t.warn_factor:g}x the tolerance; FAIL: beyond both, or a non-finite loss at any seed. "
             "See docs/verdicts.md for the sources.",

@@ -27,6 +27,12 @@ and the noise is unknown. Then, with ``tol`` the tolerance of the recipe's famil
   (``WARN (within noise)`` when ``gap <= noise``).
 * FAIL: beyond that: the gap exceeds the tolerance by more than the noise and the warn margin.
 
+Beside the verdict, the report gives the *paired* gap (:func:`paired_gap`): each recipe run against
+the baseline's run of the same seed, which shares its initialisation and data order, averaged over
+the recipe's seeds. It removes most of what a seed moves, so it tells a recipe from BF16 more finely
+than the noise band; the verdict does not use it, since with one baseline run per seed its own spread
+is unknown.
+
 So a FAIL is never a gap the noise explains, and a verdict that flips between two seeds' runs is a
 gap that moved by about the noise across a boundary. Two standard errors from three seeds are a
 band, not a significance test: the spread of three runs is itself uncertain by about half.
@@ -200,6 +206,17 @@ def gap_and_noise(recipe: SeedBand, baseline: SeedBand, z: float) -> tuple[float
         return gap, z * baseline.std / base  # the baseline's own band: one run's deviation
     s = pooled_std(recipe, baseline)
     return gap, z * s * math.sqrt(1 / len(recipe.values) + 1 / len(baseline.values)) / base
+
+
+def paired_gap(recipe: SeedBand, baseline: SeedBand) -> float:
+    """The mean over ``recipe``'s seeds of its relative gap to ``baseline``'s run of the same seed: the
+    same initialisation and data order (see [Note: what a seed changes]), so the seed-to-seed spread
+    that the noise of :func:`gap_and_noise` allows for mostly cancels. NaN where the baseline has no
+    run of one of the seeds or a loss is not finite. Reported beside the verdict, not judged."""
+    base = dict(zip(baseline.seeds, baseline.values))
+    if not all(s in base and math.isfinite(base[s]) and base[s] > 0 for s in recipe.seeds) or not recipe.finite:
+        return math.nan
+    return statistics.fmean((v - base[s]) / base[s] for s, v in zip(recipe.seeds, recipe.values))
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,10 +101,13 @@ def test_report_files_are_consistent_and_self_contained(tmp_path):
     assert (mx["verdict"], mx["within_noise"], mx["tolerance"]) == ("WARN", True, 0.02)
     assert mx["reason"] == "beyond tolerance 2% but within noise ±11%"
     assert by_recipe["nvfp4"]["final_val_loss"] is None and by_recipe["nvfp4"]["verdict"] == "FAIL"
+    # against bf16's seed 0 (2.0), the run of the same seed: +6% and +15%, far outside the gap to the mean
+    assert fp8["gap_same_seeds"] == pytest.approx(0.06) and mx["gap_same_seeds"] == pytest.approx(0.15)
+    assert by_recipe["bf16"]["gap_same_seeds"] is None and by_recipe["nvfp4"]["gap_same_seeds"] is None
     base_runs = by_recipe["bf16"]["runs"]
     assert [r["seed"] for r in base_runs] == [0, 1, 2] and len(base_runs[2]["curve"]) == 3
     md = paths["markdown"].read_text()
-    assert "| fp8-current" in md and "+0.95%" in md and "abab" in md and "bf16 over 3 seeds" in md
+    assert "| fp8-current" in md and "+0.95%" in md and "+6.00%" in md and "abab" in md and "bf16 over 3 seeds" in md
     assert "`bf16` band over 3 seeds: 2.1000 ± 0.1000 (std, 4.76% of the mean): 2.0000 (seed 0), " in md
     assert "- mxfp8: WARN (within noise): beyond tolerance 2% but within noise ±11%; tolerance 2% for MXFP8 " \
            "(MXFP8 recipe (arXiv 2506.08027)" in md

@@ -6,7 +6,18 @@ from dataclasses import replace
 import pytest
 
 from lowprec import recipes as R
-from lowprec.train.verdict import Family, Level, SeedBand, Thresholds, gap_and_noise, judge, pct, pooled_std, worst
+from lowprec.train.verdict import (
+    Family,
+    Level,
+    SeedBand,
+    Thresholds,
+    gap_and_noise,
+    judge,
+    paired_gap,
+    pct,
+    pooled_std,
+    worst,
+)
 
 T = Thresholds()
 NAN = math.nan
@@ -133,3 +144,11 @@ def test_the_worst_verdict_and_percentages():
     assert worst(["PASS", Level.WARN, "PASS"]) is Level.WARN and worst(["FAIL", "WARN"]) is Level.FAIL
     assert worst(["PASS"]) is Level.PASS
     assert [pct(x) for x in (0.02, 0.046, 0.0025, 0.12345)] == ["2%", "4.6%", "0.25%", "12.35%"]
+
+
+def test_the_paired_gap_compares_each_seed_with_the_baseline_s_run_of_that_seed():
+    base = SeedBand((0, 1, 2), (2.0, 2.2, 2.1))
+    assert paired_gap(SeedBand((0, 1), (2.02, 2.244)), base) == pytest.approx((0.01 + 0.02) / 2)
+    assert math.isnan(paired_gap(SeedBand((3,), (2.0,)), base))  # the baseline has no run of seed 3
+    assert math.isnan(paired_gap(SeedBand((0,), (math.nan,)), base))
+    assert math.isnan(paired_gap(SeedBand((1,), (2.0,)), SeedBand((0, 1), (2.0, math.inf))))
