@@ -8,8 +8,9 @@ from idle to idle with 10 ms of kernels. A multi-tensor kernel takes a table ins
 per tensor (the addresses it reads and writes, its length, the index of its first block among the
 launch's blocks) and, per program, the index of its tensor's row. A program loads its row and works on
 its block. The rows are copied to the device once for addresses that recur step after step (the
-caching allocator gives a step's new gradients the addresses of the last step's), else once per launch;
-the program-to-row table depends on the lengths alone and is kept.
+caching allocator gives a step's new gradients the addresses of the last step's), else once per launch,
+from pinned memory so that the copy does not wait for the GPU; the program-to-row table depends on the
+lengths alone and is kept.
 """
 from __future__ import annotations
 
@@ -50,15 +51,20 @@ def on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; to a GPU from pinned memory, so that the copy waits for no earlier work."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 @functools.lru_cache(maxsize=16)
 def _device_rows(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64).to(device)
+    return _to(torch.tensor(rows, dtype=torch.int64), device)
 
 
 @functools.lru_cache(maxsize=16)
 def _owners(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
     counts = torch.tensor([triton.cdiv(n, block) for n in numels])
-    return torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts).to(device)
+    return _to(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
 
 
 # ---- FP8 weights cast again after a step: E4M3 per tensor, from a given scale ----------------------
