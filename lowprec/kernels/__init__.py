@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from lowprec._checks import check_tensor, describe, fail
 from lowprec.kernels.capability import Capability, capability
 from lowprec.kernels.gemm import gemm_backend, gemm_path, scaled_mm
 from lowprec.kernels.route import Backend, CastRoute, CastSpec, Pairing, backend_for, route
@@ -41,6 +42,7 @@ def requantize_many(sources: list[torch.Tensor], scales: torch.Tensor, codes: li
     the scale of ``lowprec.quant.quantize(sources[i].to(dtype), "e4m3", tensorwise(), scale=scales[i])``.
     Where the route takes Triton, float32 sources onto BF16 go in one launch (see [Note: one launch for
     many tensors] in ``lowprec.kernels.triton_multi``); otherwise one cast each. Same bits either way."""
+    _check_requantize(sources, scales, codes, scale_outs)
     if not sources:
         return
     device = sources[0].device
@@ -57,6 +59,21 @@ def requantize_many(sources: list[torch.Tensor], scales: torch.Tensor, codes: li
         q = quantize(src.to(dtype), _E4M3, tensorwise(), scale=scale, backend=backend)
         c.copy_(q.data.view(c.shape))
         o.copy_(q.scale.view(o.shape))
+
+
+def _check_requantize(sources, scales, codes, scale_outs) -> None:
+    n = len(sources)
+    if not isinstance(scales, torch.Tensor) or scales.shape != (n,):
+        fail("scales", f"a tensor of {n} scales, one per source", describe(scales))
+    for name, outs in (("codes", codes), ("scale_outs", scale_outs)):
+        if len(outs) != n:
+            fail(name, f"{n} tensors, one per source", f"{len(outs)}")
+    for i, (src, c, o) in enumerate(zip(sources, codes, scale_outs)):
+        check_tensor(f"sources[{i}]", src)
+        if not isinstance(c, torch.Tensor) or c.dtype != torch.float8_e4m3fn or c.numel() != src.numel():
+            fail(f"codes[{i}]", f"a float8_e4m3fn tensor of sources[{i}]'s {src.numel()} elements", describe(c))
+        if not isinstance(o, torch.Tensor) or o.dtype != torch.float32 or o.numel() != 1:
+            fail(f"scale_outs[{i}]", "a float32 tensor of one element", describe(o))
 
 
 from lowprec.kernels.cast import Casts, cast  # noqa: E402  (cast calls quantize above)

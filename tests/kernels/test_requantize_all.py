@@ -126,3 +126,21 @@ def test_the_multi_tensor_cast_takes_one_launch_for_bf16_only(monkeypatch):
         for s, c, scale in zip(src, codes, (0.01, 0.02)):
             ref = K.quantize(s.to(dtype), "e4m3", tensorwise(), scale=torch.tensor(scale))
             assert torch.equal(c.view(torch.uint8), ref.data.view(torch.uint8).view(c.shape))
+
+
+def test_the_multi_tensor_cast_names_a_bad_argument():
+    from lowprec import kernels as K
+
+    src = [randn(4, 8, seed=1), randn(2, 3, seed=2)]
+    codes = [torch.empty(s.shape, dtype=torch.float8_e4m3fn) for s in src]
+    outs = [torch.empty(1, 1) for _ in src]
+    scales = torch.tensor([0.1, 0.2])
+    bad = [("scales", dict(scales=torch.tensor([0.1]))), ("codes", dict(codes=codes[:1])),
+           ("codes\\[1\\]", dict(codes=[codes[0], torch.empty(2, 3, dtype=torch.uint8)])),
+           ("codes\\[0\\]", dict(codes=[torch.empty(5, dtype=torch.float8_e4m3fn), codes[1]])),
+           ("scale_outs\\[1\\]", dict(scale_outs=[outs[0], torch.empty(2)])),
+           ("sources\\[0\\]", dict(sources=[src[0].to(torch.int32), src[1]]))]
+    for name, change in bad:
+        args = dict(sources=src, scales=scales, codes=codes, scale_outs=outs) | change
+        with pytest.raises((ValueError, TypeError), match=f"^{name}: expected"):
+            K.requantize_many(args["sources"], args["scales"], args["codes"], args["scale_outs"], torch.bfloat16)
