@@ -204,28 +204,32 @@ def table(rows: list[dict]) -> dict:
     if recipes_:
         print_table("each recipe over its seeds", ["recipe", "seeds", "mean gap", "noise of that mean",
                                                     "mean gap to the same seeds"],
-                    [[name, str(v["seeds"]), f"{100 * v['gap']:+.2f}%", f"±{100 * v['noise']:.2f}%",
-                      "-" if v["paired_gap"] is None else f"{100 * v['paired_gap']:+.2f}%"]
-                     for name, v in recipes_.items()])
+                    [[name, str(v["seeds"]) + (f" ({v['diverged']} diverged)" if v["diverged"] else ""),
+                      _pct(v["gap"], "+"), "-" if v["noise"] is None else "±" + _pct(v["noise"], ""),
+                      _pct(v["paired_gap"], "+")] for name, v in recipes_.items()])
     return {"bf16_mean": mean, "bf16_spread": spread, "noise_rel": noise, "recipes": recipes_, "rows": rows}
 
 
+def _pct(x: float | None, sign: str) -> str:
+    return "-" if x is None else f"{100 * x:{sign}.2f}%"
+
+
 def summary(rows: list[dict], mean: float, spread: float, n_bf16: int, paired: dict[int, float]) -> dict:
-    """Per recipe (BF16 aside, finished runs): its seeds, the gap of their mean loss to BF16's mean, two
-    standard errors of that gap (BF16's spread standing for both: ``2 s sqrt(1/k + 1/n) / mean``), and
-    the mean of its gaps to BF16's run of the same seed (same initialisation and data order: the
-    difference the seed does not move), None where BF16 has no such run."""
+    """Per recipe (BF16 aside): its seeds, the gap of their mean loss to BF16's mean, two standard
+    errors of that gap (BF16's spread standing for both: ``2 s sqrt(1/k + 1/n) / mean``), and the mean
+    of its gaps to BF16's run of the same seed (same initialisation and data order: the difference the
+    seed does not move). A figure that cannot be had is None: every gap where a run of the recipe did
+    not finish with a finite loss (``diverged`` counts them), the noise with one BF16 seed, the paired
+    gap where BF16 has no run of one of the seeds."""
     out = {}
     for name in sorted({r["recipe"] for r in rows} - {"bf16"}):
-        runs = [r for r in rows if r["recipe"] == name and math.isfinite(r["final_val_loss"])]
-        if not runs:
-            continue
-        k = len(runs)
+        runs = [r for r in rows if r["recipe"] == name]
+        k, bad = len(runs), sum(not math.isfinite(r["final_val_loss"]) for r in runs)
         gaps = [(r["final_val_loss"] - paired[r["seed"]]) / paired[r["seed"]] for r in runs if r["seed"] in paired]
-        out[name] = {"seeds": k,
-                     "gap": (statistics.fmean(r["final_val_loss"] for r in runs) - mean) / mean,
-                     "noise": 2 * spread * math.sqrt(1 / k + 1 / n_bf16) / mean if n_bf16 > 1 else math.nan,
-                     "paired_gap": statistics.fmean(gaps) if len(gaps) == k else None}
+        out[name] = {"seeds": k, "diverged": bad,
+                     "gap": None if bad else (statistics.fmean(r["final_val_loss"] for r in runs) - mean) / mean,
+                     "noise": 2 * spread * math.sqrt(1 / k + 1 / n_bf16) / mean if n_bf16 > 1 else None,
+                     "paired_gap": statistics.fmean(gaps) if len(gaps) == k and not bad else None}
     return out
 
 

@@ -46,7 +46,8 @@ def test_each_recipe_is_summarised_over_its_seeds(tmp_path):
     its mean gap to BF16's run of the same seed; a recipe whose seed BF16 lacks has no paired gap."""
     table = tmp_path / "table.json"
     rows = [_run("bf16", 0, 0.60), _run("bf16", 1, 0.62), _run("bf16", 2, 0.61),
-            _run("mxfp4", 0, 0.612), _run("mxfp4", 1, 0.6324), _run("nvfp4", 5, 0.63)]
+            _run("mxfp4", 0, 0.612), _run("mxfp4", 1, 0.6324), _run("nvfp4", 5, 0.63),
+            _run("mxfp8", 0, 0.61), _run("mxfp8", 1, float("nan"))]
     table.write_text(json.dumps({"rows": rows}))
     with pytest.MonkeyPatch.context() as mp:
         bench = load_benchmark("bench_accuracy", mp)
@@ -57,6 +58,10 @@ def test_each_recipe_is_summarised_over_its_seeds(tmp_path):
     assert mx["noise"] == pytest.approx(2 * 0.01 * math.sqrt(1 / 2 + 1 / 3) / 0.61)  # BF16's spread: 0.01
     assert mx["paired_gap"] == pytest.approx((0.012 / 0.60 + 0.0124 / 0.62) / 2)  # +2% against each own seed
     assert result["recipes"]["nvfp4"]["paired_gap"] is None and "bf16" not in result["recipes"]
+    # a recipe that diverged at one seed has no gap, rather than the gap of its finished seed
+    assert result["recipes"]["mxfp8"] == {"seeds": 2, "diverged": 1, "gap": None,
+                                          "noise": pytest.approx(2 * 0.01 * math.sqrt(1 / 2 + 1 / 3) / 0.61),
+                                          "paired_gap": None}
 
 
 def test_jobs_pair_recipe_seeds_with_bf16_seeds():

@@ -21,4 +21,5 @@ def test_dry_run_times_every_optimizer(tmp_path):
     assert 2.0 < gib["int8"] < 2.01 and 2.0 < gib["fp8"] < 2.2  # codes plus per-block float32 scales
     assert (tmp_path / "bench_optim_tiny.json").exists()
     requant = out["requantization"]
+    # on the CPU both ways take the reference: this checks the amaxes taken together, not the kernel
     assert requant["bit_exact"] and requant["weights"] == 29 and requant["together_ms"] > 0  # 4 x 7 + the LM head

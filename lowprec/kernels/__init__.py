@@ -50,9 +50,11 @@ def requantize_many(sources: list[torch.Tensor], scales: torch.Tensor, codes: li
     if dtype == torch.bfloat16 and backend_for(spec, device, backend) is Backend.TRITON:
         from lowprec.kernels import triton_multi as multi  # Triton: imported where it runs
 
-        if all(s.dtype == torch.float32 and s.is_contiguous() and 0 < s.numel() <= multi.MAX_NUMEL
-               and s.device == device and c.is_contiguous() and c.numel() == s.numel() and c.device == device
-               and o.numel() == 1 for s, c, o in zip(sources, codes, scale_outs, strict=True)):
+        laid_out = scales.device == device and all(
+            s.dtype == torch.float32 and s.is_contiguous() and 0 < s.numel() <= multi.MAX_NUMEL and s.device == device
+            and c.is_contiguous() and c.numel() == s.numel() and c.device == device and o.device == device
+            for s, c, o in zip(sources, codes, scale_outs, strict=True))
+        if laid_out:
             multi.requantize(sources, scales, codes, scale_outs)
             return
     for src, scale, c, o in zip(sources, scales.unbind(), codes, scale_outs, strict=True):

@@ -43,7 +43,11 @@ def tables(addresses: list[list[int]], numels: list[int], block: int,
     for a, n in zip(addresses, numels, strict=True):
         rows += [*a, n, first]
         first += triton.cdiv(n, block)
-    return _device_rows(tuple(rows), device), _owners(tuple(numels), block, device), first
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # a graph replays its copies
+        return _rows_on(tuple(rows), device), _owners_on(tuple(numels), block, device), first
+    # keyed by the stream too: a table is used on the stream whose copy made it
+    stream = torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0
+    return _device_rows(tuple(rows), device, stream), _owners(tuple(numels), block, device, stream), first
 
 
 def on(device: torch.device):
@@ -56,15 +60,23 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-@functools.lru_cache(maxsize=16)
-def _device_rows(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return _to(torch.tensor(rows, dtype=torch.int64), device)
 
 
-@functools.lru_cache(maxsize=16)
-def _owners(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
+def _owners_on(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
     counts = torch.tensor([triton.cdiv(n, block) for n in numels])
     return _to(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_rows(rows: tuple[int, ...], device: torch.device, stream: int) -> torch.Tensor:
+    return _rows_on(rows, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _owners(numels: tuple[int, ...], block: int, device: torch.device, stream: int) -> torch.Tensor:
+    return _owners_on(numels, block, device)
 
 
 # ---- FP8 weights cast again after a step: E4M3 per tensor, from a given scale ----------------------
@@ -113,3 +125,5 @@ def requantize(sources: list[torch.Tensor], scales: torch.Tensor, codes: list[to
     with on(device):
         requantize_kernel[(programs,)](table, own, scales.float().contiguous(), HW=device.type == "cuda",
                                        BLOCK=REQUANT_BLOCK, num_warps=8)
+    for t in (*codes, *scale_outs):  # written through their addresses: autograd must see new versions
+        torch.autograd.graph.increment_version(t)

@@ -144,3 +144,17 @@ def test_the_multi_tensor_cast_names_a_bad_argument():
         args = dict(sources=src, scales=scales, codes=codes, scale_outs=outs) | change
         with pytest.raises((ValueError, TypeError), match=f"^{name}: expected"):
             K.requantize_many(args["sources"], args["scales"], args["codes"], args["scale_outs"], torch.bfloat16)
+
+
+def test_the_multi_tensor_cast_bumps_the_versions_of_what_it_writes():
+    """The kernel writes codes and scales through their addresses; autograd's in-place check still sees
+    a write (a backward that saved them before the step would otherwise read the new codes silently)."""
+    pytest.importorskip("triton")
+    from lowprec import kernels as K
+
+    src = [randn(8, 16, seed=1), randn(3, 5, seed=2)]
+    codes = [torch.empty(s.shape, dtype=torch.float8_e4m3fn) for s in src]
+    outs = [torch.empty(1, 1) for _ in src]
+    before = [t._version for t in codes + outs]
+    K.requantize_many(src, torch.tensor([0.01, 0.02]), codes, outs, torch.bfloat16, backend="triton")
+    assert all(t._version > v for t, v in zip(codes + outs, before))
