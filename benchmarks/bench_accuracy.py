@@ -46,6 +46,7 @@ from lowprec.train.config import TrainConfig
 from lowprec.train.data import load_data
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
+from lowprec.train.verdict import SeedBand, paired_gap
 
 ALL_RECIPES = ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4")
 CONVERT_ALL = {"skip_small": False}
@@ -225,11 +226,12 @@ def summary(rows: list[dict], mean: float, spread: float, n_bf16: int, paired: d
     for name in sorted({r["recipe"] for r in rows} - {"bf16"}):
         runs = [r for r in rows if r["recipe"] == name]
         k, bad = len(runs), sum(not math.isfinite(r["final_val_loss"]) for r in runs)
-        gaps = [(r["final_val_loss"] - paired[r["seed"]]) / paired[r["seed"]] for r in runs if r["seed"] in paired]
+        pg = paired_gap(SeedBand(tuple(r["seed"] for r in runs), tuple(r["final_val_loss"] for r in runs)),
+                        SeedBand(tuple(paired), tuple(paired.values())))
         out[name] = {"seeds": k, "diverged": bad,
                      "gap": None if bad else (statistics.fmean(r["final_val_loss"] for r in runs) - mean) / mean,
                      "noise": 2 * spread * math.sqrt(1 / k + 1 / n_bf16) / mean if n_bf16 > 1 else None,
-                     "paired_gap": statistics.fmean(gaps) if len(gaps) == k and not bad else None}
+                     "paired_gap": None if math.isnan(pg) else pg}
     return out
 
 

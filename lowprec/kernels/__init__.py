@@ -52,7 +52,7 @@ def requantize_many(sources: list[torch.Tensor], scales: torch.Tensor, codes: li
 
         laid_out = scales.device == device and all(
             s.dtype == torch.float32 and s.is_contiguous() and 0 < s.numel() <= multi.MAX_NUMEL and s.device == device
-            and c.is_contiguous() and c.numel() == s.numel() and c.device == device and o.device == device
+            and c.is_contiguous() and c.device == device and o.device == device  # sizes: checked above
             for s, c, o in zip(sources, codes, scale_outs, strict=True))
         if laid_out:
             multi.requantize(sources, scales, codes, scale_outs)
