@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 
+from lowprec.kernels import triton_launch as launch
 from lowprec.kernels import triton_tiles as T
 from lowprec.kernels.ops import define
 from lowprec.kernels.triton_plan import Plan, Side, off_args
@@ -58,8 +59,19 @@ def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> t
     amax_a = torch.zeros(_amax_len(p.a, p, False), dtype=torch.int32, device=x.device)
     amax_b = torch.zeros(_amax_len(p.b, p, True), dtype=torch.int32, device=x.device)
     a_ptr, b_ptr = (t if t.numel() else hmat for t in (amax_a, amax_b))
-    T.amax_kernel[grid](x, x.stride(0), x.stride(1), p.m, p.k, hmat, a_ptr, b_ptr, **kw)
+    _launch(T.amax_kernel, grid, (x, x.stride(0), x.stride(1), p.m, p.k, hmat, a_ptr, b_ptr), kw, x, plan)
     return amax_a, amax_b
+
+
+def _launch(kernel, grid, args: tuple, kw: dict, x: torch.Tensor, plan: tuple[int, ...], hw: bool = False) -> None:
+    """``kernel[grid](*args, **kw)`` (and ``HW=x.is_cuda`` where ``hw``: the kernel converts with the
+    GPU's instructions); on a GPU through :func:`lowprec.kernels.triton_launch.run`, whose launches of
+    one plan skip Triton's argument binding after the first."""
+    meta = {**kw, "HW": x.is_cuda} if hw else kw
+    if x.is_cuda:
+        launch.run(kernel, grid, args, meta, plan)
+    else:
+        kernel[grid](*args, **meta)
 
 
 def _outputs(x: torch.Tensor, out: _Out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,15 +96,14 @@ def cast(
     # Unused pointers get a live allocation (hmat, which is x where there is none): an empty tensor may
     # have no address. Sides not made have empty outputs.
     a_on, b_on = out_a is not None, out_b is not None
-    T.cast_kernel[grid](
+    _launch(T.cast_kernel, grid, (
         x, x.stride(0), x.stride(1), p.m, p.k, hmat, hmat if given is None else given,
         hmat if seed is None else seed, record if p.record else hmat,
         amax_a if amax_a.numel() else hmat, hmat if rand_a is None else rand_a,
         data_a.view(torch.uint8) if a_on else hmat, ra, ca, scale_a if a_on else hmat, sra, sca, g_a if a_on else hmat,
         amax_b if amax_b.numel() else hmat, hmat if rand_b is None else rand_b,
         data_b.view(torch.uint8) if b_on else hmat, rb, cb, scale_b if b_on else hmat, srb, scb, g_b if b_on else hmat,
-        HW=x.is_cuda, **kw,
-    )
+    ), kw, x, plan, hw=True)
     return data_a, scale_a, g_a, data_b, scale_b, g_b, record
 
 

@@ -1,0 +1,112 @@
+"""The launch cache: a launch whose site and argument specialisation it has met goes straight to the kernel
+Triton compiled for them, with every parameter in order; anything else takes Triton's ordinary launch.
+
+No GPU here: a stand-in kernel records which path each launch took and with what."""
+import inspect
+
+import pytest
+import torch
+
+from lowprec.kernels import triton_launch
+
+
+class _Compiled:
+    function = object()
+
+    def __init__(self, log, grid_of_compile):
+        self.log, self.grid_of_compile = log, grid_of_compile
+
+    def __getitem__(self, grid):
+        assert len(grid) == 3  # Triton's CompiledKernel[grid] reads grid[0..2]
+
+        def runner(*args):
+            if self.fail:
+                raise TypeError("function takes exactly 3 arguments (5 given)")
+            self.log.append(("direct", grid, args))
+        return runner
+
+    fail = False
+
+
+class _Kernel:
+    """Parameters (x_ptr, n, A: constexpr, B: constexpr = 7), as Triton's JITFunction exposes them."""
+
+    def __init__(self, compiled=True):
+        def f(x_ptr, n, A, B=7):
+            pass
+        self.signature = inspect.signature(f)
+        self.arg_names = list(self.signature.parameters)
+        self.log, self.compiled = [], compiled
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.log.append(("bound", grid, args, kw))
+            return _Compiled(self.log, grid) if self.compiled else None
+        return launch
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    triton_launch._CACHE.clear()
+    triton_launch._REFUSED.clear()
+    yield
+    triton_launch._CACHE.clear()
+    triton_launch._REFUSED.clear()
+
+
+def test_second_launch_goes_to_the_compiled_kernel_with_every_parameter_in_order():
+    k, x = _Kernel(), torch.zeros(64)
+    triton_launch.run(k, (4,), (x, 64), {"A": 3, "num_warps": 4}, site=("plan", 1))
+    triton_launch.run(k, (4,), (x, 64), {"A": 3, "num_warps": 4}, site=("plan", 1))
+    assert k.log[0] == ("bound", (4,), (x, 64), {"A": 3, "num_warps": 4})
+    kind, grid, args = k.log[1]
+    assert (kind, grid) == ("direct", (4, 1, 1))
+    assert args[0] is x and args[1:] == (64, 3, 7)  # constants after the runtime arguments, defaults filled
+
+
+@pytest.mark.parametrize("change", ["site", "grid", "int", "dtype", "alignment", "device"])
+def test_a_launch_triton_would_bind_differently_is_bound_again(change, monkeypatch):
+    k, x = _Kernel(), torch.zeros(64)
+    triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=1)
+    args, grid, site = (x, 64), (4,), 1
+    if change == "site":
+        site = 2
+    elif change == "grid":
+        grid = (5,)
+    elif change == "int":
+        args = (x, 65)  # 64 is divisible by 16, 65 is not: Triton specialises on it
+    elif change == "dtype":
+        args = (torch.zeros(64, dtype=torch.float64), 64)
+    elif change == "alignment":
+        args = (x[1:], 64)  # 4 bytes past an aligned address
+    else:
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    triton_launch.run(k, grid, args, {"A": 3}, site=site)
+    assert [e[0] for e in k.log] == ["bound", "bound"]
+
+
+def test_same_specialisation_other_tensor_uses_the_cache():
+    k = _Kernel()
+    triton_launch.run(k, (1,), (torch.zeros(64), 32), {"A": 1}, site=0)
+    y = torch.ones(64)
+    triton_launch.run(k, (1,), (y, 32), {"A": 1}, site=0)
+    assert k.log[1][0] == "direct" and k.log[1][2][0] is y
+
+
+def test_interpreted_kernels_are_never_cached():
+    k = _Kernel(compiled=False)  # the interpreter's launch returns no compiled kernel
+    for _ in range(3):
+        triton_launch.run(k, (1,), (torch.zeros(4), 4), {"A": 1}, site=0)
+    assert [e[0] for e in k.log] == ["bound"] * 3
+    assert not triton_launch._CACHE
+
+
+def test_a_launcher_that_refuses_the_arguments_turns_the_cache_off_with_a_warning(monkeypatch):
+    monkeypatch.setattr(_Compiled, "fail", True)
+    k, x = _Kernel(), torch.zeros(64)
+    triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)
+    with pytest.warns(UserWarning, match="ordinary launch path"):
+        triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)  # the direct launch raises: launched anyway
+    triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)
+    assert [e[0] for e in k.log] == ["bound"] * 3 and not triton_launch._CACHE
