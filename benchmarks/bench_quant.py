@@ -16,6 +16,7 @@ import torch
 from _common import DEVICE, bench_ms, copy_bandwidth, environment, print_table, same_quantized, write_json
 
 from lowprec import formats as F
+from lowprec.kernels import triton_launch as launch_cache
 from lowprec.kernels import triton_quant as TQ
 from lowprec.kernels.route import CastSpec
 from lowprec.kernels.triton_plan import Launch, Plan, side
@@ -168,6 +169,7 @@ def main() -> None:
         res.update({f"special_{k}": v for k, v in sp.items()})
         # the same cast again: now through the launch cache (see lowprec.kernels.triton_launch)
         res.update({f"relaunched_{k}": v for k, v in check(xc, case).items() if k.startswith("exact")})
+        res["launch_cache"] = bool(launch_cache._CACHE) and not (launch_cache._REFUSED or launch_cache.DISABLED)
         warps = (0,) if args.quick else ((4, 8, 16) if name.startswith("fp8 tensor") else (8, 16))
         times = time_case(x2, case, warps, graph=True)
         if name.startswith("fp8 tensor current"):

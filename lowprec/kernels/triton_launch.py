@@ -15,8 +15,12 @@ so two launches with one key are launches Triton would bind alike. Later launche
 straight to the compiled kernel's launcher (``CompiledKernel[grid]``, Triton's own entry for a compiled
 kernel), with the arguments Triton's binder would have passed: every parameter in order, constants
 included. Anything else (the CPU interpreter, a kernel object without that entry) takes the ordinary
-launch every time: the same kernel either way, only its host cost differs. Should a Triton's compiled
-kernel refuse those arguments, the cache turns itself off with a warning.
+launch every time: the same kernel either way, only its host cost differs. If a compiled kernel's
+launcher refuses those arguments (a Triton that passes them otherwise), the cache turns itself off
+with a warning. What Triton's ordinary launch re-reads at every call and the cache does not: a kernel's
+pre-run hooks (a kernel with any is never cached), a changed global the kernel reads, and Triton's
+debug and instrumentation settings, which change its own cache key; lowprec's kernels read no
+globals, and a process that turns those settings on should set ``LOWPREC_LAUNCH_CACHE=0``.
 """
 from __future__ import annotations
 
@@ -25,43 +29,45 @@ import warnings
 
 import torch
 
-DISABLED = os.environ.get("LOWPREC_LAUNCH_CACHE") == "0"
-"""``LOWPREC_LAUNCH_CACHE=0``: every launch takes Triton's ordinary path (to measure what the cache saves)."""
-_CACHE: dict[tuple, tuple] = {}
+DISABLED = os.environ.get("LOWPREC_LAUNCH_CACHE") == "0" or torch.version.hip is not None
+"""``LOWPREC_LAUNCH_CACHE=0`` (to measure what the cache saves), or a ROCm build (whose binder also
+specialises on a tensor's size): every launch takes Triton's ordinary path."""
+_CACHE: dict[tuple, list] = {}
 _LIMIT = 4096
-"""Entries kept; beyond it the table starts afresh (keys are a model's cast sites: a few hundred)."""
+"""Entries kept; beyond it the table starts afresh (a model's cast sites and their layouts: hundreds)."""
+_REFUSED: list[str] = []
+"""The error that turned the cache off, once one has."""
 
 
 def _key_of(args: tuple) -> tuple:
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.data_ptr() % 16 == 0))
-        else:
-            out.append(a)
-    return tuple(out)
+    """What Triton's binder reads from each argument: a tensor's dtype and 16-byte alignment; anything
+    else by type and value (True, 1 and 1.0 are equal in Python and bound differently by Triton)."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
 
 
 def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tuple) -> None:
     """``kernel[grid](*args, **constexprs)`` on the current CUDA device. ``args``: the kernel's runtime
-    parameters in order (tensors and ints); ``constexprs``: its constants and launch options, which
+    parameters in order (tensors, ints); ``constexprs``: its constants and launch options, which
     ``site`` (hashable) must identify for the launch's caller. Launches that ``site``, the device and
     the arguments' own specialisation already met go straight to the compiled kernel."""
     if _REFUSED or DISABLED:
         kernel[grid](*args, **constexprs)
         return
-    device = torch.cuda.current_device()
-    key = (id(kernel), site, device, grid, _key_of(args))
+    key = (id(kernel), site, torch.cuda.current_device(), grid, _key_of(args))
     hit = _CACHE.get(key)
     if hit is not None:
-        runner, tail = hit
-        try:
+        runner, tail, tried = hit
+        if tried:
             runner(*args, *tail)
             return
-        except (TypeError, IndexError) as e:  # a Triton whose launcher takes other arguments
+        try:  # the entry's first direct launch: a launcher that takes other arguments refuses them
+            runner(*args, *tail)
+            hit[2] = True
+            return
+        except (TypeError, IndexError) as e:
             _refuse(e)
     compiled = kernel[grid](*args, **constexprs)
-    if _REFUSED:
+    if _REFUSED or getattr(kernel, "pre_run_hooks", None):  # hooks run at every ordinary launch
         return
     if compiled is None or not hasattr(compiled, "__getitem__") or not hasattr(compiled, "function"):
         return  # not a compiled GPU kernel (the interpreter): the ordinary launch each time
@@ -70,10 +76,7 @@ def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tupl
                  for n in kernel.arg_names[len(args):])
     if len(_CACHE) >= _LIMIT:
         _CACHE.clear()
-    _CACHE[key] = (compiled[(*grid, 1, 1)[:3]], tail)  # a compiled kernel's launcher takes three grid dims
-
-
-_REFUSED: list[str] = []
+    _CACHE[key] = [compiled[(*grid, 1, 1)[:3]], tail, False]  # a compiled kernel's launcher takes three grid dims
 
 
 def _refuse(e: Exception) -> None:

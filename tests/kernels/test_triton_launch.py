@@ -13,8 +13,8 @@ from lowprec.kernels import triton_launch
 class _Compiled:
     function = object()
 
-    def __init__(self, log, grid_of_compile):
-        self.log, self.grid_of_compile = log, grid_of_compile
+    def __init__(self, log, serial):
+        self.log, self.serial = log, serial
 
     def __getitem__(self, grid):
         assert len(grid) == 3  # Triton's CompiledKernel[grid] reads grid[0..2]
@@ -22,7 +22,7 @@ class _Compiled:
         def runner(*args):
             if self.fail:
                 raise TypeError("function takes exactly 3 arguments (5 given)")
-            self.log.append(("direct", grid, args))
+            self.log.append(("direct", grid, args, self.serial))
         return runner
 
     fail = False
@@ -41,7 +41,7 @@ class _Kernel:
     def __getitem__(self, grid):
         def launch(*args, **kw):
             self.log.append(("bound", grid, args, kw))
-            return _Compiled(self.log, grid) if self.compiled else None
+            return _Compiled(self.log, len(self.log)) if self.compiled else None
         return launch
 
 
@@ -60,9 +60,27 @@ def test_second_launch_goes_to_the_compiled_kernel_with_every_parameter_in_order
     triton_launch.run(k, (4,), (x, 64), {"A": 3, "num_warps": 4}, site=("plan", 1))
     triton_launch.run(k, (4,), (x, 64), {"A": 3, "num_warps": 4}, site=("plan", 1))
     assert k.log[0] == ("bound", (4,), (x, 64), {"A": 3, "num_warps": 4})
-    kind, grid, args = k.log[1]
-    assert (kind, grid) == ("direct", (4, 1, 1))
+    kind, grid, args, serial = k.log[1]
+    assert (kind, grid, serial) == ("direct", (4, 1, 1), 1)
     assert args[0] is x and args[1:] == (64, 3, 7)  # constants after the runtime arguments, defaults filled
+
+
+def test_each_entry_launches_the_kernel_compiled_for_it():
+    k, x = _Kernel(), torch.zeros(64)
+    for site in (1, 2, 1, 2):
+        triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=site)
+    # compiled at the first and second launches (serials 1 and 2), then each site gets its own
+    assert [(e[0], e[-1] if e[0] == "direct" else None) for e in k.log] == [
+        ("bound", None), ("bound", None), ("direct", 1), ("direct", 2)]
+
+
+@pytest.mark.parametrize("first,then", [(1, 17), (17, 1), (1, True), (16, 32), (1, 1.0), (64, 2**31 + 64)])
+def test_ints_triton_specialises_apart_are_never_confused(first, then):
+    # 1 becomes a constant, 16 | n sets divisibility, a bool is u1, a float fp32, 2^31 + 64 is i64
+    k, x = _Kernel(), torch.zeros(64)
+    triton_launch.run(k, (4,), (x, first), {"A": 3}, site=0)
+    triton_launch.run(k, (4,), (x, then), {"A": 3}, site=0)
+    assert [e[0] for e in k.log] == ["bound", "bound"]
 
 
 @pytest.mark.parametrize("change", ["site", "grid", "int", "dtype", "alignment", "device"])
@@ -100,6 +118,16 @@ def test_interpreted_kernels_are_never_cached():
         triton_launch.run(k, (1,), (torch.zeros(4), 4), {"A": 1}, site=0)
     assert [e[0] for e in k.log] == ["bound"] * 3
     assert not triton_launch._CACHE
+
+
+def test_an_error_after_the_first_direct_launch_is_the_callers(monkeypatch):
+    k, x = _Kernel(), torch.zeros(64)
+    triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)
+    triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)  # direct, accepted
+    monkeypatch.setattr(_Compiled, "fail", True)
+    with pytest.raises(TypeError):  # not taken for a refusal: the cache stays on and the error surfaces
+        triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)
+    assert not triton_launch._REFUSED and triton_launch._CACHE
 
 
 def test_a_launcher_that_refuses_the_arguments_turns_the_cache_off_with_a_warning(monkeypatch):
