@@ -7,6 +7,9 @@ against ``lowprec.quant.quantize`` on the same GPU (random data at full size, th
 NaN/inf/zero blocks, subnormals and saturating values), then times it with ``do_bench`` for a few
 warp counts and reports effective GB/s (input read once + outputs written once) and its share of
 the measured device-to-device copy bandwidth, beside eager torch and ``torch.compile`` baselines.
+Last, the host's side: CPU microseconds per cast call (the op a compiled graph calls, its Triton launch
+with and without lowprec's launch cache, its output allocations), which set the pace of a step whose
+GPU work is shorter than the host's.
 """
 from __future__ import annotations
 
@@ -147,6 +150,59 @@ def baselines(x2) -> dict[str, float]:
             "lowprec.quant reference": bench_ms(lambda: quantize(x2, "e4m3", tensorwise()), rep=20)}
 
 
+def host_costs(calls: int = 3000) -> dict[str, float]:
+    """CPU microseconds per call of what one cast costs the host, on a 256 x 256 BF16 tensor cast per
+    tensor to E4M3 in both orientations (GPU time a few microseconds: the host's time is what is seen)."""
+    import time
+
+    import triton
+    import triton.language as tl
+
+    from lowprec.kernels import triton_ops as ops
+    from lowprec.kernels import triton_tiles as T
+    from lowprec.kernels.triton_plan import launch
+
+    @triton.jit
+    def tiny(x_ptr, n, B: tl.constexpr):
+        o = tl.arange(0, B)
+        tl.store(x_ptr + o, tl.load(x_ptr + o, mask=o < n) + 1, mask=o < n)
+
+    spec = CastSpec.of("e4m3", tensorwise())
+    x = torch.randn(256, 256, device=DEVICE, dtype=torch.bfloat16)
+    plan = launch(spec, spec, 256, 256, True, False, False, False, False)
+    ints = list(plan.ints)
+    amax = x.float().abs().amax().reshape(1).view(torch.int32) & 0x7FFFFFFF
+    p, grid, _, kw, (out_a, out_b), dims = ops._config(plan.ints)
+    da, sa, ga = ops._outputs(x, out_a)
+    db, sb, gb = ops._outputs(x, out_b)
+    args = (x, x.stride(0), x.stride(1), p.m, p.k, x, x, x, x, amax, x, da.view(torch.uint8), *dims[:2], sa,
+            *dims[2:4], ga, amax, x, db.view(torch.uint8), *dims[4:6], sb, *dims[6:], gb)
+    meta = {**kw, "HW": True}
+    small = torch.zeros(16, device=DEVICE)
+
+    def per_call(f) -> float:
+        for _ in range(200):
+            f()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            f()
+        us = (time.perf_counter() - t) / calls * 1e6
+        torch.cuda.synchronize()
+        return us
+
+    return {
+        "cast op, as a compiled graph calls it": per_call(
+            lambda: ops.tile_cast(x, ints, None, amax, amax, None, None, None, None, None)),
+        "cast kernel launch, ordinary": per_call(lambda: T.cast_kernel[grid](*args, **meta)),
+        "cast kernel launch, launch cache": per_call(
+            lambda: launch_cache.run(T.cast_kernel, grid, args, meta, plan.ints)),
+        "the cast's 7 output allocations": per_call(
+            lambda: (ops._outputs(x, out_a), ops._outputs(x, out_b), x.new_empty(0, dtype=torch.int32))),
+        "a Triton kernel of 2 arguments": per_call(lambda: tiny[(1,)](small, 16, B=16)),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
@@ -186,11 +242,17 @@ def main() -> None:
     n = args.m * min(args.k, 4096)
     base_rows = [[k, f"{v * 1e3:.0f}", f"{3 * n / (v * 1e-3) / 1e9:.0f}", f"{300 * n / (v * 1e-3) / copy_bw:.0f}%"]
                  for k, v in base.items()]
+    try:  # measured last, and never at the cost of the results above
+        host = host_costs()
+    except Exception as e:
+        host = {f"not measured: {e!r}": None}
     write_json(args.out, "bench_quant.json", {"env": env, "copy_GBs": copy_bw / 1e9, "shape": [args.m, args.k],
-                                              "cases": results, "baselines_16384x4096": base})
+                                              "cases": results, "baselines_16384x4096": base, "host_us": host})
     print(f"\n{env}\ncopy bandwidth {copy_bw / 1e9:.0f} GB/s; x {args.m}x{args.k} bf16")
     print_table("baselines (16384x4096 bf16 -> e4m3)", ["what", "us", "GB/s", "% copy"], base_rows)
     print_table("Triton quantization kernels", ["cast", "bit-exact", "us", "GB/s", "% copy", "warps"], rows)
+    print_table("host time per call (256 x 256, E4M3 per tensor, both orientations)", ["what", "CPU us"],
+                [[k, "-" if v is None else f"{v:.1f}"] for k, v in host.items()])
 
 
 if __name__ == "__main__":
