@@ -138,3 +138,19 @@ def test_a_launcher_that_refuses_the_arguments_turns_the_cache_off_with_a_warnin
         triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)  # the direct launch raises: launched anyway
     triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=0)
     assert [e[0] for e in k.log] == ["bound"] * 3 and not triton_launch._CACHE
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_the_casts_launch_through_the_cache_on_a_gpu_only(cuda, monkeypatch):
+    from lowprec.kernels import triton_ops
+
+    seen = []
+    monkeypatch.setattr(triton_launch, "run", lambda kernel, grid, args, meta, site: seen.append(("cache", meta, site)))
+    k = _Kernel()
+    x = type("X", (), {"is_cuda": cuda})()
+    triton_ops._launch(k, (2,), (1, 2), {"A": 5}, x, (9, 9), hw=True)
+    triton_ops._launch(k, (2,), (1, 2), {"A": 5}, x, (9, 9))  # a kernel without HW (the amax kernel)
+    if cuda:
+        assert seen == [("cache", {"A": 5, "HW": True}, (9, 9)), ("cache", {"A": 5}, (9, 9))] and not k.log
+    else:
+        assert not seen and [e[3] for e in k.log] == [{"A": 5, "HW": False}, {"A": 5}]
