@@ -222,12 +222,11 @@ def summary(rows: list[dict], mean: float, spread: float, n_bf16: int, paired: d
     seed does not move). A figure that cannot be had is None: every gap where a run of the recipe did
     not finish with a finite loss (``diverged`` counts them), the noise with one BF16 seed, the paired
     gap where BF16 has no run of one of the seeds."""
-    out = {}
+    out, base = {}, SeedBand(tuple(paired), tuple(paired.values()))
     for name in sorted({r["recipe"] for r in rows} - {"bf16"}):
         runs = [r for r in rows if r["recipe"] == name]
         k, bad = len(runs), sum(not math.isfinite(r["final_val_loss"]) for r in runs)
-        pg = paired_gap(SeedBand(tuple(r["seed"] for r in runs), tuple(r["final_val_loss"] for r in runs)),
-                        SeedBand(tuple(paired), tuple(paired.values())))
+        pg = paired_gap(SeedBand(tuple(r["seed"] for r in runs), tuple(r["final_val_loss"] for r in runs)), base)
         out[name] = {"seeds": k, "diverged": bad,
                      "gap": None if bad else (statistics.fmean(r["final_val_loss"] for r in runs) - mean) / mean,
                      "noise": 2 * spread * math.sqrt(1 / k + 1 / n_bf16) / mean if n_bf16 > 1 else None,

@@ -88,6 +88,17 @@ def cast(
     given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None, seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
     """(data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits) of one tile pass."""
+    outs, grid, args, kw = cast_launch(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed)
+    _launch(T.cast_kernel, grid, args, kw, x, plan, hw=True)
+    return outs
+
+
+def cast_launch(
+    x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
+    given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None, seed: torch.Tensor | None,
+) -> tuple[tuple[torch.Tensor, ...], tuple[int, int], tuple, dict]:
+    """:func:`cast`'s outputs, allocated, and the cast kernel's grid, runtime arguments and constants (but
+    ``HW``) that write them: everything of the pass but the launch."""
     hmat = x if hmat is None else hmat
     p, grid, _, kw, (out_a, out_b), (ra, ca, sra, sca, rb, cb, srb, scb) = _config(plan)
     data_a, scale_a, g_a = _outputs(x, out_a)
@@ -96,15 +107,15 @@ def cast(
     # Unused pointers get a live allocation (hmat, which is x where there is none): an empty tensor may
     # have no address. Sides not made have empty outputs.
     a_on, b_on = out_a is not None, out_b is not None
-    _launch(T.cast_kernel, grid, (
+    args = (
         x, x.stride(0), x.stride(1), p.m, p.k, hmat, hmat if given is None else given,
         hmat if seed is None else seed, record if p.record else hmat,
         amax_a if amax_a.numel() else hmat, hmat if rand_a is None else rand_a,
         data_a.view(torch.uint8) if a_on else hmat, ra, ca, scale_a if a_on else hmat, sra, sca, g_a if a_on else hmat,
         amax_b if amax_b.numel() else hmat, hmat if rand_b is None else rand_b,
         data_b.view(torch.uint8) if b_on else hmat, rb, cb, scale_b if b_on else hmat, srb, scb, g_b if b_on else hmat,
-    ), kw, x, plan, hw=True)
-    return data_a, scale_a, g_a, data_b, scale_b, g_b, record
+    )
+    return (data_a, scale_a, g_a, data_b, scale_b, g_b, record), grid, args, kw
 
 
 def _amax_op(x, plan, hmat):
