@@ -51,6 +51,11 @@ def _amax_len(s: Side | None, p: Plan, transposed: bool) -> int:
     return (p.k if transposed else p.m) if s.amax_kind == T.AMAX_LINES else 1
 
 
+def _pointer(t: torch.Tensor | None, live: torch.Tensor) -> torch.Tensor:
+    """``t``, or ``live`` where ``t`` is absent or empty (a side without an amax: never read)."""
+    return t if t is not None and t.numel() else live
+
+
 def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 bits of the amaxes each side's cast needs (one per tensor or per line). ``hmat``: the
     Hadamard matrix where a side transforms (unused pointers get x: any live allocation will do)."""
@@ -58,8 +63,8 @@ def amax(x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None) -> t
     p, grid, kw, *_ = _config(plan)
     amax_a = torch.zeros(_amax_len(p.a, p, False), dtype=torch.int32, device=x.device)
     amax_b = torch.zeros(_amax_len(p.b, p, True), dtype=torch.int32, device=x.device)
-    a_ptr, b_ptr = (t if t.numel() else hmat for t in (amax_a, amax_b))
-    _launch(T.amax_kernel, grid, (x, x.stride(0), x.stride(1), p.m, p.k, hmat, a_ptr, b_ptr), kw, x, plan)
+    args = (x, x.stride(0), x.stride(1), p.m, p.k, hmat, _pointer(amax_a, hmat), _pointer(amax_b, hmat))
+    _launch(T.amax_kernel, grid, args, kw, x, plan)
     return amax_a, amax_b
 
 
@@ -84,7 +89,8 @@ def _outputs(x: torch.Tensor, out: _Out) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def cast(
-    x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
+    x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None, amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
     given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None, seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, ...]:
     """(data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits) of one tile pass."""
@@ -94,7 +100,8 @@ def cast(
 
 
 def cast_launch(
-    x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None, amax_a: torch.Tensor, amax_b: torch.Tensor,
+    x: torch.Tensor, plan: tuple[int, ...], hmat: torch.Tensor | None, amax_a: torch.Tensor | None,
+    amax_b: torch.Tensor | None,
     given: torch.Tensor | None, rand_a: torch.Tensor | None, rand_b: torch.Tensor | None, seed: torch.Tensor | None,
 ) -> tuple[tuple[torch.Tensor, ...], tuple[int, int], tuple, dict]:
     """:func:`cast`'s outputs, allocated, and the cast kernel's grid, runtime arguments and constants (but
@@ -110,9 +117,9 @@ def cast_launch(
     args = (
         x, x.stride(0), x.stride(1), p.m, p.k, hmat, hmat if given is None else given,
         hmat if seed is None else seed, record if p.record else hmat,
-        amax_a if amax_a.numel() else hmat, hmat if rand_a is None else rand_a,
+        _pointer(amax_a, hmat), hmat if rand_a is None else rand_a,
         data_a.view(torch.uint8) if a_on else hmat, ra, ca, scale_a if a_on else hmat, sra, sca, g_a if a_on else hmat,
-        amax_b if amax_b.numel() else hmat, hmat if rand_b is None else rand_b,
+        _pointer(amax_b, hmat), hmat if rand_b is None else rand_b,
         data_b.view(torch.uint8) if b_on else hmat, rb, cb, scale_b if b_on else hmat, srb, scb, g_b if b_on else hmat,
     )
     return (data_a, scale_a, g_a, data_b, scale_b, g_b, record), grid, args, kw
@@ -139,7 +146,7 @@ def _cast_fake(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed, after
 
 tile_amax = define("tile_amax(Tensor x, int[] plan, Tensor? hmat) -> (Tensor, Tensor)", _amax_op, _amax_fake)
 """:func:`amax` as an operator (see [Note: how kernels become operators] in ``lowprec.kernels.ops``)."""
-tile_cast = define("tile_cast(Tensor x, int[] plan, Tensor? hmat, Tensor amax_a, Tensor amax_b, Tensor? given, "
+tile_cast = define("tile_cast(Tensor x, int[] plan, Tensor? hmat, Tensor? amax_a, Tensor? amax_b, Tensor? given, "
                    "Tensor? rand_a, Tensor? rand_b, Tensor? seed, Tensor? after=None) -> (Tensor, Tensor, Tensor, "
                    "Tensor, Tensor, Tensor, Tensor)", _cast_op, _cast_fake)
 """:func:`cast` as an operator: (data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits).

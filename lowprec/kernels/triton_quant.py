@@ -73,8 +73,6 @@ def _traceable_amax(x2: torch.Tensor, kind: int, hadamard: bool, transposed: boo
     per line, no Hadamard transform), else None. Under ``torch.compile`` the compiler fuses these into
     the kernel that produced x, sparing the amax pass its read. The bits equal the amax kernel's:
     the max of a float tensor is exact, and a NaN (which torch propagates) marks the scale NaN either way."""
-    if kind == T.AMAX_NONE:
-        return x2.new_empty(0, dtype=torch.int32)
     if hadamard or kind not in (T.AMAX_TENSOR, T.AMAX_LINES):
         return None
     a = x2.abs()
@@ -83,21 +81,24 @@ def _traceable_amax(x2: torch.Tensor, kind: int, hadamard: bool, transposed: boo
 
 
 def _amaxes(x2, launch: Launch, hmat, compiling: bool):
+    """Each side's amax bits, None for a side that takes none. In compiled code an absent side is None
+    rather than a fresh empty tensor: the compiler never merges two calls that take distinct allocations,
+    and layers reading one input (q/k/v) must make one cast of it (see :class:`lowprec.nn.casts.InputShare`)."""
+    kinds = launch.amax_kinds
+    if kinds == (T.AMAX_NONE, T.AMAX_NONE):
+        return None, None
     if compiling:
-        a = _traceable_amax(x2, launch.amax_kinds[0], launch.hadamard[0], False)
-        b = _traceable_amax(x2, launch.amax_kinds[1], launch.hadamard[1], True)
-        if a is not None and b is not None:
-            return a, b
+        sides = [None if kind == T.AMAX_NONE else _traceable_amax(x2, kind, h, t)
+                 for kind, h, t in zip(kinds, launch.hadamard, (False, True), strict=True)]
+        if all(s is not None or kind == T.AMAX_NONE for s, kind in zip(sides, kinds, strict=True)):
+            return tuple(sides)
         return ops.tile_amax(x2, list(launch.ints), hmat)
     return ops.amax(x2, launch.ints, hmat)
 
 
 def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator, after=None):
     compiling = torch.compiler.is_compiling()  # ops in a graph; direct calls in eager mode
-    if launch.amax_kinds != (T.AMAX_NONE, T.AMAX_NONE):
-        amax_a, amax_b = _amaxes(x2, launch, hmat, compiling)
-    else:
-        amax_a = amax_b = x2.new_empty(0, dtype=torch.int32)
+    amax_a, amax_b = _amaxes(x2, launch, hmat, compiling)
     given = None if given is None else given.detach().float().reshape(1).contiguous()
     args = (x2, hmat, amax_a, amax_b, given, rand_a, rand_b, _seeds(launch, x2.device, generator))
     if compiling:

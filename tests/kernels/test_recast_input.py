@@ -73,3 +73,54 @@ def test_a_compiled_backward_recasts_the_input_instead_of_keeping_its_cast(recip
     for got in (with_grads, without_grads):
         for a, b in zip(got, eager, strict=True):
             assert torch.equal(a, b)
+
+
+class _Shared(torch.nn.Module):
+    """A norm read by three linears (attention's q, k and v projections)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = RMSNorm(K)
+        self.q, self.k, self.v = (torch.nn.Linear(K, N, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.q(h) * self.k(h) + self.v(h)
+
+
+def _cast_calls(model: torch.nn.Module) -> dict[str, int]:
+    """How many times the forward and backward graphs that ``torch.compile`` would hand inductor (its
+    decompositions, its partitioner) call the cast operator."""
+    from torch._decomp import core_aten_decompositions
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    counts = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            counts[name] = sum(n.target is torch.ops.lowprec.tile_cast.default for n in gm.graph.nodes)
+            return gm.forward
+        return compiler
+
+    def backend(gm, example):
+        return aot_module_simplified(gm, example, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                     partition_fn=min_cut_rematerialization_partition,
+                                     decompositions=core_aten_decompositions())
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(randn(M, K, seed=1).requires_grad_()).sum().backward()
+    return counts
+
+
+@pytest.mark.parametrize("recast", [False, True])
+def test_layers_reading_one_input_make_one_cast_of_it_in_a_compiled_graph(recast, triton_cpu):
+    """Compiled code shares the input's cast by the compiler merging equal calls (eager code by
+    ``InputShare``): every argument of the three calls must be the same node, with no fresh empty
+    tensor standing in for an amax the cast does not take (with the recast, forward makes the input's
+    cast along K alone, whose transposed side takes no amax)."""
+    torch.manual_seed(0)
+    model = _Shared()
+    lowprec.convert(model, "fp8-current", policy=lowprec.Policy(skip_small=False, recast_inputs=recast))
+    # forward: the input once and the three weights; backward: three output gradients, three weight.T
+    assert _cast_calls(model) == {"forward": 4, "backward": 6}
