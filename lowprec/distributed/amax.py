@@ -50,14 +50,14 @@ def reduce_amax_histories(model: nn.Module, group: dist.ProcessGroup | None = No
     states = delayed_states(model)
     if not states:
         return 0
-    device = states[0].history.device
-    flat = torch.cat([s.history.reshape(-1).to(device) for s in states])  # (layers * L * 3,)
+    device = states[0].device
+    histories = [s.history.to(device) for s in states]  # (L, 3) each
+    flat = torch.cat([h.reshape(-1) for h in histories])  # (layers * L * 3,)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
     offset = 0
-    for s in states:
-        n = s.history.numel()
-        s.history.copy_(flat[offset:offset + n].view_as(s.history))
-        offset += n
+    for s, h in zip(states, histories, strict=True):
+        s.load_history(flat[offset:offset + h.numel()].view_as(h))
+        offset += h.numel()
     return len(states)
 
 

@@ -27,3 +27,18 @@ def define(schema: str, impl: Callable, fake: Callable) -> Callable:
     _LIB.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"lowprec::{name}", fake, lib=_LIB)
     return getattr(torch.ops.lowprec, name).default
+
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def _copy_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+keep = define("keep(Tensor x) -> Tensor", _copy, _copy_fake)
+"""A copy of ``x`` that a compiled backward reads as forward made it: the partitioner never recomputes
+an opaque operator, so it saves this output rather than recompute ``x`` in backward from the graph's
+inputs, which forward may have written meanwhile (a delayed-scaling history: see [Note: delayed scaling
+under torch.compile] in ``lowprec.nn.delayed``). Compiled code only; one small tensor per use."""

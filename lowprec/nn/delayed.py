@@ -8,6 +8,14 @@ a compiled graph (forward and backward) holds it without a break or a recompilat
 Non-finite amaxes are recorded as 0, so one bad step cannot poison the scales of the following
 ``history_len`` steps (the step itself is caught by the guard).
 
+[Note: delayed scaling under torch.compile]
+Dynamo lifts the state's tensors into the graph as inputs that the graph writes. Forward records the
+input's and the weight's amaxes, backward the output gradient's; a graph input written in both halves
+cannot be split between them by the partitioner inductor uses ("was invalid, but is output"), while one
+written in backward alone is written by the backward graph. So each role has its own history, count
+and outlier count: grad_output's tensors are written in backward only, the others in forward only.
+``history``, ``count`` and ``outliers`` assemble them (copies) for readers and the checkpoint.
+
 [Note: the EMA of a history]
 ``algo="ema"`` averages the amaxes the history holds, oldest first: ``e = a_1``, then
 ``e = (1 - c) * e + c * a_k`` for each newer ``a_k`` (``c`` = ``ema_coeff``). It is computed from the
@@ -58,22 +66,48 @@ class DelayedState:
 
     def __init__(self, config: DelayedScaling, device: torch.device) -> None:
         self.config = config
-        self.history = torch.zeros(config.history_len, len(ROLES), device=device)  # (L, roles)
-        self.count = torch.zeros(len(ROLES), dtype=torch.int64, device=device)
-        """Amaxes recorded per role; role ``i``'s next one goes to row ``count[i] % L``."""
-        self.outliers = torch.zeros(len(ROLES), dtype=torch.int64, device=device)
-        """Amaxes recorded capped per role (see [Note: amax outliers])."""
+        # one tensor per role (see [Note: delayed scaling under torch.compile])
+        self.histories = [torch.zeros(config.history_len, device=device) for _ in ROLES]
+        """Each role's amax history, (L,); role ``i``'s next amax goes to row ``counts[i] % L``."""
+        self.counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ROLES]
+        """Amaxes recorded per role, one element each."""
+        self.outlier_counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ROLES]
+        """Amaxes recorded capped per role (see [Note: amax outliers]), one element each."""
         self._warned = [0] * len(ROLES)
         """Outliers per role that :func:`amax_outliers` has already warned about."""
         self._seen = [False] * len(ROLES)
         """Host mirror of ``count > 0`` for eager code, which decides without reading the device."""
 
+    @property
+    def device(self) -> torch.device:
+        return self.histories[0].device
+
+    @property
+    def history(self) -> torch.Tensor:
+        """The histories as one (L, roles) tensor, a copy: write through :meth:`record` or :meth:`load_history`."""
+        return torch.stack(self.histories, dim=1)
+
+    @property
+    def count(self) -> torch.Tensor:
+        """Amaxes recorded per role, (roles,), a copy."""
+        return torch.cat(self.counts)
+
+    @property
+    def outliers(self) -> torch.Tensor:
+        """Amaxes recorded capped per role, (roles,), a copy."""
+        return torch.cat(self.outlier_counts)
+
+    def load_history(self, history: torch.Tensor) -> None:
+        """Overwrite the histories with an (L, roles) tensor (a checkpoint's, or one reduced over ranks)."""
+        for i, h in enumerate(self.histories):
+            h.copy_(history[:, i])
+
     def to(self, device: torch.device) -> None:
-        if self.history.is_meta:  # made on a meta model: nothing to copy, start afresh
+        if self.device.type == "meta":  # made on a meta model: nothing to copy, start afresh
             self.__init__(self.config, device)
         else:
-            self.history, self.count = self.history.to(device), self.count.to(device)
-            self.outliers = self.outliers.to(device)
+            for tensors in (self.histories, self.counts, self.outlier_counts):
+                tensors[:] = [t.to(device) for t in tensors]
 
     @property
     def recorded(self) -> list[int]:
@@ -82,24 +116,25 @@ class DelayedState:
 
     def _history_scale(self, i: int, fmt: F.Format) -> torch.Tensor:
         algo = self.config.algo
-        amax = self.history[:, i].amax() if algo == "max" else self._ema(i) if algo == "ema" else self._last(i)
+        amax = self.histories[i].amax() if algo == "max" else self._ema(i) if algo == "ema" else self._last(i)
         return amax_scale(amax * 2.0**self.config.margin, fmt).reshape(1, 1)
 
     def _ema(self, i: int) -> torch.Tensor:
         """The exponential moving average of role ``i``'s history, oldest to newest (see [Note: the EMA
         of a history]); tensor operations only."""
         c, n_rows = self.config.ema_coeff, self.config.history_len
-        rows = torch.arange(n_rows, device=self.history.device)  # (L,)
-        age = (self.count[i] - 1 - rows) % n_rows  # (L,) 0 for the newest
-        held = torch.clamp(self.count[i], max=n_rows)  # amaxes in the window
+        rows = torch.arange(n_rows, device=self.device)  # (L,)
+        count = self.counts[i].reshape(())
+        age = (count - 1 - rows) % n_rows  # (L,) 0 for the newest
+        held = torch.clamp(count, max=n_rows)  # amaxes in the window
         weight = c * (1.0 - c) ** age.double()
         weight = torch.where(age == held - 1, (1.0 - c) ** age.double(), weight)  # the oldest starts the average
         weight = torch.where(age < held, weight, 0.0)
-        return (self.history[:, i].double() * weight).sum().float()
+        return (self.histories[i].double() * weight).sum().float()
 
     def _last(self, i: int) -> torch.Tensor:
-        row = ((self.count[i] - 1) % self.config.history_len).reshape(1)
-        return self.history[:, i].index_select(0, row).reshape(())  # a tensor index: no host sync
+        row = (self.counts[i] - 1) % self.config.history_len
+        return self.histories[i].index_select(0, row).reshape(())  # a tensor index: no host sync
 
     def scale(self, role: Role, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """The dequantizing scale for ``role`` from its history; before its first amax, None (the
@@ -109,10 +144,10 @@ class DelayedState:
         i = int(role)
         if torch.compiler.is_compiling() and x is not None:
             current = amax_scale(x.detach().abs().amax().float(), fmt).reshape(1, 1)
-            return torch.where(self.count[i] > 0, self._history_scale(i, fmt), current)
+            return torch.where(self.counts[i].reshape(()) > 0, self._history_scale(i, fmt), current)
         if not self._seen[i]:
             # compiled code records without updating this mirror: ask the device, until it says yes
-            self._seen[i] = bool(self.count[i] > 0)
+            self._seen[i] = bool(self.counts[i] > 0)
             if not self._seen[i]:
                 return None
         return self._history_scale(i, fmt)
@@ -125,17 +160,17 @@ class DelayedState:
         """Add ``amax`` (non-finite: 0; an outlier: capped, see [Note: amax outliers]) to ``role``'s
         history, with tensor operations only."""
         i = int(role)
-        amax = amax.detach().float().reshape(()).to(self.history.device)
+        history, count = self.histories[i], self.counts[i]
+        amax = amax.detach().float().reshape(()).to(history.device)
         amax = torch.where(torch.isfinite(amax), amax, 0.0)
         if self.config.outlier_bits is not None:
             # an empty history has max 0 and no bound: the first amax is taken as it is
-            bound = self.history[:, i].amax() * 2.0**self.config.outlier_bits
+            bound = history.amax() * 2.0**self.config.outlier_bits
             outlier = (bound > 0) & (amax > bound)
             amax = torch.where(outlier, bound, amax)
-            self.outliers[i:i + 1].add_(outlier.reshape(1).long())
-        row = (self.count[i] % self.config.history_len).reshape(1)
-        self.history[row, i] = amax.reshape(1)
-        self.count[i:i + 1].add_(1)
+            self.outlier_counts[i].add_(outlier.reshape(1).long())
+        history[count % self.config.history_len] = amax.reshape(1)
+        count.add_(1)
         if not torch.compiler.is_compiling():
             self._seen[i] = True
 
@@ -143,7 +178,7 @@ class DelayedState:
         header = torch.zeros(_HEADER_ROWS[_VERSION], len(ROLES))
         header[0, 0], header[0, 1] = _VERSION, self.config.history_len
         header[1], header[2] = self.count.float().cpu(), self.outliers.float().cpu()
-        return torch.cat([header.to(self.history.device), self.history]).cpu()
+        return torch.cat([header, self.history.cpu()])
 
     def load_tensor(self, t: torch.Tensor, where: str) -> None:
         """Restore from :meth:`to_tensor` (this version or version 1); a malformed or mismatched entry
@@ -156,11 +191,12 @@ class DelayedState:
             warnings.warn(f"lowprec: {where}: delayed-scaling state does not match this recipe "
                           f"(history_len {self.config.history_len}); starting from current scaling", stacklevel=3)
             return
-        self.history.copy_(t[rows:].to(self.history.device))
+        self.load_history(t[rows:].to(self.device))
         counts = [int(v) for v in t[1].tolist()]
-        self.count.copy_(torch.tensor(counts, dtype=torch.int64))
         outliers = [int(v) for v in t[2].tolist()] if rows > 2 else [0] * len(ROLES)
-        self.outliers.copy_(torch.tensor(outliers, dtype=torch.int64))
+        for i in range(len(ROLES)):
+            self.counts[i].fill_(counts[i])
+            self.outlier_counts[i].fill_(outliers[i])
         self._seen = [n > 0 for n in counts]
         self._warned = outliers  # warned about in the run that saved them
 
@@ -173,7 +209,7 @@ def amax_outliers(model: nn.Module) -> int:
              if isinstance(getattr(m, "delayed_state", None), DelayedState)]
     if not named:
         return 0
-    counts = torch.stack([s.outliers.to(named[0][1].outliers.device) for _, s in named]).tolist()  # one sync
+    counts = torch.stack([s.outliers.to(named[0][1].device) for _, s in named]).tolist()  # one sync
     for (name, state), per_role in zip(named, counts):
         for i, n in enumerate(per_role):
             if n > state._warned[i]:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 
 from lowprec import kernels as K
+from lowprec.kernels.ops import keep
 from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
 from lowprec.nn.fp8_weight import stored_operand
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan
@@ -100,12 +101,12 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
     delayed_t = w_op.transposed is not None and w_op.transposed.transposed.delayed
     if recast and not direct and state.delayed is not None and delayed_t:
         # taken before this forward records the weight's amax, as the forward's own cast takes it
-        scale_t = state.delayed.scale(w_op.role, w_op.transposed.transposed.fmt, weight)
+        scale_t = _kept(state.delayed.scale(w_op.role, w_op.transposed.transposed.fmt, weight))
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = input_casts(x, x2, plan.input, need_wgrad and not recast_x, state, record)
         # per tensor, backward's x.T cast takes forward's scale (see _recast_route in lowprec.nn.plan)
-        x_scale = qx.scale if recast_x and plan.input.recast.transposed.delayed else None
+        x_scale = _kept(qx.scale) if recast_x and plan.input.recast.transposed.delayed else None
         if direct and stored is not None:  # the codes are the operand (and in backward, transposed)
             qw, qw_t = stored, None
             if record and w_op.delayed and state.delayed is not None:
@@ -120,6 +121,15 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
         if bias is not None:
             y = y + bias.to(out_dtype)
     return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t, x_scale
+
+
+def _kept(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A scale from the delayed-scaling history that backward reads: in compiled code a saved copy, as
+    forward computed it, never recomputed from the history forward writes (see [Note: delayed scaling
+    under torch.compile] in ``lowprec.nn.delayed``)."""
+    if scale is None or not torch.compiler.is_compiling():
+        return scale
+    return keep(scale)
 
 
 def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,

@@ -120,7 +120,7 @@ class Linear(nn.Linear):
             state = self.state.delayed
             if state is None or state.config != recipe.delayed:
                 self.state.delayed = DelayedState(recipe.delayed, self.weight.device)
-            elif state.history.device != self.weight.device:  # the module moved since
+            elif state.device != self.weight.device:  # the module moved since
                 state.to(self.weight.device)
         return plan
 

@@ -1,10 +1,13 @@
 """``torch.compile(fullgraph=True)`` of a converted layer, forward and backward, equals eager.
 
 [Note: why aot_eager]
-The graph is captured by Dynamo and differentiated by AOTAutograd exactly as for inductor; only code
-generation is left out. Inductor itself compiles these graphs to the same numbers but, on two CPU
-cores with a cold cache, takes about 2 minutes (fp8-current) and 8 minutes (mxfp8) to generate C++
-for the pure-torch quantizer that the CPU path traces, which no test budget allows.
+The graph is captured by Dynamo and differentiated by AOTAutograd as for inductor; only code generation
+is left out. Inductor itself compiles these graphs to the same numbers but, on two CPU cores with a
+cold cache, takes about 2 minutes (fp8-current) and 8 minutes (mxfp8) to generate C++ for the
+pure-torch quantizer that the CPU path traces, which no test budget allows. ``aot_eager`` splits the
+joint graph with the default partitioner; inductor uses the min-cut one, which
+``aot_eager_decomp_partition`` (:data:`PARTITIONED`) runs too, with inductor's decompositions: tests
+of what that partitioner decides, or refuses, use it.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from lowprec.nn import linear as linear_module
 from tests.nn.common import make_linear, randn
 
 pytestmark = pytest.mark.slow
+PARTITIONED = "aot_eager_decomp_partition"
+"""The backend that splits forward and backward as inductor does (see [Note: why aot_eager])."""
 
 
 def _compiled_matches_eager(recipe) -> None:
@@ -63,13 +68,15 @@ def _delayed(algo: str):
     return replace(R.fp8_delayed(), name=f"fp8-delayed-{algo}", delayed=R.DelayedScaling(history_len=4, algo=algo))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", PARTITIONED])
 @pytest.mark.parametrize("algo", ["max", "most_recent", "ema"])
-def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step(algo):
+def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step(algo, backend):
     # the amax histories are tensors recorded by tensor operations, forward and backward, so the
-    # compiled layer neither breaks its graph nor recompiles as the history fills
+    # compiled layer neither breaks its graph nor recompiles as the history fills; inductor's
+    # partitioner takes them too (see [Note: delayed scaling under torch.compile] in lowprec.nn.delayed)
     torch._dynamo.reset()
     eager, comp = make_linear(_delayed(algo), 64, 32), make_linear(_delayed(algo), 64, 32)
-    compiled = torch.compile(comp, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(comp, fullgraph=True, backend=backend)
     for step in range(3):
         x, dy = randn(16, 64, seed=10 + step, scale=step + 1.0), randn(16, 32, seed=20 + step)
         xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -89,14 +96,15 @@ def test_delayed_scaling_compiles_into_one_graph_and_follows_eager_step_by_step(
     assert torch.equal(comp(x), eager(x))
 
 
-def test_recorded_high_precision_steps_compile_into_one_graph_and_follow_eager():
+@pytest.mark.parametrize("backend", ["aot_eager", PARTITIONED])
+def test_recorded_high_precision_steps_compile_into_one_graph_and_follow_eager(backend):
     # lazy scale initialisation: the amaxes recorded under autocast("bf16", record_amax=True) by tensor
     # operations, so a compiled BF16 step records inside its graph as eager code does
     import lowprec
 
     torch._dynamo.reset()
     eager, comp = make_linear(_delayed("max"), 64, 32), make_linear(_delayed("max"), 64, 32)
-    compiled = torch.compile(comp, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(comp, fullgraph=True, backend=backend)
     for step in range(3):
         x, dy = randn(16, 64, seed=10 + step, scale=step + 1.0), randn(16, 32, seed=20 + step)
         xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()

@@ -1,8 +1,8 @@
 """A whole converted model compiles and trains as users run it: ``torch.compile`` over a model under
 BF16 autocast, with the optimizer step outside the graph, equal to eager step by step.
 
-Compiled with ``aot_eager`` (see [Note: why aot_eager] in test_compile): Dynamo captures the graphs and
-AOTAutograd differentiates them exactly as for inductor."""
+Compiled with ``aot_eager_decomp_partition`` (see [Note: why aot_eager] in test_compile): Dynamo captures
+the graphs, AOTAutograd differentiates them and splits forward from backward as for inductor."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +10,7 @@ import torch
 
 import lowprec
 from lowprec.train.model import ModelConfig, build_model
+from tests.nn.test_compile import PARTITIONED
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ POLICY = lowprec.Policy(keep_last_blocks=0)
 
 
 def _train(model, steps: int, compiled: bool) -> list[float]:
-    fwd = torch.compile(model, backend="aot_eager") if compiled else model
+    fwd = torch.compile(model, backend=PARTITIONED) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(5)
     losses = []
