@@ -78,7 +78,8 @@ class Policy:
     again instead of keeping it, so that the compiler keeps the input only where nothing cheaper
     rebuilds it (see [Note: recasting the input in backward] in ``lowprec.nn.function``): less memory,
     more work: on the H200 the compiled 1B step's peak fell from 0.88x to 0.81x BF16's (torchao's) and
-    its speed from 1.18x to 1.09x BF16's (BENCHMARKS.md, run 10), so it is off by default. Ignored
+    its speed from 1.19x to 1.16x BF16's (torchao's 1.17x; BENCHMARKS.md, run 15), so it is off by
+    default. Ignored
     while ``saved_activations`` is set (the norms then keep FP8 copies, from which their outputs cannot
     be rebuilt)."""
 

@@ -25,15 +25,16 @@ output is saved by attention's backward anyway. Forward then writes one cast of 
 two, and backward reads the input once more (and recomputes what made it). The cast ops are opaque
 to the compiler, so without this their outputs must be saved: one byte per element of every
 converted linear's input. Eager code keeps the cast: there the input would be an extra copy in its
-own dtype. ``Policy.recast_inputs`` turns it on (off by default: it cost 8% of the compiled 1B
-step's speed on the H200 for 7% of its peak; not while the norms keep FP8 copies, from which their
-outputs cannot be rebuilt). The recast takes the reference's traced operations, which the compiler
-fuses into slower kernels than lowprec's Triton cast; an opaque Triton recast makes the partitioner
-save the input instead of rebuilding it, unless the operations that make the input are marked for
-recomputation (selective activation checkpointing's ``MUST_RECOMPUTE``). Measured on the CPU through the
-interpreter, a norm and a converted linear of 64 x 128 -> 256 keep 172.8 kB for backward without the
-recast, 197.4 kB with an opaque recast, and 164.4 kB with it and the norm so marked: a way to the
-recast at the Triton cast's speed, not built.
+own dtype. ``Policy.recast_inputs`` turns it on (off by default: on the H200 it costs the compiled
+1B step about 3% of its speed for 9% of its peak, the re-read of the input in backward; not while
+the norms keep FP8 copies, from which their outputs cannot be rebuilt). The recast takes the
+reference's traced operations, which the compiler fuses with what rebuilds the input; an opaque
+Triton recast makes the partitioner save the input instead of rebuilding it, unless the operations
+that make the input are marked for recomputation (selective activation checkpointing's
+``MUST_RECOMPUTE``). Measured on the CPU through the interpreter, a norm and a converted linear of
+64 x 128 -> 256 keep 172.8 kB for backward without the recast, 197.4 kB with an opaque recast, and
+164.4 kB with it and the norm so marked. Not built: the traced recast's kernels already take the GPU
+time torchao's take for the same work (BENCHMARKS.md, run 15).
 """
 from __future__ import annotations
 
