@@ -51,13 +51,11 @@ def reduce_amax_histories(model: nn.Module, group: dist.ProcessGroup | None = No
     if not states:
         return 0
     device = states[0].device
-    histories = [s.history.to(device) for s in states]  # (L, 3) each
-    flat = torch.cat([h.reshape(-1) for h in histories])  # (layers * L * 3,)
+    histories = [h for s in states for h in s.histories]  # (L,) per layer and role
+    flat = torch.cat([h.to(device) for h in histories])  # (layers * 3 * L,), alike on every rank
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    offset = 0
-    for s, h in zip(states, histories, strict=True):
-        s.load_history(flat[offset:offset + h.numel()].view_as(h))
-        offset += h.numel()
+    for h, reduced in zip(histories, flat.split([h.numel() for h in histories]), strict=True):
+        h.copy_(reduced)
     return len(states)
 
 

@@ -61,8 +61,9 @@ _HEADER_ROWS = {1: 2, 2: 3}
 
 
 class DelayedState:
-    """The amax histories of one layer, as tensors only (``history`` and the per-role ``count``), so
-    that compiled code records into them without leaving its graph; see [Note: delayed scaling]."""
+    """The amax histories of one layer, as tensors only (per role: ``histories``, ``counts`` and
+    ``outlier_counts``), so that compiled code records into them without leaving its graph; see
+    [Note: delayed scaling]."""
 
     def __init__(self, config: DelayedScaling, device: torch.device) -> None:
         self.config = config

@@ -63,10 +63,12 @@ def gemm(a: Operand, b: Operand, g: GemmPlan, out_dtype: torch.dtype) -> torch.T
     return (_hp(a, dt) @ _hp(b, dt).t()).to(out_dtype)
 
 
-def _save(op: Operand | None) -> tuple[tuple, object]:
-    """Tensors to ``save_for_backward`` and the metadata to rebuild the operand."""
+def _save(op: Operand | None, delayed: bool = False) -> tuple[tuple, object]:
+    """Tensors to ``save_for_backward`` and the metadata to rebuild the operand; ``delayed``: its
+    scale came from the delayed-scaling history (kept: see :func:`_kept`)."""
     if isinstance(op, QuantizedTensor):
-        return (op.data, op.scale, op.global_scale), (op.fmt, op.granularity, op.shape, op.dtype)
+        scale = _kept(op.scale) if delayed else op.scale
+        return (op.data, scale, op.global_scale), (op.fmt, op.granularity, op.shape, op.dtype)
     return (op, None, None), None
 
 
@@ -127,7 +129,10 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
 def _kept(scale: torch.Tensor | None) -> torch.Tensor | None:
     """A scale from the delayed-scaling history that backward reads: in compiled code a saved copy, as
     forward computed it, never recomputed from the history forward writes (see [Note: delayed scaling
-    under torch.compile] in ``lowprec.nn.delayed``)."""
+    under torch.compile] in ``lowprec.nn.delayed``). The compiler recomputes weight.T's scale, which
+    forward reads nowhere else, unless kept (a test fails without); the scales of saved casts, which
+    forward's own casts read too, it saves today, and they are kept all the same: that is its choice,
+    not a rule."""
     if scale is None or not torch.compiler.is_compiling():
         return scale
     return keep(scale)
@@ -183,8 +188,8 @@ class LinearFunction(torch.autograd.Function):
         y, qx_t, qw_t, scale_t, x_scale = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad,
                                                 codes=codes, recast_x=recast_x)
         # x itself, for the compiler to keep or rebuild, with the scale to cast it again by
-        x_saved, x_meta = _save(qx_t) if not recast_x else ((x, x_scale, None), "recast")
-        w_saved, w_meta = _save(qw_t)
+        x_saved, x_meta = _save(qx_t, plan.input.delayed) if not recast_x else ((x, x_scale, None), "recast")
+        w_saved, w_meta = _save(qw_t, plan.weight.delayed)
         recast = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
         # an FP8 weight's own codes are kept rather than the parameter, which compiled code cannot unwrap
         kept = (None, data, scale) if recast and codes else (weight if recast else None, None, None)
