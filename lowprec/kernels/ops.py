@@ -39,6 +39,7 @@ def _copy_fake(x: torch.Tensor) -> torch.Tensor:
 
 keep = define("keep(Tensor x) -> Tensor", _copy, _copy_fake)
 """A copy of ``x`` that a compiled backward reads as forward made it: the partitioner never recomputes
-an opaque operator, so it saves this output rather than recompute ``x`` in backward from the graph's
-inputs, which forward may have written meanwhile (a delayed-scaling history: see [Note: delayed scaling
-under torch.compile] in ``lowprec.nn.delayed``). Compiled code only; one small tensor per use."""
+an opaque operator that forward needs, so backward takes this output (or what forward made from it)
+rather than recompute ``x`` from the graph's inputs, which forward may have written meanwhile (a
+delayed-scaling history: see [Note: delayed scaling under torch.compile] in ``lowprec.nn.delayed``).
+Compiled code only; one small tensor per use."""

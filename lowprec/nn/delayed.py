@@ -16,6 +16,14 @@ written in backward alone is written by the backward graph. So each role has its
 and outlier count: grad_output's tensors are written in backward only, the others in forward only.
 ``history``, ``count`` and ``outliers`` assemble them (copies) for readers and the checkpoint.
 
+A second hazard: the partitioner may recompute in backward, from a history, a scale forward computed,
+after forward has written the history: a version-counter error (met with weight.T's scale when only
+backward read it, at ``history_len=4``) or a stale scale. So backward reads only the scales of
+forward's own casts (a delayed weight.T is cast again in backward only in forward's format:
+``lowprec.nn.plan.layer_plan``), and compiled code takes the input's and the weight's delayed scales
+through ``lowprec::keep``, an opaque copy: the partitioner never recomputes an opaque operator that
+forward needs. The copy is a guard: with forward's scales alone, no case tried here failed without it.
+
 [Note: the EMA of a history]
 ``algo="ema"`` averages the amaxes the history holds, oldest first: ``e = a_1``, then
 ``e = (1 - c) * e + c * a_k`` for each newer ``a_k`` (``c`` = ``ema_coeff``). It is computed from the
@@ -50,6 +58,7 @@ import torch
 from torch import nn
 
 from lowprec import formats as F
+from lowprec.kernels.ops import keep
 from lowprec.quant.scales import amax_scale
 from lowprec.recipes import DelayedScaling, Role
 
@@ -115,10 +124,11 @@ class DelayedState:
         """Amaxes recorded per role (reads the device)."""
         return [int(v) for v in self.count.tolist()]
 
-    def _history_scale(self, i: int, fmt: F.Format) -> torch.Tensor:
+    def _history_amax(self, i: int) -> torch.Tensor:
+        """Role ``i``'s amax by the recipe's algorithm, with its margin."""
         algo = self.config.algo
         amax = self.histories[i].amax() if algo == "max" else self._ema(i) if algo == "ema" else self._last(i)
-        return amax_scale(amax * 2.0**self.config.margin, fmt).reshape(1, 1)
+        return amax * 2.0**self.config.margin
 
     def _ema(self, i: int) -> torch.Tensor:
         """The exponential moving average of role ``i``'s history, oldest to newest (see [Note: the EMA
@@ -144,14 +154,19 @@ class DelayedState:
         compiler reduces inside the kernel that produced x."""
         i = int(role)
         if torch.compiler.is_compiling() and x is not None:
-            current = amax_scale(x.detach().abs().amax().float(), fmt).reshape(1, 1)
-            return torch.where(self.counts[i].reshape(()) > 0, self._history_scale(i, fmt), current)
+            # the amax chosen, then one scale: amax_scale is elementwise, so this is the scale of either
+            # case, in half the graph's operations
+            current = x.detach().abs().amax().float()
+            amax = torch.where(self.counts[i].reshape(()) > 0, self._history_amax(i), current)
+            scale = amax_scale(amax, fmt).reshape(1, 1)
+            # see [Note: delayed scaling under torch.compile]: forward's scales reach backward as saved
+            return scale if role is Role.GRAD_OUTPUT else keep(scale)
         if not self._seen[i]:
             # compiled code records without updating this mirror: ask the device, until it says yes
             self._seen[i] = bool(self.counts[i] > 0)
             if not self._seen[i]:
                 return None
-        return self._history_scale(i, fmt)
+        return amax_scale(self._history_amax(i), fmt).reshape(1, 1)
 
     def last(self, role: Role) -> torch.Tensor:
         """The amax ``role`` recorded last (0 before any)."""

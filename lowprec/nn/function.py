@@ -41,7 +41,6 @@ from __future__ import annotations
 import torch
 
 from lowprec import kernels as K
-from lowprec.kernels.ops import keep
 from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
 from lowprec.nn.fp8_weight import stored_operand
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan
@@ -63,12 +62,10 @@ def gemm(a: Operand, b: Operand, g: GemmPlan, out_dtype: torch.dtype) -> torch.T
     return (_hp(a, dt) @ _hp(b, dt).t()).to(out_dtype)
 
 
-def _save(op: Operand | None, delayed: bool = False) -> tuple[tuple, object]:
-    """Tensors to ``save_for_backward`` and the metadata to rebuild the operand; ``delayed``: its
-    scale came from the delayed-scaling history (kept: see :func:`_kept`)."""
+def _save(op: Operand | None) -> tuple[tuple, object]:
+    """Tensors to ``save_for_backward`` and the metadata to rebuild the operand."""
     if isinstance(op, QuantizedTensor):
-        scale = _kept(op.scale) if delayed else op.scale
-        return (op.data, scale, op.global_scale), (op.fmt, op.granularity, op.shape, op.dtype)
+        return (op.data, op.scale, op.global_scale), (op.fmt, op.granularity, op.shape, op.dtype)
     return (op, None, None), None
 
 
@@ -102,20 +99,22 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
     recast = need_dgrad and (resident if direct else plan.recast_weight_t and not state.caching)
     scale_t = None
     delayed_t = w_op.transposed is not None and w_op.transposed.transposed.delayed
-    if recast and not direct and state.delayed is not None and delayed_t:
-        # taken before this forward records the weight's amax, as the forward's own cast takes it
-        scale_t = _kept(state.delayed.scale(w_op.role, w_op.transposed.transposed.fmt, weight))
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = input_casts(x, x2, plan.input, need_wgrad and not recast_x, state, record)
         # per tensor, backward's x.T cast takes forward's scale (see _recast_route in lowprec.nn.plan)
-        x_scale = _kept(qx.scale) if recast_x and plan.input.recast.transposed.delayed else None
+        x_scale = qx.scale if recast_x and plan.input.recast.transposed.delayed else None
         if direct and stored is not None:  # the codes are the operand (and in backward, transposed)
             qw, qw_t = stored, None
             if record and w_op.delayed and state.delayed is not None:
                 state.delayed.record(w_op.role, codes[2])
         else:
             qw, qw_t = weight_casts(weight, w_op, state, need_dgrad and not recast, record, stored)
+            if recast and not direct and state.delayed is not None and delayed_t:
+                # forward's own scale, taken before this forward recorded the weight's amax: the plan
+                # recasts a delayed weight.T only in forward's format (see [Note: delayed scaling
+                # under torch.compile] in lowprec.nn.delayed)
+                scale_t = qw.scale
         collector = probe()  # None but on a sampled step (see [Note: telemetry under torch.compile])
         if collector is not None:
             quantized = stored is not None or isinstance(weight, QuantizedWeight)
@@ -124,18 +123,6 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
         if bias is not None:
             y = y + bias.to(out_dtype)
     return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t, x_scale
-
-
-def _kept(scale: torch.Tensor | None) -> torch.Tensor | None:
-    """A scale from the delayed-scaling history that backward reads: in compiled code a saved copy, as
-    forward computed it, never recomputed from the history forward writes (see [Note: delayed scaling
-    under torch.compile] in ``lowprec.nn.delayed``). The compiler recomputes weight.T's scale, which
-    forward reads nowhere else, unless kept (a test fails without); the scales of saved casts, which
-    forward's own casts read too, it saves today, and they are kept all the same: that is its choice,
-    not a rule."""
-    if scale is None or not torch.compiler.is_compiling():
-        return scale
-    return keep(scale)
 
 
 def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,
@@ -188,8 +175,8 @@ class LinearFunction(torch.autograd.Function):
         y, qx_t, qw_t, scale_t, x_scale = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad,
                                                 codes=codes, recast_x=recast_x)
         # x itself, for the compiler to keep or rebuild, with the scale to cast it again by
-        x_saved, x_meta = _save(qx_t, plan.input.delayed) if not recast_x else ((x, x_scale, None), "recast")
-        w_saved, w_meta = _save(qw_t, plan.weight.delayed)
+        x_saved, x_meta = _save(qx_t) if not recast_x else ((x, x_scale, None), "recast")
+        w_saved, w_meta = _save(qw_t)
         recast = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
         # an FP8 weight's own codes are kept rather than the parameter, which compiled code cannot unwrap
         kept = (None, data, scale) if recast and codes else (weight if recast else None, None, None)

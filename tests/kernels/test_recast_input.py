@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 import lowprec
 from lowprec.nn import RMSNorm
 from lowprec.nn import plan as plan_module
-from tests.nn.common import randn, saved_for_backward
+from tests.nn.common import calls, partitioned_graphs, randn, saved_for_backward
 
 route_module = importlib.import_module("lowprec.kernels.route")  # the package exports a function of that name
 
@@ -88,31 +88,6 @@ class _Shared(torch.nn.Module):
         return self.q(h) * self.k(h) + self.v(h)
 
 
-def _cast_calls(model: torch.nn.Module) -> dict[str, int]:
-    """How many times the forward and backward graphs that ``torch.compile`` would hand inductor (its
-    decompositions, its partitioner) call the cast operator."""
-    from torch._decomp import core_aten_decompositions
-    from torch._functorch.aot_autograd import aot_module_simplified
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-    counts = {}
-
-    def keep(name):
-        def compiler(gm, _):
-            counts[name] = sum(n.target is torch.ops.lowprec.tile_cast.default for n in gm.graph.nodes)
-            return gm.forward
-        return compiler
-
-    def backend(gm, example):
-        return aot_module_simplified(gm, example, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                                     partition_fn=min_cut_rematerialization_partition,
-                                     decompositions=core_aten_decompositions())
-
-    torch._dynamo.reset()
-    torch.compile(model, backend=backend, fullgraph=True)(randn(M, K, seed=1).requires_grad_()).sum().backward()
-    return counts
-
-
 @pytest.mark.parametrize("recast", [False, True])
 def test_layers_reading_one_input_make_one_cast_of_it_in_a_compiled_graph(recast, triton_cpu):
     """Compiled code shares the input's cast by the compiler merging equal calls (eager code by
@@ -122,5 +97,7 @@ def test_layers_reading_one_input_make_one_cast_of_it_in_a_compiled_graph(recast
     torch.manual_seed(0)
     model = _Shared()
     lowprec.convert(model, "fp8-current", policy=lowprec.Policy(skip_small=False, recast_inputs=recast))
+    graphs = partitioned_graphs(model, randn(M, K, seed=1).requires_grad_())
     # forward: the input once and the three weights; backward: three output gradients, three weight.T
-    assert _cast_calls(model) == {"forward": 4, "backward": 6}
+    cast = torch.ops.lowprec.tile_cast.default
+    assert (calls(graphs["forward"], cast), calls(graphs["backward"], cast)) == (4, 6)

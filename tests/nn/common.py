@@ -131,3 +131,33 @@ def saved_for_backward(fn) -> tuple[int, list[torch.Tensor]]:
         fn()
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
     return sum(storages.values()), kept
+
+
+def partitioned_graphs(model: nn.Module, x: torch.Tensor) -> dict[str, torch.fx.GraphModule]:
+    """The forward and backward graphs ``torch.compile`` hands inductor (its decompositions, its min-cut
+    partitioner) for one step of ``model`` on ``x``: {"forward": ..., "backward": ...}."""
+    from torch._decomp import core_aten_decompositions
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return gm.forward
+        return compiler
+
+    def backend(gm, example):
+        return aot_module_simplified(gm, example, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                     partition_fn=min_cut_rematerialization_partition,
+                                     decompositions=core_aten_decompositions())
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x).sum().backward()
+    return graphs
+
+
+def calls(gm: torch.fx.GraphModule, op) -> int:
+    """How many nodes of ``gm`` call ``op``."""
+    return sum(n.target is op for n in gm.graph.nodes)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lowprec.nn import linear as linear_module
-from tests.nn.common import make_linear, randn
+from tests.nn.common import calls, make_linear, partitioned_graphs, randn
 
 pytestmark = pytest.mark.slow
 PARTITIONED = "aot_eager_decomp_partition"
@@ -118,3 +118,44 @@ def test_recorded_high_precision_steps_compile_into_one_graph_and_follow_eager(b
         assert torch.equal(comp.weight.grad, eager.weight.grad)
         assert torch.equal(comp.delayed_state.history, eager.delayed_state.history), f"step {step}"
         assert comp.delayed_state.recorded == eager.delayed_state.recorded == [step + 1] * 3
+
+
+def test_forward_takes_its_delayed_scales_through_an_opaque_copy():
+    """[Note: delayed scaling under torch.compile]: the input's and the weight's delayed scales are
+    ``lowprec::keep`` outputs that forward's casts read, which the partitioner must not recompute in
+    backward from the histories forward writes; grad_output's scale, made in backward, is not kept."""
+    lin = make_linear(_delayed("most_recent"), 64, 32)
+    graphs = partitioned_graphs(lin, randn(16, 64, seed=1).requires_grad_())
+    forward = graphs["forward"]
+    kept = [n for n in forward.graph.nodes if n.target is torch.ops.lowprec.keep.default]
+    assert len(kept) == 2
+    # each feeds forward's own computation, not only what it hands backward
+    outputs = set(next(n for n in forward.graph.nodes if n.op == "output").args[0])
+    assert all(any(u not in outputs for u in k.users) for k in kept)
+    assert calls(graphs["backward"], torch.ops.lowprec.keep.default) <= 2  # at most recomputed from saved
+
+
+def test_a_delayed_weight_transposed_in_another_format_is_cast_in_forward():
+    """weight.T is cast again in backward only where its delayed scale is forward's own; in another
+    format forward casts it and backward takes that cast, compiled or not."""
+    from dataclasses import replace
+
+    from lowprec import recipes as R
+
+    same = _delayed("max")
+    other = replace(same, name="fp8-delayed-e5m2-wt",
+                    dgrad=replace(same.dgrad, rhs=replace(same.dgrad.rhs, format="e5m2")))
+    assert other.dgrad.rhs.scaling is R.Scaling.DELAYED and other.fprop.rhs.format == "e4m3"
+    assert make_linear(same, 64, 32).plan().recast_weight_t
+    assert not make_linear(other, 64, 32).plan().recast_weight_t
+    torch._dynamo.reset()
+    eager, comp = make_linear(other, 64, 32), make_linear(other, 64, 32)
+    compiled = torch.compile(comp, fullgraph=True, backend=PARTITIONED)
+    for step in range(3):
+        x, dy = randn(16, 64, seed=10 + step, scale=step + 1.0), randn(16, 32, seed=20 + step)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        eager(xe).backward(dy)
+        compiled(xc).backward(dy)
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(comp.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
+        assert torch.equal(comp.delayed_state.history, eager.delayed_state.history), f"step {step}"
