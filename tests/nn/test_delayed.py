@@ -105,6 +105,28 @@ def test_grad_output_uses_its_own_history_in_e5m2(monkeypatch):
     assert torch.equal(dgrad_lhs.scale, _scale(0.5, 1, E5M2_MAX))
 
 
+@pytest.mark.parametrize("delayed_side", ["fprop", "dgrad"])
+def test_a_delayed_weight_side_beside_a_current_one_keeps_its_own_scaling(monkeypatch, delayed_side):
+    """One format, one side delayed and the other current (a custom recipe): each side is scaled its own
+    way, never with the other's scale."""
+    base = delayed_recipe()
+    gemm = getattr(base, "dgrad" if delayed_side == "fprop" else "fprop")
+    current = replace(gemm, rhs=replace(gemm.rhs, scaling=R.Scaling.CURRENT))
+    recipe = replace(base, name="fp8-mixed-weight", **{"dgrad" if delayed_side == "fprop" else "fprop": current})
+    lin = make_linear(recipe)
+    gemms = GemmSpy(monkeypatch)
+    _step(lin, 4.0, 1.0, seed=0)  # records the weight's amax a0
+    a0 = float(lin.weight.detach().abs().amax())
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # now the weight's own amax is 2 * a0
+    gemms.calls.clear()
+    _step(lin, 4.0, 1.0, seed=2)
+    fprop_w, dgrad_w = gemms.calls[0][1], gemms.calls[1][1]  # forward, dgrad, wgrad
+    delayed, own = (fprop_w, dgrad_w) if delayed_side == "fprop" else (dgrad_w, fprop_w)
+    assert torch.equal(delayed.scale.reshape(1, 1), _scale(a0, 0, E4M3_MAX))
+    assert torch.equal(own.scale.reshape(1, 1), _scale(2.0 * a0, 0, E4M3_MAX))
+
+
 def test_a_value_above_the_delayed_scale_saturates_instead_of_overflowing(monkeypatch):
     lin = make_linear("fp8-delayed")
     gemms = GemmSpy(monkeypatch)
