@@ -71,6 +71,11 @@ class CastSpec:
     def stochastic(self) -> bool:
         return self.rounding is F.Rounding.STOCHASTIC
 
+    def scaled_like(self, other: CastSpec | None) -> bool:
+        """``other`` takes the same per-tensor scale as this side: one format, one kind of scaling (a
+        delayed scale is a format's, from one role's history; a current one, the tensor's)."""
+        return other is not None and other.fmt is self.fmt and other.delayed == self.delayed
+
 
 @dataclass(frozen=True, slots=True)
 class CastRoute:

@@ -45,9 +45,8 @@ def cast_operand(x2: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, 
     if route is not None:
         a, b = route.along_k, route.transposed
         scale_k = _scale(a, op.role, state, x2)
-        # one format and one kind of scaling: one scale tensor, so a fused pass can serve both sides with it
-        same = b is not None and a is not None and b.fmt is a.fmt and b.delayed == a.delayed
-        scale_t = scale_k if same else _scale(b, op.role, state, x2)
+        # one scale tensor where the sides are scaled alike, so a fused pass can serve both with it
+        scale_t = scale_k if a is not None and a.scaled_like(b) else _scale(b, op.role, state, x2)
         recording = record and op.delayed and state is not None
         k, t, amax = K.cast(x2, route, scale_k=scale_k, scale_t=scale_t, record_amax=recording)
         if amax is not None:

@@ -188,14 +188,13 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
             f"{min_features}; Policy(min_features=None) converts it)")
 
 
-def _forward_scale(fprop_w: R.Cast, dgrad_w: R.Cast) -> bool:
-    """weight.T's scale is one forward makes for its own cast: current, or delayed from the weight's
-    history for the same format as fprop's. Only then is weight.T cast again in backward, since compiled
-    code must not recompute a delayed scale there (see [Note: delayed scaling under torch.compile] in
+def _forward_scale(weight: OperandPlan) -> bool:
+    """weight.T's scale is one forward makes for its own cast: current, or delayed and forward's (the
+    sides scaled alike). Only then is weight.T cast again in backward, since compiled code must not
+    recompute a delayed scale there (see [Note: delayed scaling under torch.compile] in
     ``lowprec.nn.delayed``)."""
-    if dgrad_w.scaling is not R.Scaling.DELAYED:
-        return True
-    return fprop_w.scaling is R.Scaling.DELAYED and fprop_w.format == dgrad_w.format
+    a, b = weight.both.along_k, weight.both.transposed
+    return not b.delayed or (a is not None and a.scaled_like(b))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -225,8 +224,7 @@ def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_fea
         weight=weight,
         grad_output=operand_plan(R.Role.GRAD_OUTPUT, r.dgrad.lhs, r.wgrad.lhs, device, nearest),
         fprop=_gemm(r.fprop, device), dgrad=_gemm(r.dgrad, device), wgrad=_gemm(r.wgrad, device),
-        recast_weight_t=(dgrad_w.quantized and (nearest or not dgrad_w.stochastic)
-                         and _forward_scale(r.fprop.rhs, dgrad_w)),
+        recast_weight_t=dgrad_w.quantized and (nearest or not dgrad_w.stochastic) and _forward_scale(weight),
         recast_input=recast_input and inp.recast is not None,
         weight_storage=weight_storage,
         stored_weight=weight_storage is not None and codes_serve(weight_storage, weight),
