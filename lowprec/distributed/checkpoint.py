@@ -21,11 +21,12 @@ Saving: every rank writes into ``.step_0000000n.partial/``; after a barrier the 
 the JSON's presence marks a complete checkpoint: a process killed at any moment before leaves the
 previous checkpoint the newest, and the partial directory is deleted by the next save.
 
-Loading verifies the JSON and every file's sha256, checks from DCP's metadata that what was saved fits
-this run's model and optimizer (:mod:`lowprec.train.state_checks`, as for one process), then asks for
-each tensor in this run's layout
-(a DTensor shard like the parameter it belongs to under FSDP2, a whole tensor otherwise); DCP reads
-the pieces it needs, so a checkpoint saved on N ranks loads on M, under DDP, FSDP2 or in one
+Loading verifies the JSON and every file's sha256, reads DCP's metadata without running code (see
+[Note: what a distributed checkpoint reads] in :mod:`lowprec.distributed.safe_metadata`), checks from
+it that what was saved fits this run's model and optimizer (:mod:`lowprec.train.state_checks`, as for
+one process), then asks for each tensor in this run's layout (a DTensor shard like the parameter it
+belongs to under FSDP2, a whole tensor otherwise); DCP reads the pieces it needs through the same
+reader, so a checkpoint saved on N ranks loads on M, under DDP, FSDP2 or in one
 process without a process group.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lowprec._checks import fail
 from lowprec.distributed.launch import Ranks, reshard
 from lowprec.distributed.named_state import optimizer_state_by_name, optimizer_state_by_position, optimizer_targets
+from lowprec.distributed.safe_metadata import MetadataReader
 from lowprec.optim import Optimizer
 from lowprec.train.checkpoint import (
     DISTRIBUTED_FORMAT,
@@ -215,7 +217,9 @@ def load(json_path: str | Path, meta: dict[str, Any], model: nn.Module, opt: Opt
     where = repr(str(json_path))
     directory = Path(json_path).parent / meta["directory"]
     reshard(model)
-    saved = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    # DCP's metadata through the restricted unpickler; dcp.load below reads with the same reader
+    reader = MetadataReader(directory, files=meta["files_sha256"])
+    saved = reader.read_metadata().state_dict_metadata
     model_sd = get_model_state_dict(model)
     check_model_state({k: tuple(v.shape) for k, v in model_sd.items()},
                       {k[len("model/"):]: _saved_shape(md, k, where) for k, md in saved.items()
@@ -236,7 +240,7 @@ def load(json_path: str | Path, meta: dict[str, Any], model: nn.Module, opt: Opt
     rng_keys = {k: f"rng/{source_rank}/{k}" for k in ("cpu", "cuda") if f"rng/{source_rank}/{k}" in saved}
     dests.update({key: _plain(saved[key]) for key in rng_keys.values()})
     with _single_process_quiet(ranks):
-        dcp.load(dests, checkpoint_id=str(directory), no_dist=not ranks.distributed)
+        dcp.load(dests, storage_reader=reader, no_dist=not ranks.distributed)
     _set_model_state(model, {k[len("model/"):]: v for k, v in dests.items() if k.startswith("model/")})
     by_name = join_tensors(optim_json, {k: v for k, v in dests.items() if k.startswith("optim/")})
     opt.load_state_dict(optimizer_state_by_position(model, opt, by_name))
