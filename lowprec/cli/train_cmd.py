@@ -109,7 +109,7 @@ def _options(d: Defaults) -> list[Callable]:
                      help="Run the last F of the steps (0 <= F < 1) with every converted layer in BF16."),
         click.option("--on-spike", type=click.Choice(["log", "skip", "rollback"]), default="log", show_default=True,
                      help="A loss spike is logged, skipped (the step not taken), or rolled back to the last "
-                          "checkpoint with its data window skipped (see --save-every)."),
+                          "checkpoint with its data window skipped (train only, with --save-every N > 0)."),
         click.option("--fp8-weights", is_flag=True,
                      help="Store the converted layers' weights in FP8 (E4M3 codes and FP32 scales, no BF16 copy), "
                           "their FP32 masters in the optimizer alone; needs --dtype bfloat16 or float16. Under "
@@ -141,6 +141,7 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
     ``resumed``: the settings of the checkpoint being resumed; the defaults that follow ``--steps``
     (warmup, evaluation interval) are then the checkpoint's, so a run can grow (``--steps`` larger).
     """
+    _check_rollback(opts["on_spike"], extra.get("save_every"))
     steps = opts["steps"]
     # steps <= 0 is left for TrainConfig to refuse, with its message
     positive = steps > 0
@@ -162,6 +163,17 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],
         fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"], control=_control_option(opts), **extra)
+
+
+def _check_rollback(on_spike: str, save_every: int | None) -> None:
+    """``--on-spike rollback`` needs checkpoints to return to: ``train`` with ``--save-every N > 0``; never
+    ``compare`` (``save_every`` None), whose runs save none. Refused naming the options as typed."""
+    if on_spike != "rollback" or (save_every is not None and save_every != 0):
+        return  # a negative --save-every is TrainConfig's to refuse
+    if save_every is None:
+        fail("--on-spike", "log or skip under compare (its runs save no checkpoints to roll back to)", "rollback")
+    fail("--on-spike", "--save-every N > 0 with rollback (a roll-back returns to the newest checkpoint; "
+         "--save-every 0 saves only after the last step)", "rollback with --save-every 0")
 
 
 _CONTROL_OPTIONS = {"sqnr_floor_db": "--auto-sqnr-floor", "saturation_ceiling": "--auto-saturation-max",

@@ -89,7 +89,8 @@ class TrainConfig:
     on_spike: str = "log"
     """What a loss spike does: ``log`` (flagged in the log only), ``skip`` (the step is not taken: weights
     and optimizer state untouched) or ``rollback`` (the step is not taken, the run goes back to its last
-    checkpoint and skips the data of the steps since; ``save_every`` sets how far back that is)."""
+    checkpoint and skips the data of the steps since and the spike's; ``save_every``, which must then be
+    positive, sets how far back that is; see [Note: rolling back a spike] in :mod:`lowprec.train.step_control`)."""
     control: ControlConfig = field(default_factory=ControlConfig)
     """Automatic precision control and the BF16 final fraction (:mod:`lowprec.telemetry.control`)."""
     compile: str | None = None
@@ -123,6 +124,9 @@ class TrainConfig:
                 fail(name, "a number in [0, 1]", describe(value))
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("on_spike", self.on_spike, ("log", "skip", "rollback"))
+        if self.on_spike == "rollback" and self.save_every == 0:
+            fail("on_spike", "save_every > 0 with 'rollback' (a roll-back returns to the newest checkpoint; "
+                 "save_every 0 saves only after the last step)", "'rollback' with save_every 0")
         if not isinstance(self.control, ControlConfig):
             fail("control", "a lowprec.telemetry.control.ControlConfig", describe(self.control), TypeError)
         if self.control.auto and self.telemetry_every == 0:

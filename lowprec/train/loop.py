@@ -26,6 +26,7 @@ import math
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,8 @@ from lowprec.train.run_state import RunState, restore, save
 
 TELEMETRY_KEY = "telemetry"
 """A sampled step's operand figures travel in its row to the log, which writes them to telemetry.csv."""
+SKIP_REASON_KEY = "skip_reason"
+"""Why the optimizer did not take a step travels in its row to the console line that says so."""
 HP_START_RECIPE = "bf16"
 """What the first ``hp_start_steps`` steps run in (DeepSeek-V3 starts its scales this way). Layers bound
 to a delayed recipe record their amaxes in those steps, so its first step scales from a history (see
@@ -155,6 +158,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
            "recipe": _step_recipe(cfg, step), "tokens_per_s": cfg.tokens_per_step / seconds}
     if recipes.get(cfg.recipe).uses_delayed_scaling:  # capped amax outliers so far (one read of the device)
         row["amax_outliers"] = amax_outliers(unwrap(run.model))
+    row[SKIP_REASON_KEY] = result.reason  # taken out of the row before it joins the history, as the figures
     if sampled is not None:
         row[TELEMETRY_KEY] = sampled.records  # taken out of the row before it joins the history
     # the controller judges the recipe's casts: the BF16 start's figures say nothing about them
@@ -195,6 +199,7 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
     for step in _steps(run, run.history[-1]["step"] + 1 if run.history else 1):
         row = _train_step(run, step)
         records = row.pop(TELEMETRY_KEY, None)
+        skip_reason = row.pop(SKIP_REASON_KEY)
         in_a_row = in_a_row + 1 if row["skipped"] else 0
         diverged = in_a_row >= cfg.max_skips_in_row
         if (step % cfg.eval_every == 0 or step == cfg.steps) and not diverged:
@@ -207,12 +212,14 @@ def _loop(run: RunState, log: RunLog | None, ckpt_dir: Path | None, on_step: Cal
             if records:
                 log.write_telemetry(records)
             step_control.write_switches(log.path.parent, run.pending_switches)
+        step_control.say_switches(run, step, run.pending_switches)
         if step_control.should_roll_back(run, row, ckpt_dir):
             step_control.roll_back(run, step, ckpt_dir)  # the loop goes on from the checkpoint's step
             if log is not None:  # the files follow the history: the undone steps' rows go
                 log.rewind(run.history)
                 step_control.rewrite_switches(log.path.parent, run.control)
             continue
+        step_control.say_skip(run, row, skip_reason)
         if ckpt_dir is not None and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             save(run, ckpt_dir)
         if on_step is not None:
@@ -250,6 +257,7 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     ranks = Ranks.of(cfg.parallel)
     if resume and out_dir is None:
         fail("resume", "an output directory holding checkpoints", "out_dir=None")
+    _check_arguments(cfg, out_dir is not None and checkpoints, out_dir is None, ranks)
     out = Path(out_dir) if out_dir is not None else None
     # one writer per directory: held from before the checkpoints are read until the last one is written
     with run_directory_lock(out, ranks) if out is not None else contextlib.nullcontext():
@@ -274,6 +282,18 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     return RunResult(recipe=_recipe_name(cfg), history=tuple(run.history), tokens_per_s=_throughput(run.history),
                      peak_memory_bytes=memory.peak_bytes(), diverged=diverged, conversion=conversion,
                      out_dir=str(out) if out is not None else None)
+
+
+def _check_arguments(cfg: TrainConfig, saves: bool, no_out: bool, ranks: Ranks) -> None:
+    """Before anything is built: a roll-back needs checkpoints (refused without); a BF16 start as long as the
+    run leaves the recipe no step (said once, from rank 0: a run that will grow by resuming may want it)."""
+    if cfg.on_spike == "rollback" and not saves:
+        fail("on_spike", "'log' or 'skip' when the run saves no checkpoints (a roll-back returns to the newest "
+             "one)", "'rollback' with " + ("out_dir=None" if no_out else "checkpoints=False"))
+    name = _recipe_name(cfg)
+    if cfg.hp_start_steps >= cfg.steps and name != HP_START_RECIPE and ranks.is_main:
+        warnings.warn(f"lowprec: hp_start_steps {cfg.hp_start_steps} >= steps {cfg.steps}: every step of the run "
+                      f"is in {HP_START_RECIPE}, none in {name}", stacklevel=3)
 
 
 def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) -> tuple[RunState, str]:

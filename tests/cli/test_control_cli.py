@@ -12,7 +12,7 @@ from lowprec.telemetry.control import ControlConfig
 
 SMALL = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--val-batches", "1", "--quiet", "--no-tensorboard"]
 OPTIONS = ["--auto-precision", "--auto-sqnr-floor", "12", "--auto-saturation-max", "0.01", "--hp-final-fraction",
-           "0.25", "--on-spike", "rollback"]
+           "0.25", "--on-spike", "skip"]
 
 
 class _Captured(Exception):
@@ -39,7 +39,7 @@ def test_the_options_reach_the_run_config(monkeypatch, tmp_path, command):
     cfg = _config(monkeypatch, tmp_path, command, *OPTIONS)
     assert cfg.control == ControlConfig(auto=True, sqnr_floor_db=12.0, saturation_ceiling=0.01,
                                         hp_final_fraction=0.25)
-    assert cfg.on_spike == "rollback"
+    assert cfg.on_spike == "skip"
     plain = _config(monkeypatch, tmp_path, command)
     assert plain.control == ControlConfig() and plain.on_spike == "log" and not plain.control.enabled
 
