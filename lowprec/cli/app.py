@@ -5,10 +5,20 @@ Bad input ends a command with one line and exit status 1, not a traceback: lowpr
 of memory with what to reduce; a ``ValueError``, ``TypeError``, ``KeyError`` or ``OSError`` from a
 library below with its exception's name, so that a message such as ``'>' not supported ...`` at
 least says what kind of failure it was. Other exceptions keep their traceback (a bug to report).
+
+[Note: one error line under torchrun]
+torchrun starts every rank with the same command line, so bad input fails on every rank alike (the
+ranks agree on what only rank 0 sees, such as the run directory's lock). Rank 0 alone says it: the
+other ranks print nothing and wait, at most :data:`OTHER_RANK_WAIT_S`, for torchrun to stop them,
+which it does as soon as rank 0 has exited with status 1 (were they to exit first, torchrun could
+stop rank 0 before its line is out). A rank still running after the wait failed alone (rank 0 went
+on, or waits in a collective): it says its own error, naming its rank, and exits 1. What the user
+sees after the line is torchrun's own report of the failed ranks, which lowprec cannot change.
 """
 from __future__ import annotations
 
 import re
+import time
 
 import click
 import torch
@@ -17,6 +27,9 @@ from lowprec._checks import fail
 
 _OWN_MESSAGE = re.compile(r"^[\w./\-\[\]' ]+: expected .+, got ", re.DOTALL)
 """The shape of the messages lowprec's checks write (``_checks.fail``)."""
+OTHER_RANK_WAIT_S = 20.0
+"""How long a rank other than 0 waits, silent, for torchrun to stop it after bad input (see [Note: one
+error line under torchrun]): rank 0 meets the same error moments later at most."""
 OUT_OF_MEMORY_HINT = ("reduce --batch-size or --seq-len (raise --grad-accum to keep the tokens per step), or "
                       "train a smaller --model")
 
@@ -41,18 +54,31 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+def _said_once(e: click.ClickException) -> click.ClickException:
+    """``e`` as this rank says it under torchrun (see [Note: one error line under torchrun]); as it is
+    in one process and on rank 0."""
+    from lowprec.distributed.launch import torchrun_rank  # DDP's imports: only when a command fails
+
+    rank = torchrun_rank()
+    if not rank:
+        return e
+    time.sleep(OTHER_RANK_WAIT_S)  # torchrun stops this rank here once rank 0 has said the same error
+    return click.ClickException(f"rank {rank}: {e.format_message()}")
+
+
 class _Group(click.Group):
-    """Turns bad input (and running out of memory) into a one-line message and exit code 1, not a traceback."""
+    """Turns bad input (and running out of memory) into a one-line message and exit code 1, not a traceback;
+    under torchrun from rank 0 alone."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except click.ClickException:
-            raise
+        except click.ClickException as e:
+            raise _said_once(e) from None
         except Exception as e:
             # other errors (a bug, most likely) keep their traceback
             if isinstance(e, (ValueError, TypeError, KeyError, OSError)) or _out_of_memory(e):
-                raise click.ClickException(one_line(e)) from e
+                raise _said_once(click.ClickException(one_line(e))) from e
             raise
 
 

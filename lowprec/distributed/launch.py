@@ -18,6 +18,7 @@ process on the same global batch. The process group uses NCCL on CUDA and gloo o
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -74,6 +75,12 @@ class Ranks:
 
 def launched_by_torchrun() -> bool:
     return dist.is_available() and dist.is_torchelastic_launched()
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it (the ``RANK`` torchrun sets), before or without a
+    process group; None in a process torchrun did not start."""
+    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else None
 
 
 def check_launch(parallel: str | Parallel, command: str) -> None:
