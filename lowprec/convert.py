@@ -1,7 +1,9 @@
 """``convert(model, recipe, policy)``: swap a model's linears for ``lowprec.nn.Linear`` and report."""
 from __future__ import annotations
 
+import enum
 import json
+import math
 import warnings
 from dataclasses import asdict, dataclass, field
 
@@ -15,8 +17,19 @@ from lowprec.kernels import capability, gemm_path
 from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
 from lowprec.nn.fp8_weight import check_fp8_weights, store_fp8
-from lowprec.nn.plan import layer_plan
+from lowprec.nn.plan import fallback_reason, layer_plan
 from lowprec.policy import Policy, find_blocks, policy_reason, share_groups
+
+
+class Kept(str, enum.Enum):
+    """Why a linear stays in high precision, by what would change it."""
+
+    POLICY = "policy"
+    """The policy keeps it (head, router, kept blocks, include/exclude, ``skip_small=True``)."""
+    SMALL = "small"
+    """Too small to gain where the recipe runs natively (``Policy.skip_small`` None)."""
+    SHAPE = "shape"
+    """A shape the recipe's GEMMs cannot take."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +41,44 @@ class LayerReport:
     """True when the layer runs the recipe's low-precision GEMMs."""
     reason: str
     """What it became, or why it stays in high precision."""
+    params: int = 0
+    """The layer's parameters (weight and bias)."""
+    kept: Kept | None = None
+    """Why it stays in high precision; None when converted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """How much of a model's linears run the recipe: what a verdict on the recipe rests on."""
+
+    converted: int
+    linears: int
+    converted_params: int
+    params: int
+    """Parameters of every linear (weights and biases)."""
+    kept: tuple[tuple[Kept, int], ...] = ()
+    """How many linears stay in high precision for each reason, most first."""
+
+    @property
+    def fraction(self) -> float:
+        """The converted linears' share of the linear parameters; NaN for a model without linears."""
+        return self.converted_params / self.params if self.params else math.nan
+
+    @property
+    def share(self) -> str:
+        """``fraction`` as a percentage rounded down, so that 100% means every parameter and 0% none."""
+        if not self.params:
+            return "n/a"
+        share = f"{math.floor(self.fraction * 100)}%"
+        return "<1%" if share == "0%" and self.converted_params else share
+
+    def __str__(self) -> str:
+        return f"{self.converted} of {self.linears} linears converted ({self.share} of linear parameters)"
+
+    def to_dict(self) -> dict:
+        return {"converted": self.converted, "linears": self.linears, "converted_params": self.converted_params,
+                "params": self.params, "fraction": self.fraction if self.params else None,
+                "kept": {k.value: n for k, n in self.kept}}
 
 
 @dataclass
@@ -62,6 +113,15 @@ class ConversionReport:
     def kept(self) -> list[LayerReport]:
         return [lr for lr in self.layers if not lr.converted]
 
+    def coverage(self) -> Coverage:
+        """How many linears, and what share of their parameters, run the recipe (the summary's count)."""
+        kept: dict[Kept, int] = {}
+        for lr in self.kept:
+            kept[lr.kept or Kept.POLICY] = kept.get(lr.kept or Kept.POLICY, 0) + 1
+        return Coverage(len(self.converted), len(self.layers), sum(lr.params for lr in self.converted),
+                        sum(lr.params for lr in self.layers),
+                        tuple(sorted(kept.items(), key=lambda kv: -kv[1])))
+
     def to_table(self, markdown: bool = False) -> str:
         rows = [(lr.name, f"{lr.in_features}x{lr.out_features}", "yes" if lr.converted else "no", lr.reason)
                 for lr in self.layers]
@@ -69,8 +129,8 @@ class ConversionReport:
 
     def summary(self) -> str:
         paths = ", ".join(f"{g} {p}" for g, p in self.gemm_paths.items())
-        return (f"recipe {self.recipe.name}: {len(self.converted)} of {len(self.layers)} linears converted, "
-                f"{len(self.kept)} kept in high precision; GEMMs on {self.device}: {paths}")
+        return (f"recipe {self.recipe.name}: {self.coverage()}, {len(self.kept)} kept in high precision; "
+                f"GEMMs on {self.device}: {paths}")
 
     def notes(self) -> list[str]:
         """What the table alone does not say: layers whose precision depends on the device."""
@@ -93,7 +153,8 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
-                "layers": [asdict(lr) for lr in self.layers], "small_elsewhere": self.small_elsewhere,
+                "layers": [asdict(lr) for lr in self.layers], "coverage": self.coverage().to_dict(),
+                "small_elsewhere": self.small_elsewhere,
                 "shared_inputs": [list(g) for g in self.shared_inputs],
                 "fp8_weights": self.fp8_weights, "fp8_decoded": self.fp8_decoded,
                 "saved_activations": self.saved_activations, "activations": self.activations}
@@ -166,7 +227,8 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
         if reason is not None:
             if isinstance(lin, Linear):  # converted before: back to high precision
                 lin.set_recipe(None)
-            report.layers.append(LayerReport(name, lin.in_features, lin.out_features, False, reason))
+            report.layers.append(LayerReport(name, lin.in_features, lin.out_features, False, reason,
+                                             _params(lin), Kept.POLICY))
             continue
         new = lin if isinstance(lin, Linear) else Linear.from_linear(lin, None)
         new.set_recipe(recipe, min_features=policy.small_rule, recast_input=policy.recasts_inputs)
@@ -223,8 +285,15 @@ def _layer_report(name: str, lin: Linear, recipe: R.Recipe, device: torch.device
     """What the layer does on ``device`` and, where the small-layer rule differs elsewhere, there."""
     plan = layer_plan(recipe, device, lin.in_features, lin.out_features, None, policy.small_rule)
     if plan.hp_reason is not None:
-        return LayerReport(name, lin.in_features, lin.out_features, False, f"high precision: {plan.hp_reason}")
-    return LayerReport(name, lin.in_features, lin.out_features, True, recipe.name)
+        kept = Kept.SHAPE if fallback_reason(lin.in_features, lin.out_features, recipe) else Kept.SMALL
+        return LayerReport(name, lin.in_features, lin.out_features, False, f"high precision: {plan.hp_reason}",
+                           _params(lin), kept)
+    return LayerReport(name, lin.in_features, lin.out_features, True, recipe.name, _params(lin))
+
+
+def _params(lin: nn.Linear) -> int:
+    return lin.in_features * lin.out_features + (lin.out_features if lin.bias is not None else 0)
+
 
 
 def _warn(report: ConversionReport) -> None:

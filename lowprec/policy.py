@@ -28,7 +28,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.nn as nn
 
@@ -115,6 +115,17 @@ class Policy:
     def small_rule(self) -> int | None:
         """The ``min_features`` a layer applies per device (``skip_small`` None), else None."""
         return self.min_features if self.skip_small is None else None
+
+
+def quality_policy(policy: Policy | None = None) -> Policy:
+    """The policy a quality question (``lowprec compare``, ``lowprec check``) converts with: ``policy``
+    (None: the default), with ``skip_small`` False where it is None, so that every layer the recipe can
+    take runs it on every device, a small one on a GPU too (its speed is reported, never traded for the
+    verdict); a ``skip_small`` the policy sets, True or False, is kept."""
+    policy = policy if policy is not None else Policy()
+    if not isinstance(policy, Policy):
+        fail("policy", "a lowprec.Policy or None", describe(policy), TypeError)
+    return replace(policy, skip_small=False) if policy.skip_small is None else policy
 
 
 def _matches(f: Filter, name: str, module: nn.Module) -> bool:

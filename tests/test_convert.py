@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 import lowprec
+from lowprec.convert import Kept
 from lowprec.nn import Linear
 from lowprec.policy import Policy
 from lowprec.train.model import ModelConfig, build_model
@@ -201,7 +202,8 @@ def test_emulated_gemms_are_reported_and_warned_on_cpu():
 
 def test_the_report_as_text_markdown_and_json():
     report = quiet_convert(Toy(n_blocks=2), "mxfp8")
-    assert report.summary() == ("recipe mxfp8: 8 of 17 linears converted, 9 kept in high precision; "
+    assert report.summary() == ("recipe mxfp8: 8 of 17 linears converted (57% of linear parameters), 9 kept in "
+                                "high precision; "
                                 "GEMMs on cpu: fprop emulated, dgrad emulated, wgrad emulated")
     text = str(report)
     assert text.splitlines()[0] == report.summary() and "layers.1.up_proj" in text
@@ -212,7 +214,24 @@ def test_the_report_as_text_markdown_and_json():
     data = json.loads(report.to_json())
     assert data["recipe"] == "mxfp8" and data["device"] == "cpu" and len(data["layers"]) == 17
     assert data["layers"][-2] == {"name": "lm_head", "in_features": 64, "out_features": 256, "converted": False,
-                                  "reason": HEAD}
+                                  "reason": HEAD, "params": 64 * 256 + 256, "kept": "policy"}
+    assert data["coverage"] == {"converted": 8, "linears": 17, "converted_params": report.coverage().converted_params,
+                                "params": sum(lr.params for lr in report.layers), "kept": {"policy": 8, "shape": 1},
+                                "fraction": report.coverage().fraction}
+
+
+def test_the_coverage_counts_linears_and_their_parameters_with_why_the_rest_are_kept():
+    model = Toy(n_blocks=2)
+    report = quiet_convert(model, "fp8-blockwise")  # 64-wide layers: not multiples of 128
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    every = sum(p.numel() for m in linears for p in m.parameters(recurse=False))
+    c = report.coverage()
+    assert (c.linears, c.params) == (len(linears), every)
+    assert c.converted == sum(lr.converted for lr in report.layers)
+    shapes = sum("not a multiple of 128" in lr.reason for lr in report.layers)
+    assert shapes > 0 and dict(c.kept) == {Kept.SHAPE: shapes, Kept.POLICY: c.linears - c.converted - shapes}
+    assert str(c) == f"{c.converted} of {c.linears} linears converted ({c.share} of linear parameters)"
+    assert report.summary().startswith(f"recipe fp8-blockwise: {c}, ")
 
 
 def test_reconverting_to_another_recipe_rebinds_the_same_modules():

@@ -72,6 +72,7 @@ def _as_dict(report, suggested: dict[str, Any]) -> dict[str, Any]:
     return {"recipe": report.recipe, "floor_db": report.floor_db, "batches": report.batches,
             "logits_sqnr_db": _finite(report.logits_sqnr_db), "loss_bf16": report.loss_bf16,
             "loss_recipe": report.loss_recipe, "flagged": report.flagged,
+            "coverage": report.coverage.to_dict() if report.coverage is not None else None,
             "layers": [{"name": lc.name, "shape": lc.shape, "sqnr_db": _finite(lc.sqnr_db), "flagged": lc.flagged}
                        for lc in report.layers],
             "suggested_policy": suggested}

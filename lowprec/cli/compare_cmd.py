@@ -13,7 +13,7 @@ from lowprec.cli.app import main
 from lowprec.cli.train_cmd import Defaults, config_from_options, launched, training_options
 from lowprec.distributed.launch import Ranks
 from lowprec.train.compare import Progress, check_seeds, compare, compare_plan, parse_recipes
-from lowprec.train.data import load_data
+from lowprec.train.data import load_data, repetition_warning
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.models import check_model_spec
 from lowprec.train.report import overall
@@ -59,7 +59,7 @@ class ProgressLines:
 @click.option("--out", default="runs/compare", show_default=True,
               help="Directory for report.md, report.html, report.json, loss_curves.png and per-recipe logs.")
 @click.option("--fail-on", type=click.Choice(["never", "warn", "fail"]), default="never", show_default=True,
-              help="Exit with status 2 when a verdict is at least this bad.")
+              help="Exit with status 2 when a verdict is at least this bad (warn: also NOT TESTED).")
 @click.option("--seeds", type=int, default=DEFAULT_SEEDS, show_default=True,
               help="Seeds the baseline trains with (--seed and the next ones): their spread is the noise "
                    "each gap is judged beside.")
@@ -91,6 +91,9 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_see
             click.echo(f"{opts['model']} model, {cfg.steps} steps per run on {cfg.device} ({cfg.dtype}"
                        f"{', ' + cfg.parallel if cfg.parallel != 'none' else ''}): " + ", ".join(plan.entries)
                        + (f" ({runs}: {n_runs} runs)" if runs else "") + f"; data: {data.source}", err=True)
+        repeats = repetition_warning(data, cfg.steps, cfg.batch_size, cfg.seq_len, cfg.grad_accum)
+        if main and repeats:
+            click.echo(repeats, err=True)
         report = compare(opts["model"], names, cfg, data, seeds=seeds, recipe_seeds=recipe_seeds, out_dir=out,
                          on_result=finished, on_step=watch.step if chatty else None)
     # every rank holds the same report (its losses are reduced across the ranks), so every rank gates alike
@@ -100,7 +103,8 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_see
         click.echo(json.dumps(report.to_json(), indent=1))
     elif main:
         click.echo(report.table())
-        click.echo("\n" + "\n".join([report.band_line().replace("`", ""), *report.reasons()]))
+        plain = [line.replace("`", "").replace("*", "") for line in report.legend()]
+        click.echo("\n" + "\n".join([*plain, "", report.band_line().replace("`", ""), *report.reasons()]))
         click.echo(f"\nreport: {out}/report.html (also report.md, report.json, loss_curves.png)")
     if gate:
         raise SystemExit(2)

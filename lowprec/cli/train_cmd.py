@@ -21,7 +21,7 @@ from lowprec.optim.states import StateFormat
 from lowprec.policy_file import policy_from_dict, read_policy_dict
 from lowprec.telemetry.control import ControlConfig
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
-from lowprec.train.data import load_data
+from lowprec.train.data import load_data, repetition_warning
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
 from lowprec.train.result import RunResult
@@ -258,6 +258,9 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
             where = f" x {ranks.world_size} ranks ({cfg.parallel})" if ranks.distributed else ""
             click.echo(f"{spec.name}: {spec.n_params:,} parameters, recipe {recipe}, {cfg.steps} steps on "
                        f"{cfg.device}{where} ({cfg.dtype}); data: {data.source}", err=True)
+        repeats = repetition_warning(data, cfg.steps, cfg.batch_size, cfg.seq_len, cfg.grad_accum)
+        if main and repeats:
+            click.echo(repeats, err=True)
         skipped: list[bool] = []  # of the steps this command ran (a resumed run's earlier ones are in the history)
         result = train(model, data, cfg, out_dir=out, resume=resume,
                        on_step=lambda row: skipped.append(row["skipped"]))

@@ -3,7 +3,9 @@ against the same layer in BF16, fed the same input.
 
 [Note: what the check measures]
 The model is converted twice, to the recipe and to ``bf16`` (the baseline every recipe is judged
-against), with the same policy and weights, and both run in evaluation mode (every cast rounded to
+against), with the same policy and weights: the policy a quality question converts with
+(:func:`lowprec.policy.quality_policy`: small layers too, on every device, unless the policy sets
+``skip_small``), and both run in evaluation mode (every cast rounded to
 nearest). For each batch, the converted model runs; every converted layer's input and output are
 caught by a forward hook, and the BF16 model's layer of the same name is run on that same input. So
 a layer's figure is the error of its own casts, not the error the layers before it passed on:
@@ -13,7 +15,8 @@ a layer's figure is the error of its own casts, not the error the layers before 
 with ``ref`` the BF16 layer's output and ``out`` the converted one's. The whole models are also run
 each on the batch alone: the final logits' SQNR and the difference of their cross-entropy losses
 say what the errors add up to. Layers under ``floor_db`` are flagged; the suggested policy is the
-conversion's policy with the flagged layers excluded (kept in high precision).
+policy given (or the default one, which keeps small layers in BF16 where the recipe runs natively, for
+speed) with the flagged layers excluded (kept in high precision).
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ import lowprec
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec._table import format_table
+from lowprec.convert import Coverage
 from lowprec.nn import Linear
-from lowprec.policy import Policy
+from lowprec.policy import Policy, quality_policy
 
 DEFAULT_FLOOR_DB = 10.0
 """A layer whose output SQNR is under this is flagged: about three bits of agreement. FP8 layers give
@@ -59,7 +63,9 @@ class CheckReport:
     loss_bf16: float = math.nan
     loss_recipe: float = math.nan
     policy: Policy = field(default_factory=Policy)
-    """The suggested policy: the one checked, with the flagged layers excluded."""
+    """The suggested policy: the one given (or the default), with the flagged layers excluded."""
+    coverage: Coverage | None = None
+    """How many linears ran the recipe in the check."""
 
     @property
     def flagged(self) -> list[str]:
@@ -71,7 +77,8 @@ class CheckReport:
         return format_table(["layer", "shape", "output SQNR (dB)", f"under {self.floor_db:g} dB"], rows)
 
     def summary(self) -> str:
-        return (f"recipe {self.recipe} on {self.batches} batch(es): {len(self.flagged)} of {len(self.layers)} "
+        ran = f"{self.coverage}; " if self.coverage is not None else ""
+        return (f"recipe {self.recipe} on {self.batches} batch(es): {ran}{len(self.flagged)} of {len(self.layers)} "
                 f"converted layers under {self.floor_db:g} dB; logits SQNR {self.logits_sqnr_db:.1f} dB; loss "
                 f"{self.loss_recipe:.4f} against {self.loss_bf16:.4f} in bf16 "
                 f"({self.loss_recipe - self.loss_bf16:+.4f})")
@@ -119,9 +126,10 @@ def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torc
         fail("floor_db", "a finite number of dB", describe(floor_db))
     recipe = R.get(recipe)
     policy = policy if policy is not None else Policy()
+    measured = quality_policy(policy)
     lp, ref = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
-    lowprec.convert(lp, recipe, policy)
-    lowprec.convert(ref, "bf16", policy)
+    coverage = lowprec.convert(lp, recipe, measured).coverage()
+    lowprec.convert(ref, "bf16", measured)
     layers = _scaled_layers(lp)
     ref_layers = dict(ref.named_modules())
     energy = {n: _Energy() for n in layers}
@@ -151,7 +159,8 @@ def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torc
     flagged = tuple(c.name for c in checks if c.flagged)
     return CheckReport(recipe=recipe.name, floor_db=float(floor_db), batches=n_batches, layers=checks,
                        logits_sqnr_db=logits_energy.sqnr_db, loss_bf16=losses[0] / n_batches,
-                       loss_recipe=losses[1] / n_batches, policy=suggested_policy(policy, flagged))
+                       loss_recipe=losses[1] / n_batches, policy=suggested_policy(policy, flagged),
+                       coverage=coverage)
 
 
 def suggested_policy(policy: Policy, flagged: tuple[str, ...]) -> Policy:

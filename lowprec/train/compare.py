@@ -6,6 +6,10 @@ run of the seed the same batches. So a seed's loss curves differ only by the rec
 draws of stochastic rounding it makes). The baseline trains with ``seeds`` seeds, the other recipes
 with the first ``recipe_seeds`` of them; the spread of the baseline's runs is the noise the verdicts
 weigh each gap against (see :mod:`lowprec.train.verdict`).
+
+A comparison asks a quality question, so it converts every linear the recipe can take on every device
+(:func:`quality_config`): a GPU's rule that keeps small layers in BF16 for speed would have it compare
+BF16 with BF16. Speed is reported beside the verdict, never traded for it.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import lowprec
 from lowprec import recipes
 from lowprec._checks import describe, fail
 from lowprec.distributed.launch import Ranks
+from lowprec.policy import quality_policy
+from lowprec.policy_file import policy_to_dict
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
 from lowprec.train.loop import train
@@ -113,6 +119,12 @@ class Plan:
             return None
         d = Path(out_dir) / "runs" / run_dir_name(recipe)
         return d / f"seed-{seed}" if len(self.seeds) > 1 else d
+def quality_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the policy a comparison converts with (:func:`lowprec.policy.quality_policy`): small
+    layers converted too, unless ``cfg``'s policy sets ``skip_small`` itself."""
+    return replace(cfg, policy=policy_to_dict(quality_policy(cfg.policy_object())))
+
+
 def optimizer_suffix(cfg: TrainConfig) -> str:
     """The label suffix of a run with ``cfg``'s optimizer memory options: ``""`` with FP32 moments and
     masters, else e.g. ``"+fp8-states"`` or ``"+int8-states+sr-weights"`` (no master weights)."""
@@ -141,7 +153,7 @@ def compare_plan(recipe_names: str | Sequence[RecipeLike], cfg: TrainConfig, see
     """The runs of a comparison: which label trains with which seed (:class:`Plan`), and each label's
     settings (:func:`compare_runs`: with optimizer memory options, every recipe twice)."""
     check_seeds(seeds, recipe_seeds)
-    configs = dict(compare_runs(parse_recipes(recipe_names), cfg))
+    configs = dict(compare_runs(parse_recipes(recipe_names), quality_config(cfg)))
     return Plan(tuple(configs), tuple(cfg.seed + i for i in range(seeds)), recipe_seeds), configs
 
 
@@ -183,8 +195,10 @@ def compare(model_spec: str, recipe_names: str | Sequence[RecipeLike], cfg: Trai
     first ``recipe_seeds`` of them (see :class:`Plan`); each run's log goes to
     ``out_dir/runs/<run_dir_name(recipe)>``, in ``seed-<seed>`` under it with several seeds. ``on_step``
     sees every step's :class:`Progress`, ``on_result`` every run's result. Under
-    ``cfg.parallel`` every rank calls this; every rank gets the report, rank 0 writes it.
+    ``cfg.parallel`` every rank calls this; every rank gets the report, rank 0 writes it. Every run converts
+    with :func:`quality_config`'s policy.
     """
+    cfg = quality_config(cfg)
     plan, configs = compare_plan(recipe_names, cfg, seeds, recipe_seeds)
     done: dict[str, list[tuple[int, RunResult]]] = {label: [] for label in plan.entries}
     index = 0

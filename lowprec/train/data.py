@@ -236,3 +236,20 @@ def load_data(path: str | Path | None = None, *, token_dtype: str = "uint16",
     if vocab_size < BYTE_VOCAB:
         fail("vocab_size", f"at least {BYTE_VOCAB} for byte-level text (token = byte)", vocab_size)
     return replace(data, vocab_size=vocab_size)
+
+
+def data_passes(data: TokenData, steps: int, batch_size: int, seq_len: int, grad_accum: int = 1) -> float:
+    """How many times over a run of ``steps`` reads the training split: the tokens its batches draw
+    (``steps x grad_accum x batch_size x seq_len``) over the split's tokens. Windows are drawn at random,
+    so a run reads some text twice well before one pass; past one pass it certainly repeats."""
+    return steps * grad_accum * batch_size * seq_len / max(1, len(data.train))
+
+
+def repetition_warning(data: TokenData, steps: int, batch_size: int, seq_len: int, grad_accum: int = 1) -> str | None:
+    """One line for ``train`` and ``compare`` when a run reads its training data more than once, else None."""
+    passes = data_passes(data, steps, batch_size, seq_len, grad_accum)
+    if passes <= 1:
+        return None
+    return (f"warning: {steps:,} steps of {grad_accum * batch_size * seq_len:,} tokens read the "
+            f"{len(data.train):,} training tokens {passes:.1f} times over: validation then measures memorization; "
+            "pass --data with more text, or fewer --steps")

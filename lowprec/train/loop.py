@@ -261,7 +261,7 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     out = Path(out_dir) if out_dir is not None else None
     # one writer per directory: held from before the checkpoints are read until the last one is written
     with run_directory_lock(out, ranks) if out is not None else contextlib.nullcontext():
-        run, conversion = _start(model, data, cfg, ranks)
+        run, report = _start(model, data, cfg, ranks)
         ckpt_dir = out / "checkpoints" if out is not None and checkpoints else None
         memory = PeakMemory(run.device)
         log = None
@@ -280,8 +280,8 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
                 log.close()
             run.opt.remove_hooks()
     return RunResult(recipe=_recipe_name(cfg), history=tuple(run.history), tokens_per_s=_throughput(run.history),
-                     peak_memory_bytes=memory.peak_bytes(), diverged=diverged, conversion=conversion,
-                     out_dir=str(out) if out is not None else None)
+                     peak_memory_bytes=memory.peak_bytes(), diverged=diverged, conversion=str(report),
+                     out_dir=str(out) if out is not None else None, coverage=report.coverage())
 
 
 def _check_arguments(cfg: TrainConfig, saves: bool, no_out: bool, ranks: Ranks) -> None:
@@ -296,7 +296,8 @@ def _check_arguments(cfg: TrainConfig, saves: bool, no_out: bool, ranks: Ranks) 
                       f"is in {HP_START_RECIPE}, none in {name}", stacklevel=3)
 
 
-def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) -> tuple[RunState, str]:
+def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
+           ranks: Ranks) -> tuple[RunState, lowprec.ConversionReport]:
     """The run before its first step: the model cast, converted and wrapped, its optimizer, the generators
     seeded; and the conversion report."""
     recipe = recipes.get(cfg.recipe)
@@ -304,7 +305,7 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig, ranks: Ranks) ->
     # cast before converting, so scaling state the converted layers hold stays float32
     model.to(device=device, dtype=cfg.torch_dtype)
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
-    conversion = str(lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights))
+    conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers

@@ -18,6 +18,7 @@ from typing import Any
 
 from lowprec._checks import fail
 from lowprec._table import format_table
+from lowprec.convert import Coverage
 from lowprec.train.result import FINAL_WINDOW, RunResult
 from lowprec.train.verdict import (
     Family,
@@ -29,6 +30,7 @@ from lowprec.train.verdict import (
     judge,
     paired_gap,
     pct,
+    untested,
     worst,
 )
 
@@ -72,6 +74,11 @@ class RecipeRuns:
                 return f"{'diverged' if r.diverged else 'non-finite loss'} (seed {seed})"
         return None
 
+    @property
+    def coverage(self) -> Coverage | None:
+        """How much of the model ran the recipe (every seed converts the same model alike); None if unknown."""
+        return self.results[0].coverage
+
 
 def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(values) if all(math.isfinite(v) for v in values) else math.nan
@@ -111,7 +118,10 @@ class CompareReport:
         gap, noise = gap_and_noise(runs.band, base.band, t.noise_z)
         failure = runs.failure or (None if math.isfinite(base.band.mean) else
                                    "the baseline has no finite validation loss")
-        return judge(gap, noise, tol, t, failure)
+        v = judge(gap, noise, tol, t, failure)
+        why = untested(runs.coverage)
+        # a failed run is a fact whatever ran it; any other verdict needs the recipe to have run
+        return v if v.level is Level.FAIL or why is None else Verdict(Level.NOT_TESTED, gap, noise, tol, why)
 
     def rows(self) -> list[dict[str, Any]]:
         rows = []
@@ -129,6 +139,8 @@ class CompareReport:
                                           is not None), default=None),
                 "skipped_steps": sum(res.skipped_steps for res in r.results), "steps": r.results[0].steps,
                 "verdict": v.level.value, "label": v.label, "reason": v.reason,
+                "converted": str(r.coverage) if r.coverage is not None else None,
+                "coverage": r.coverage.to_dict() if r.coverage is not None else None,
             })
         return rows
 
@@ -153,28 +165,59 @@ class CompareReport:
                         for row, r in zip(self.rows(), self.runs)],
         })
 
-    _HEADERS = ("recipe", "seeds", "train loss", "val loss", "gap to {}", "noise ±", "same seeds", "tolerance",
-                "tokens/s", "peak mem (GiB)", "skipped", "verdict")
+    _HEADERS = ("recipe", "linears converted", "seeds", "train loss", "val loss", "gap to {}", "noise ±",
+                "same seeds", "tolerance", "tokens/s", "peak mem (GiB)", "skipped", "verdict")
 
     def _cells(self) -> list[list[Any]]:
-        return [[row["recipe"], len(row["seeds"]), _num(row["final_train_loss"]), _num(row["final_val_loss"]),
-                 _gap(row["gap_to_baseline"]), _abs(row["noise"]), _gap(row["gap_same_seeds"]), pct(row["tolerance"]),
-                 f"{row['tokens_per_s']:,.0f}", _mem(row["peak_memory_bytes"]), row["skipped_steps"], row["label"]]
-                for row in self.rows()]
+        return [[row["recipe"], _converted(r.coverage), len(row["seeds"]), _num(row["final_train_loss"]),
+                 _num(row["final_val_loss"]), _gap(row["gap_to_baseline"]), _abs(row["noise"]),
+                 _gap(row["gap_same_seeds"]), pct(row["tolerance"]), f"{row['tokens_per_s']:,.0f}",
+                 _mem(row["peak_memory_bytes"]), row["skipped_steps"], row["label"]]
+                for row, r in zip(self.rows(), self.runs)]
 
     def table(self, markdown: bool = False) -> str:
         return format_table([h.format(self.baseline) for h in self._HEADERS], self._cells(), markdown=markdown)
 
     def reasons(self) -> list[str]:
-        """One line per recipe: its verdict, why, and the tolerance it was held to with where that comes from."""
-        return [f"{row['recipe']}: {row['label']}: {row['reason']}; tolerance {pct(row['tolerance'])} for "
-                f"{Family(row['family']).title} ({row['tolerance_source']}, widened for short runs)"
-                for row in self.rows() if row["recipe"] != self.baseline]
+        """One line per recipe: its verdict, why, what ran it, the same-seed gap, and the tolerance it was held
+        to with where that comes from."""
+        out = []
+        for row in self.rows():
+            if row["recipe"] == self.baseline:
+                continue
+            ran = f"; {row['converted']}" if row["converted"] and row["verdict"] != Level.NOT_TESTED.value else ""
+            same = (f"; same-seed gap {_gap(row['gap_same_seeds'])} (shown, not judged)"
+                    if math.isfinite(row["gap_same_seeds"]) else "")
+            out.append(f"{row['recipe']}: {row['label']}: {row['reason']}{ran}{same}; tolerance "
+                       f"{pct(row['tolerance'])} for {Family(row['family']).title} ({row['tolerance_source']}, "
+                       "widened for short runs)")
+        return out
+
+    def legend(self) -> list[str]:
+        """What the verdicts mean, in plain words: the report's first lines."""
+        t = self.thresholds
+        tols = ", ".join(f"{f.title} {pct(t.tolerance(f))}" for f in Family)
+        b = f"`{self.baseline}`"
+        return [
+            f"PASS: the recipe's final validation loss is within its family's tolerance of {b}'s ({tols}). "
+            f"*(within noise)*: the gap is no larger than {b}'s own seeds differ by, so these runs cannot tell "
+            f"the recipe from {b}.",
+            f"WARN: beyond the tolerance, but by less than the noise or than {t.warn_factor:g}x the tolerance: "
+            "not resolved; more seeds (--seeds, --recipe-seeds) or steps could bring it within.",
+            "FAIL: beyond the tolerance by more than both the noise and that margin, or a non-finite loss at any seed.",
+            f"NOT TESTED: the recipe ran on no linear, or on linears holding under half of the linear parameters: "
+            f"its runs measure {b}, not the recipe, and earn no verdict (the reason names the option that "
+            "converts them).",
+            "Why similar gaps can get different verdicts: each family has its own tolerance (above), so a gap of "
+            "3% is beyond an 8-bit recipe's and within a 4-bit one's; and the gap is to the mean of "
+            f"{b}'s seeds, so the seed a recipe trained with moves it by up to the noise. The same-seed gap "
+            f"compares each run with {b}'s run from the same initialisation and data: where it is near zero "
+            "and the gap is not, the gap is mostly which seed the recipe drew.",
+        ]
 
     def notes(self) -> list[str]:
         """The lines under the table, in Markdown (the HTML page drops the backticks); one place to add one."""
         t = self.thresholds
-        tols = ", ".join(f"{f.title} {pct(t.tolerance(f))}" for f in Family)
         return [
             self.band_line(),
             f"Gap: relative difference of the mean final validation loss to `{self.baseline}`'s; lower is better. "
@@ -182,9 +225,8 @@ class CompareReport:
             "recipes' seeds; a gap no larger is *within noise*. Same seeds: the mean gap to "
             f"`{self.baseline}`'s runs of the recipe's own seeds (same initialisation and data order), which most "
             "of the seed-to-seed spread does not move; shown, not judged.",
-            f"PASS: gap <= the family's tolerance ({tols}); WARN: beyond it by less than the noise or "
-            f"{t.warn_factor:g}x the tolerance; FAIL: beyond both, or a non-finite loss at any seed. "
-            "See docs/verdicts.md for the sources.",
+            "Linears converted: of the model's linears, how many ran the recipe, and their share of the linear "
+            "parameters. Tolerances and their sources: docs/verdicts.md.",
             f"Train loss: mean over the last {FINAL_WINDOW} steps. Validation: a fixed set of "
             f"{self.context['train']['val_batches']} batches from the held-out split, the same for every seed.",
             "Peak memory: the CUDA allocator's peak, or on a CPU the process's resident-set peak "
@@ -197,7 +239,8 @@ class CompareReport:
         return f"lowprec compare: {c['model']['name']} model, {c['train']['steps']} steps{seeds}"
 
     def to_markdown(self) -> str:
-        lines = [f"# {self.title()}", "", self.table(markdown=True), "", "## Verdicts", "",
+        lines = [f"# {self.title()}", "", *[f"- {line}" for line in self.legend()], "",
+                 self.table(markdown=True), "", "## Verdicts", "",
                  *[f"- {line}" for line in self.reasons()], "", *[f"- {note}" for note in self.notes()], "",
                  f"![loss curves]({PNG_NAME})", "", "## Setup", "", *[f"- {k}: {v}" for k, v in _setup(self.context)]]
         for r in self.runs:
@@ -208,15 +251,15 @@ class CompareReport:
         e = html.escape
         head = "".join(f"<th>{e(h.format(self.baseline))}</th>" for h in self._HEADERS)
         body = "".join("<tr>" + "".join(f"<td>{e(str(c))}</td>" for c in cells[:-1])
-                       + f"<td class=\"{row['verdict']}\">{e(cells[-1])}</td></tr>"
+                       + f"<td class=\"{row['verdict'].replace(' ', '_')}\">{e(cells[-1])}</td></tr>"
                        for cells, row in zip(self._cells(), self.rows()))
         setup = _items(f"{k}: {v}" for k, v in _setup(self.context))
         img = base64.b64encode(png).decode()
         return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>lowprec compare</title><style>"
                 f"body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}table{{border-collapse:collapse}}"
                 f"td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}.PASS{{background:#c8f0c8}}"
-                f".WARN{{background:#f8e8a0}}.FAIL{{background:#f4b8b8}}img{{max-width:100%}}</style></head><body>"
-                f"<h1>{e(self.title())}</h1><table><tr>{head}</tr>{body}</table><h2>Verdicts</h2>"
+                f".WARN{{background:#f8e8a0}}.FAIL{{background:#f4b8b8}}.NOT_TESTED{{background:#d8d8d8}}img{{max-width:100%}}</style></head><body>"
+                f"<h1>{e(self.title())}</h1><ul>{_items(self.legend())}</ul><table><tr>{head}</tr>{body}</table><h2>Verdicts</h2>"
                 f"<ul>{_items(self.reasons())}</ul><ul>{_items(self.notes())}</ul>"
                 f"<img alt=\"loss curves\" src=\"data:image/png;base64,{img}\"><h2>Setup</h2><ul>{setup}</ul>"
                 f"</body></html>\n")
@@ -266,6 +309,7 @@ def _setup(c: dict[str, Any]) -> list[tuple[str, Any]]:
             ("schedule", f"lr {t['lr']}, warmup {t['warmup_steps']}, cosine to {t['min_lr_ratio']} x lr"),
             ("seeds", f"baseline {seeds['baseline']}, other recipes {seeds['recipes']} (each seed: its own "
                       "initialisation, data order and rounding draws)"),
+            ("policy", json.dumps(t.get("policy")) + " (lowprec.policy_file form)"),
             ("high-precision start", f"{t['hp_start_steps']} steps"),
             ("device", f"{c['device']} ({t['dtype']} parameters)"),
             ("versions", f"lowprec {c['lowprec_version']}, torch {c['torch_version']}, "
@@ -292,6 +336,10 @@ def _gap(x: float) -> str:
 
 def _abs(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"{x:.2%}"
+
+
+def _converted(c: Coverage | None) -> str:
+    return "n/a" if c is None else f"{c.converted}/{c.linears} ({c.share})"
 
 
 def _mem(x: int | None) -> str:

@@ -5,6 +5,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lowprec.convert import Coverage
+
 FINAL_WINDOW = 10
 """The final train loss is the mean over this many last finite steps: one step's loss is noise."""
 
@@ -23,6 +25,8 @@ class RunResult:
     conversion: str
     """The conversion report: which linears run in the recipe, which stay in high precision and why."""
     out_dir: str | None = None
+    coverage: Coverage | None = None
+    """How many linears run the recipe (``ConversionReport.coverage``); None where unknown."""
 
     @property
     def steps(self) -> int:

@@ -62,14 +62,17 @@ from dataclasses import dataclass
 from lowprec import formats as F
 from lowprec import recipes
 from lowprec._checks import describe, fail
+from lowprec.convert import Coverage, Kept
 from lowprec.quant.granularity import GranularityKind
 
 
 class Level(str, enum.Enum):
-    """How bad a verdict is, in order."""
+    """How bad a verdict is, in order: a recipe that was not tested is no better than one that warns
+    (``--fail-on warn`` stops on it), but no failure either (see :func:`untested`)."""
 
     PASS = "PASS"
     WARN = "WARN"
+    NOT_TESTED = "NOT TESTED"
     FAIL = "FAIL"
 
 
@@ -239,7 +242,8 @@ class Verdict:
     @property
     def label(self) -> str:
         """The level, with ``(within noise)`` when the runs cannot tell the recipe from the baseline."""
-        return f"{self.level.value} (within noise)" if self.within_noise else self.level.value
+        judged = self.level in (Level.PASS, Level.WARN)
+        return f"{self.level.value} (within noise)" if judged and self.within_noise else self.level.value
 
 
 def pct(x: float) -> str:
@@ -283,6 +287,31 @@ def judge(gap: float, noise: float, tolerance: float, thresholds: Thresholds,
                        f"beyond the warn margin {pct(by_warn)} (tolerance {tol}); noise unknown (one seed)")
     return Verdict(Level.FAIL, gap, noise, tolerance, f"beyond tolerance {tol} by more than the noise "
                    f"±{pct(noise)} and beyond the warn margin {pct(by_warn)}")
+
+
+MIN_COVERAGE = 0.5
+"""A recipe whose converted linears hold under this share of the linear parameters is not tested: the
+gap would mostly measure the baseline against itself."""
+
+_KEPT_HINTS = {
+    Kept.POLICY: "the policy keeps them (--policy: its include, exclude, keep_* and skip_small fields)",
+    Kept.SMALL: "too small to gain where the recipe runs natively (a --policy file with \"skip_small\": false "
+                "converts them)",
+    Kept.SHAPE: "shapes the recipe's GEMMs cannot take (a --model whose widths are multiples of what the "
+                "conversion report names)",
+}
+
+
+def untested(coverage: Coverage | None) -> str | None:
+    """Why a recipe's runs cannot earn a verdict: it converted no linear, or linears holding under
+    :data:`MIN_COVERAGE` of the linear parameters; with what kept the others and the option that changes
+    it. None where they can, or where the coverage is unknown."""
+    if coverage is None or (coverage.converted and coverage.fraction >= MIN_COVERAGE):
+        return None
+    kept = "; ".join(f"{n} kept: {_KEPT_HINTS[k]}" for k, n in coverage.kept)
+    what = ("no linear ran it, so the gap compares the baseline with itself" if not coverage.converted else
+            f"under {MIN_COVERAGE:.0%} of the linear parameters, so the gap mostly measures the baseline")
+    return f"{coverage}: {what}" + (f"; {kept}" if kept else "")
 
 
 def worst(levels: Sequence[Level | str]) -> Level:

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from lowprec.cli import main
 from lowprec.cli.compare_cmd import ProgressLines
+from lowprec.convert import Coverage, Kept
 from lowprec.train.compare import Progress
 from lowprec.train.result import RunResult
 
@@ -61,12 +62,13 @@ def test_with_seeds_the_baseline_trains_k_times_and_the_report_shows_its_band(tm
     assert f"bf16 band over 2 seeds: {band['mean']:.4f}" in result.stdout
 
 
-def _fixed_losses(monkeypatch, losses):
+def _fixed_losses(monkeypatch, losses, coverage=None):
     def fake_train(model, data, cfg, **kw):
         val = losses[(cfg.recipe, cfg.seed)]
         return RunResult(recipe=cfg.recipe, history=({"step": 1, "loss": val, "val_loss": val, "lr": 1e-3,
                                                       "skipped": False, "tokens_per_s": 1.0},),
-                         tokens_per_s=1.0, peak_memory_bytes=None, diverged=False, conversion="")
+                         tokens_per_s=1.0, peak_memory_bytes=None, diverged=False, conversion="",
+                         coverage=(coverage or {}).get(cfg.recipe))
 
     monkeypatch.setattr(importlib.import_module("lowprec.train.compare"), "train", fake_train)
 
@@ -98,3 +100,60 @@ def test_bad_seed_counts_are_one_line_errors_before_anything_runs(tmp_path, args
     result = CliRunner().invoke(main, ["compare", *args, "--out", str(tmp_path / "out"), *MICRO])
     assert (result.exit_code, result.output) == (1, line + "\n")
     assert not (tmp_path / "out").exists()
+
+
+_NOTHING = Coverage(0, 29, 0, 1_622_016, ((Kept.SMALL, 28), (Kept.POLICY, 1)))
+"""What the GPU's small-layer rule left of the tiny model: every linear in BF16."""
+
+
+@pytest.mark.parametrize("fail_on, status", [("never", 0), ("warn", 2), ("fail", 0)])
+def test_a_recipe_that_converted_nothing_is_not_tested_and_warn_gates_on_it(monkeypatch, tmp_path, fail_on, status):
+    # its loss is BF16's own (the same seed, nothing converted): it said PASS (within noise)
+    _fixed_losses(monkeypatch, {("bf16", 0): 1.9, ("bf16", 1): 2.0, ("bf16", 2): 2.1, ("mxfp8", 0): 1.9},
+                  {"mxfp8": _NOTHING})
+    result = CliRunner().invoke(main, ["compare", "--recipes", "mxfp8", "--seeds", "3", "--fail-on", fail_on,
+                                       "--quiet", "--out", str(tmp_path), *MICRO])
+    assert result.exit_code == status, result.output
+    assert "| NOT TESTED" in result.stdout or " NOT TESTED\n" in result.stdout
+    assert "mxfp8: NOT TESTED: 0 of 29 linears converted (0% of linear parameters): no linear ran it" in result.stdout
+    assert "PASS" not in json.loads((tmp_path / "report.json").read_text())["results"][1]["verdict"]
+
+
+def test_the_console_says_what_the_verdicts_mean_and_how_much_each_recipe_converted(monkeypatch, tmp_path):
+    all_of_it = Coverage(28, 29, 1_589_248, 1_622_016, ((Kept.POLICY, 1),))
+    _fixed_losses(monkeypatch, {("bf16", 0): 1.9, ("bf16", 1): 2.0, ("bf16", 2): 2.1, ("mxfp8", 0): 2.02},
+                  {"mxfp8": all_of_it, "bf16": all_of_it})
+    result = CliRunner().invoke(main, ["compare", "--recipes", "mxfp8", "--seeds", "3", "--quiet", "--out",
+                                       str(tmp_path), *MICRO])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "28/29 (97%)" in out and "; 28 of 29 linears converted (97% of linear parameters);" in out
+    for start in ("PASS: ", "WARN: ", "FAIL: ", "NOT TESTED: ", "Why similar gaps can get different verdicts: "):
+        assert "\n" + start in out
+    assert "`" not in out and "*" not in out
+
+
+def test_compare_warns_in_one_line_when_a_run_reads_its_data_more_than_once(monkeypatch, tmp_path):
+    _fixed_losses(monkeypatch, {("bf16", 0): 2.0, ("mxfp8", 0): 2.0})
+    text = tmp_path / "small.txt"
+    text.write_text("lowprec " * 100)  # 800 bytes: 760 to train on
+
+    def warned(steps):
+        result = CliRunner().invoke(main, [
+            "compare", "--recipes", "mxfp8", "--seeds", "1", "--data", str(text), "--steps", str(steps),
+            "--batch-size", "2", "--seq-len", "16", "--val-batches", "1", "--no-tensorboard",
+            "--out", str(tmp_path / f"out-{steps}")])
+        assert result.exit_code == 0, result.output
+        return [line for line in result.stderr.splitlines() if "memorization" in line]
+
+    # 10 steps x 2 x 16 tokens = 320 of 760: less than once over; 30 steps read them 1.3 times
+    assert warned(10) == []
+    line = ("warning: 30 steps of 32 tokens read the 760 training tokens 1.3 times over: validation then measures "
+            "memorization; pass --data with more text, or fewer --steps")
+    assert warned(30) == [line]
+    # train reads the same count
+    result = CliRunner().invoke(main, ["train", "--data", str(text), "--steps", "30", "--batch-size", "2",
+                                       "--seq-len", "16", "--val-batches", "1", "--no-tensorboard", "--quiet",
+                                       "--out", str(tmp_path / "train")])
+    assert result.exit_code == 0, result.output
+    assert [x for x in result.stderr.splitlines() if "memorization" in x] == [line]

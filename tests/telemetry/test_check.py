@@ -14,8 +14,10 @@ from torch import nn
 import lowprec
 from lowprec.cli import main
 from lowprec.nn import Linear
+from lowprec.policy import Policy
 from lowprec.policy_file import load_policy
 from lowprec.telemetry.check import check
+from tests.small_rule import native_small_rule  # noqa: F401 (a fixture)
 
 VOCAB = 32
 
@@ -113,3 +115,19 @@ def test_check_cli_prints_the_table_and_writes_a_policy_file_train_reads(tmp_pat
 def test_check_refuses_a_non_finite_floor():
     with pytest.raises(ValueError, match="^floor_db: expected a finite number of dB"):
         check(Toy(), "fp8-current", _batches(1), floor_db=math.nan)
+
+
+@pytest.mark.usefixtures("native_small_rule")
+def test_check_measures_the_small_layers_a_native_device_keeps_for_speed():
+    # where fp8-current runs natively the default policy keeps both 64/128-wide layers in BF16: the check
+    # measured nothing and flagged nothing
+    assert lowprec.convert(Toy(), "fp8-current").coverage().converted == 0
+    report = check(Toy(), "fp8-current", _batches(1), floor_db=0.0)
+    assert [lc.name for lc in report.layers] == ["up", "down"]
+    # up and down hold 8,320 + 8,256 of the 18,656 parameters (the head, 2,080, is kept by the policy)
+    assert str(report.coverage) == "2 of 3 linears converted (88% of linear parameters)"
+    assert "2 of 3 linears converted (88% of linear parameters); 0 of 2 converted layers" in report.summary()
+    # the suggestion is for training: the policy given (the default), which keeps the GPU's speed rule
+    assert report.policy == Policy()
+    # a policy's own skip_small wins
+    assert check(Toy(), "fp8-current", _batches(1), policy=Policy(skip_small=True)).layers == []

@@ -7,11 +7,14 @@ import pytest
 import torch
 
 from lowprec import recipes as R
-from lowprec.train.compare import compare, parse_recipes, run_dir_name
+from lowprec.train.compare import compare, parse_recipes, quality_config, run_dir_name
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import load_data
 from lowprec.train.logs import read_log
+from lowprec.train.loop import train
+from lowprec.train.models import load_model
 from lowprec.train.result import RunResult
+from tests.small_rule import native_small_rule  # noqa: F401 (a fixture)
 
 
 def test_parse_recipes_puts_the_baseline_first_and_refuses_bad_lists():
@@ -45,7 +48,8 @@ def test_every_recipe_starts_from_the_same_weights_with_the_same_settings(monkey
     first = seen[0][0]
     for state, run_cfg, kw in seen[1:]:
         assert state.keys() == first.keys() and all(torch.equal(state[k], first[k]) for k in first)
-        assert replace(run_cfg, recipe="bf16") == replace(cfg, recipe="bf16")
+        assert replace(run_cfg, recipe="bf16") == replace(quality_config(cfg), recipe="bf16")
+        assert run_cfg.policy == {"skip_small": False}  # a quality question converts small layers too
         assert kw["out_dir"].parent == tmp_path / "runs" and kw["checkpoints"] is False
     assert [r["verdict"] for r in report.rows()] == ["PASS"] * 3
     assert report.context["data"]["fingerprint"] == load_data().fingerprint
@@ -166,3 +170,34 @@ def test_seeds_train_the_baseline_k_times_and_each_recipe_on_the_first_m(monkeyp
 def test_bad_seed_counts_are_refused_before_anything_trains(seeds, recipe_seeds, message):
     with pytest.raises(ValueError, match=message):
         compare("tiny", "mxfp8", TrainConfig(steps=1), load_data(), seeds=seeds, recipe_seeds=recipe_seeds)
+
+
+_SHORT = TrainConfig(steps=1, batch_size=2, seq_len=16, val_batches=1, eval_every=1, tensorboard=False,
+                     progress=False)
+
+
+@pytest.mark.usefixtures("native_small_rule")
+def test_compare_converts_the_small_layers_a_native_device_keeps_for_speed(data):
+    # the GPU's rule is on: train with the default policy keeps every linear of the tiny model (all under
+    # 1024 features) in BF16, as `compare --model small` on the H200 did, and then said PASS
+    model, _ = load_model("tiny", vocab_size=data.vocab_size, seed=0)
+    kept = train(model, data, replace(_SHORT, recipe="fp8-current"), checkpoints=False)
+    assert (kept.coverage.converted, kept.coverage.linears) == (0, 29)
+    assert "too small to gain on cpu" in kept.conversion
+    report = compare("tiny", "fp8-current", _SHORT, data)
+    fp8 = report.rows()[1]
+    # every linear but the LM head runs the recipe, and the report says so
+    assert fp8["converted"] == "28 of 29 linears converted (96% of linear parameters)"
+    assert fp8["coverage"]["kept"] == {"policy": 1} and fp8["verdict"] != "NOT TESTED"
+    assert report.context["train"]["policy"] == {"skip_small": False}
+
+
+@pytest.mark.usefixtures("native_small_rule")
+def test_a_policy_s_own_skip_small_wins_and_its_other_fields_are_kept(data):
+    report = compare("tiny", "fp8-current", replace(_SHORT, policy={"skip_small": True}), data)
+    fp8 = report.rows()[1]
+    assert fp8["verdict"] == "NOT TESTED" and fp8["coverage"]["converted"] == 0
+    assert fp8["reason"].startswith("0 of 29 linears converted (0% of linear parameters): no linear ran it")
+    assert quality_config(replace(_SHORT, policy={"exclude": ["layers.0.*"]})).policy == {
+        "exclude": ["layers.0.*"], "skip_small": False}
+    assert quality_config(replace(_SHORT, policy={"skip_small": None})).policy == {"skip_small": False}

@@ -5,19 +5,20 @@ import re
 
 import pytest
 
+from lowprec.convert import Coverage, Kept
 from lowprec.train.logs import RunLog, read_log
 from lowprec.train.report import CompareReport, RecipeRuns, overall
 from lowprec.train.result import RunResult
 from lowprec.train.verdict import Family
 
 
-def _result(recipe, val, *, losses=(3.0, 2.5, 2.2), diverged=False, skipped=()):
+def _result(recipe, val, *, losses=(3.0, 2.5, 2.2), diverged=False, skipped=(), coverage=None):
     history = tuple({"step": i + 1, "loss": loss, "val_loss": val if i == len(losses) - 1 else None, "lr": 1e-3,
                      "skipped": i + 1 in skipped, "grad_norm": 1.0, "loss_scale": None, "spike": False,
                      "recipe": recipe, "tokens_per_s": 1000.0 + i, "elapsed_s": float(i)}
                     for i, loss in enumerate(losses))
     return RunResult(recipe=recipe, history=history, tokens_per_s=1234.0, peak_memory_bytes=3 << 29,
-                     diverged=diverged, conversion=f"{recipe}: 28 linears converted")
+                     diverged=diverged, conversion=f"{recipe}: 28 linears converted", coverage=coverage)
 
 
 def _one(recipe, val, base=2.0, **kw):
@@ -109,8 +110,8 @@ def test_report_files_are_consistent_and_self_contained(tmp_path):
     md = paths["markdown"].read_text()
     assert "| fp8-current" in md and "+0.95%" in md and "+6.00%" in md and "abab" in md and "bf16 over 3 seeds" in md
     assert "`bf16` band over 3 seeds: 2.1000 ± 0.1000 (std, 4.76% of the mean): 2.0000 (seed 0), " in md
-    assert "- mxfp8: WARN (within noise): beyond tolerance 2% but within noise ±11%; tolerance 2% for MXFP8 " \
-           "(MXFP8 recipe (arXiv 2506.08027)" in md
+    assert "- mxfp8: WARN (within noise): beyond tolerance 2% but within noise ±11%; same-seed gap +15.00% " \
+           "(shown, not judged); tolerance 2% for MXFP8 (MXFP8 recipe (arXiv 2506.08027)" in md
     assert "arXiv 2509.25149" in md and "PASS (within noise)" in page
     assert overall(report.rows()) == "FAIL"
     # same inputs, same picture
@@ -157,3 +158,66 @@ def test_tensorboard_gets_the_scalars(tmp_path):
     acc.Reload()
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([3.0, 2.5, 2.2])
     assert [e.step for e in acc.Scalars("val_loss")] == [3]
+
+
+def _covered(converted, linears, converted_params, params, kept=()):
+    return Coverage(converted, linears, converted_params, params, kept)
+
+
+def test_a_recipe_that_converted_nothing_is_not_tested_never_pass(tmp_path):
+    # the GPU's small preset: every linear kept BF16, so the recipe's runs were BF16's and it said PASS
+    none = _covered(0, 57, 0, 12_681_216, ((Kept.SMALL, 56), (Kept.POLICY, 1)))
+    runs = (_seeds("bf16", (2.0, 2.1, 2.2)),
+            RecipeRuns("fp8-current", Family.FP8, (0,), (_result("fp8-current", 2.0, coverage=none),)))
+    report = CompareReport(runs=runs, baseline="bf16", context=CONTEXT)
+    row = report.rows()[1]
+    assert (row["verdict"], row["label"]) == ("NOT TESTED", "NOT TESTED")
+    assert row["reason"].startswith("0 of 57 linears converted (0% of linear parameters): no linear ran it, so the "
+                                    "gap compares the baseline with itself; 56 kept: too small to gain")
+    assert '"skip_small": false' in row["reason"] and "1 kept: the policy keeps them (--policy" in row["reason"]
+    assert overall(report.rows()) == "NOT TESTED"
+    paths = report.write(tmp_path)
+    assert re.search(r"\| fp8-current +\| 0/57 \(0%\) +\|", paths["markdown"].read_text())
+    assert 'class="NOT_TESTED">NOT TESTED<' in paths["html"].read_text()
+    assert json.loads(paths["json"].read_text())["results"][1]["coverage"]["converted"] == 0
+
+
+@pytest.mark.parametrize("coverage, verdict", [
+    (_covered(3, 10, 49, 100), "NOT TESTED"),  # under half of the parameters
+    (_covered(3, 10, 50, 100), "PASS"),  # half: tested
+    (_covered(10, 10, 100, 100), "PASS"),
+    (None, "PASS"),  # unknown (a result from elsewhere): judged on its losses as before
+])
+def test_under_half_of_the_linear_parameters_is_not_tested(coverage, verdict):
+    runs = (RecipeRuns.of(_result("bf16", 2.0)),
+            RecipeRuns("mxfp8", Family.MX8, (0,), (_result("mxfp8", 2.0, coverage=coverage),)))
+    row = CompareReport(runs=runs, baseline="bf16", context=CONTEXT).rows()[1]
+    assert row["verdict"] == verdict
+    if verdict == "NOT TESTED":
+        assert row["reason"].startswith("3 of 10 linears converted (49% of linear parameters): under 50% of the "
+                                        "linear parameters, so the gap mostly measures the baseline")
+
+
+def test_a_failed_run_fails_even_where_nothing_was_converted():
+    none = _covered(0, 4, 0, 100, ((Kept.SHAPE, 4),))
+    row = _one("fp8-current", 2.0, diverged=True, coverage=none)
+    assert (row["verdict"], row["reason"]) == ("FAIL", "diverged (seed 0)")
+
+
+def test_the_report_opens_with_what_each_verdict_means_and_why_similar_gaps_differ(tmp_path):
+    # the README's job: fp8-current WARN (within noise) at +2.9%, mxfp4 PASS at +3.4%
+    runs = (_seeds("bf16", (2.0, 2.1, 2.2)), _seeds("fp8-current", (2.161,)), _seeds("mxfp4", (2.171,)))
+    report = CompareReport(runs=runs, baseline="bf16", context=CONTEXT)
+    md = report.write(tmp_path)["markdown"].read_text().splitlines()
+    assert md[0].startswith("# lowprec compare") and md[1] == ""
+    legend = md[2:7]
+    assert [line.split(":")[0] for line in legend] == ["- PASS", "- WARN", "- FAIL", "- NOT TESTED",
+                                                       "- Why similar gaps can get different verdicts"]
+    assert "FP8/FP16 2%, MXFP8 2%, FP4/FP6 5%" in legend[0] and "within noise" in legend[0]
+    assert "same-seed gap" in legend[4] and "own tolerance" in legend[4]
+    rows = {r["recipe"]: r for r in report.rows()}
+    assert rows["fp8-current"]["label"] == "WARN (within noise)" and rows["mxfp4"]["label"] == "PASS (within noise)"
+    text = "\n".join(md)
+    assert "- fp8-current: WARN (within noise): beyond tolerance 2% but within noise" in text
+    assert "same-seed gap +8.05% (shown, not judged); tolerance 2% for FP8/FP16" in text
+    assert "tolerance 5% for FP4/FP6" in text

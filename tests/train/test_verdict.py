@@ -6,16 +6,19 @@ from dataclasses import replace
 import pytest
 
 from lowprec import recipes as R
+from lowprec.convert import Coverage, Kept
 from lowprec.train.verdict import (
     Family,
     Level,
     SeedBand,
     Thresholds,
+    Verdict,
     gap_and_noise,
     judge,
     paired_gap,
     pct,
     pooled_std,
+    untested,
     worst,
 )
 
@@ -142,6 +145,8 @@ def test_thresholds_are_validated(kwargs, message):
 
 def test_the_worst_verdict_and_percentages():
     assert worst(["PASS", Level.WARN, "PASS"]) is Level.WARN and worst(["FAIL", "WARN"]) is Level.FAIL
+    # not tested is never a pass: worse than a warning, short of a failure
+    assert worst(["PASS", "NOT TESTED", "WARN"]) is Level.NOT_TESTED and worst(["NOT TESTED", "FAIL"]) is Level.FAIL
     assert worst(["PASS"]) is Level.PASS
     assert [pct(x) for x in (0.02, 0.046, 0.0025, 0.12345)] == ["2%", "4.6%", "0.25%", "12.35%"]
 
@@ -152,3 +157,15 @@ def test_the_paired_gap_compares_each_seed_with_the_baseline_s_run_of_that_seed(
     assert math.isnan(paired_gap(SeedBand((3,), (2.0,)), base))  # the baseline has no run of seed 3
     assert math.isnan(paired_gap(SeedBand((0,), (math.nan,)), base))
     assert math.isnan(paired_gap(SeedBand((1,), (2.0,)), SeedBand((0, 1), (2.0, math.inf))))
+
+
+def test_a_recipe_that_ran_on_under_half_of_the_linear_parameters_is_not_tested():
+    assert untested(None) is None  # unknown: judged on the losses alone
+    assert untested(Coverage(2, 4, 50, 100)) is None
+    assert untested(Coverage(1, 4, 10, 1000, ((Kept.SHAPE, 3),))) == (
+        "1 of 4 linears converted (1% of linear parameters): under 50% of the linear parameters, so the gap "
+        "mostly measures the baseline; 3 kept: shapes the recipe's GEMMs cannot take (a --model whose widths are "
+        "multiples of what the conversion report names)")
+    assert untested(Coverage(0, 0, 0, 0)).startswith("0 of 0 linears converted (n/a of linear parameters): no linear")
+    assert untested(Coverage(1, 2, 1, 10_000)).startswith("1 of 2 linears converted (<1% of linear parameters)")
+    assert Verdict(Level.NOT_TESTED, 0.0, 0.1, 0.02, "").label == "NOT TESTED"  # never "(within noise)"
