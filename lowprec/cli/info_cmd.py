@@ -1,8 +1,9 @@
-"""``lowprec info``: this machine's devices, the formats each runs natively, the path each recipe's
-GEMMs take on each device, and library versions.
+"""``lowprec info``: this machine's devices, what each runs natively, the path each recipe's GEMMs
+take on each device, and library versions.
 
-The output is a list of :class:`Section`; :func:`info_sections` builds it, so adding a section is
-one more call there.
+"Native" and "emulated" are the kernels' own words (``lowprec.kernels.native``), the ones the
+planner times GEMMs by. The output is a list of :class:`Section`; :func:`info_sections` builds it,
+so adding a section is one more call there.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 
 from lowprec._table import format_table
 from lowprec.cli.app import main
+from lowprec.kernels.capability import Capability, capability
 from lowprec.plan.devices import library_versions, local_devices
+from lowprec.plan.gemm_paths import gemm_paths, path_word
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,32 +31,29 @@ class Section:
 def devices_section() -> Section:
     rows = []
     for d in local_devices():
-        if d.native is None:
-            native = "unknown (not in the accelerator table)"
-        else:
-            native = " ".join(d.native) or "none: every format emulated"
+        native = ", ".join(d.native) or "none: every format emulated"
         memory = round(d.memory_gb, 1) if d.memory_gb is not None else None
         rows.append((d.device, d.name, d.capability, memory, native))
-    return Section("devices", ("device", "name", "capability", "memory GB", "native formats"), tuple(rows))
+    return Section("devices", ("device", "name", "capability", "memory GB", "native"), tuple(rows))
+
+
+def recipe_rows(device: str, cap: Capability) -> list[tuple[str, ...]]:
+    """One row per preset recipe: how its fprop, dgrad and wgrad run on ``cap``'s device."""
+    from lowprec import recipes as R
+
+    return [(device, name, *(path_word(p) for p in gemm_paths(R.get(name), cap))) for name in R.names()]
+
+
+def recipe_paths_section() -> Section:
+    """Per recipe and device: the path each GEMM takes (native tensor cores; emulated = exact quantized
+    values through a high-precision GEMM; hp = no low-precision operands)."""
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    rows = [row for dev in devices for row in recipe_rows(dev, capability(dev))]
+    return Section("recipe paths", ("device", "recipe", "fprop", "dgrad", "wgrad"), tuple(rows))
 
 
 def versions_section() -> Section:
     return Section("libraries", ("library", "version"), tuple(library_versions()))
-
-
-def recipe_paths_section() -> Section:
-    """Per recipe and device: the path each GEMM takes (cublas = native tensor cores, emulated =
-    exact quantized values through a high-precision GEMM, hp = no low-precision operands)."""
-    from lowprec import recipes as R
-    from lowprec.convert import recipe_paths
-
-    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    rows = []
-    for dev in devices:
-        for name in R.names():
-            p = recipe_paths(R.get(name), dev)
-            rows.append((dev, name, p["fprop"], p["dgrad"], p["wgrad"]))
-    return Section("recipe paths", ("device", "recipe", "fprop", "dgrad", "wgrad"), tuple(rows))
 
 
 def info_sections() -> list[Section]:
@@ -63,7 +63,7 @@ def info_sections() -> list[Section]:
 @main.command("info")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 def info_cmd(as_json: bool) -> None:
-    """This machine's devices, their native formats, and library versions."""
+    """This machine's devices, what each runs natively, each recipe's GEMM paths, library versions."""
     sections = info_sections()
     if as_json:
         data = {s.title: [dict(zip(s.headers, r)) for r in s.rows] for s in sections}

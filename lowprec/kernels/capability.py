@@ -1,8 +1,10 @@
-"""What a device runs natively: the one table of these facts.
+"""What a device's matrix units can do: the one table of these facts.
 
-:func:`cuda_capability` maps a CUDA compute capability to what it runs, with no CUDA query, so the
+:func:`cuda_capability` maps a CUDA compute capability to its hardware, with no CUDA query, so the
 planner and ``lowprec info`` can ask about any sm, present or not; :func:`capability` looks up a
-present device at first use (never at import) and caches it per device.
+present device at first use (never at import) and caches it per device. Which low-precision GEMMs
+lowprec runs natively on that hardware is not this table's to say: ``lowprec.kernels.gemm.gemm_path``
+decides it from a capability, and ``lowprec.kernels.native`` asks it for everyone else.
 """
 from __future__ import annotations
 
@@ -26,9 +28,6 @@ BLOCKWISE_FP8_MAJOR = 9
 MX_MAJOR = 10
 """Block-scaled MX and NVFP4 tensor cores: Blackwell (sm100) and later."""
 
-FP8_FORMATS = ("e4m3", "e5m2")
-BLOCK_SCALED_FORMATS = ("mxfp8", "mxfp6", "mxfp4", "nvfp4")
-
 
 @dataclass(frozen=True, slots=True)
 class Capability:
@@ -41,22 +40,17 @@ class Capability:
     blockwise_fp8_gemm: bool
     """DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 FP8 GEMMs through ``torch._scaled_mm`` (sm90)."""
     mx_gemm: bool
-    """MXFP8/MXFP4 and NVFP4 block-scaled GEMMs (sm100 and newer, Blackwell)."""
+    """The hardware has MXFP8/MXFP4 and NVFP4 block-scaled tensor cores (sm100 and newer, Blackwell).
+    lowprec has no GEMM on them yet: ``gemm_path`` emulates MX and NVFP4 GEMMs on every device."""
     triton: bool
     """Triton kernels can run on this device."""
 
     @property
-    def native_formats(self) -> tuple[str, ...]:
-        """Element formats the device's matrix units multiply natively (FP32, which every device
-        runs, is not listed): FP16 from sm70, BF16 and TF32 from sm80, then FP8 and the
-        block-scaled formats as the GEMM flags say. Nothing on a CPU: lowprec emulates every
-        low-precision format there."""
-        out = [f for need, formats in _TENSOR_CORE_FORMATS if self.sm and self.sm >= need for f in formats]
-        if self.fp8_gemm:
-            out += FP8_FORMATS
-        if self.mx_gemm:
-            out += BLOCK_SCALED_FORMATS
-        return tuple(out)
+    def hp_formats(self) -> tuple[str, ...]:
+        """High-precision formats the device's tensor cores multiply (FP32, which every device runs,
+        is not listed): FP16 from sm70, BF16 and TF32 from sm80; none on a CPU. The low-precision
+        GEMMs lowprec runs natively are ``lowprec.kernels.native.native_gemms``'s."""
+        return tuple(f for need, formats in _TENSOR_CORE_FORMATS if self.sm and self.sm >= need for f in formats)
 
 
 def cuda_capability(sm: tuple[int, int], *, name: str = "", triton: bool = False) -> Capability:
@@ -84,10 +78,16 @@ def triton_available() -> bool:
     return True
 
 
+def host_capability(device_type: str, name: str = "") -> Capability:
+    """A device with no tensor-core GEMMs lowprec uses (a CPU, an Intel Gaudi): every low-precision
+    GEMM is emulated there."""
+    return Capability(device_type, name or device_type, None, False, False, False, False)
+
+
 @functools.cache
 def _capability(device: torch.device) -> Capability:
     if device.type != "cuda":
-        return Capability(device.type, device.type, None, False, False, False, False)
+        return host_capability(device.type)
     return cuda_capability(torch.cuda.get_device_capability(device), name=torch.cuda.get_device_name(device),
                            triton=triton_available())
 

@@ -94,16 +94,24 @@ def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast
                             use_fast_accum=fast_accum)
 
 
-def _exact_in_bf16(q: QuantizedTensor) -> bool:
+def _exact_in_bf16(fmt: F.Format, gran: Granularity) -> bool:
     """Whether the values the GEMM multiplies are exact in BF16: the elements alone where the scales
     stay outside (tensor, row), else element times block scale, whose significand bits (the
     element's, plus 0 for E8M0 or 3 for E4M3 scales) must fit BF16's 7."""
-    if q.fmt.bits > 8:
+    if fmt.bits > 8:
         return False
-    if q.granularity.kind in (TENSOR, ROW):  # scales constant along K
-        return q.fmt.man_bits <= 7
-    scale_bits = {"e8m0": 0, "e4m3": 3, "fp32": 99}[q.granularity.scale_format]
-    return q.fmt.man_bits + scale_bits <= 7
+    if gran.kind in (TENSOR, ROW):  # scales constant along K
+        return fmt.man_bits <= 7
+    scale_bits = {"e8m0": 0, "e4m3": 3, "fp32": 99}[gran.scale_format]
+    return fmt.man_bits + scale_bits <= 7
+
+
+def emulation_dtype(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity,
+                    device_type: str) -> torch.dtype:
+    """The dtype of the high-precision GEMM an ``emulated`` pair of casts runs in on ``device_type``:
+    BF16 on CUDA where both operands' values are exact in it, else FP32."""
+    exact = _exact_in_bf16(F.get(lhs_fmt), lhs_gran) and _exact_in_bf16(F.get(rhs_fmt), rhs_gran)
+    return torch.bfloat16 if device_type == "cuda" and exact else torch.float32
 
 
 def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -123,8 +131,7 @@ def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 
 def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
-    cuda = a.data.device.type == "cuda"
-    dtype = torch.bfloat16 if cuda and _exact_in_bf16(a) and _exact_in_bf16(b) else torch.float32
+    dtype = emulation_dtype(a.fmt, a.granularity, b.fmt, b.granularity, a.data.device.type)
     va, sa = _operand(a, dtype)
     vb, sb = _operand(b, dtype)
     # BF16 operands, FP32 accumulation and FP32 output (the scales below multiply in FP32)

@@ -2,9 +2,10 @@
 
 Layers, bottom up: ``gpus`` (the accelerator table), ``models`` and ``hf_config`` (model shapes),
 ``layers`` (the linears of a block and parameter counts), ``recipes`` (what a recipe stores,
-derived from ``lowprec.recipes``), ``activations``, ``memory``, ``throughput``, ``planner``
-(``plan``) and ``report``; ``devices`` describes this machine for ``lowprec info``. docs/plan.md
-gives the formulas and their sources.
+derived from ``lowprec.recipes``), ``gemm_paths`` (how each GEMM runs on a device, as the kernels
+decide), ``activations``, ``memory``, ``throughput``, ``trainable`` (what ``lowprec train`` cannot
+run of a layout), ``planner`` (``plan``) and ``report``; ``devices`` describes this machine for
+``lowprec info``. docs/plan.md gives the formulas and their sources.
 """
 from lowprec.plan.gpus import GPU, GPUS, get_gpu
 from lowprec.plan.hf_config import from_hf_config, load_hf_config

@@ -132,10 +132,11 @@ def _linear_inputs(lins: list[Linear], core: list[Saved], moe: bool) -> list[Sav
     return out
 
 
-def block_saved(m: ModelSpec, moe: bool) -> list[Saved]:
-    """Everything one block saves under ``recompute="none"``, per token, before any parallel split."""
+def block_saved(m: ModelSpec, moe: bool, quantized: bool = True) -> list[Saved]:
+    """Everything one block saves under ``recompute="none"``, per token, before any parallel split;
+    ``quantized=False``: a block kept in BF16, whose linears save their inputs in BF16."""
     core = _attention_core(m) + _ffn_core(m, moe)
-    return core + _linear_inputs(block_linears(m, moe), core, moe)
+    return core + _linear_inputs(block_linears(m, moe, quantized), core, moe)
 
 
 def output_saved(m: ModelSpec) -> list[Saved]:
@@ -148,13 +149,14 @@ def output_saved(m: ModelSpec) -> list[Saved]:
     ]
 
 
-def block_bytes(m: ModelSpec, moe: bool, recipe: RecipeCost, recompute: str, act: Storage = BF16) -> dict[str, float]:
+def block_bytes(m: ModelSpec, moe: bool, recipe: RecipeCost, recompute: str, act: Storage = BF16,
+                quantized: bool = True) -> dict[str, float]:
     """Bytes per token one block keeps until its backward, by group; ``act``: how norms and SwiGLU save
-    their inputs."""
+    their inputs; ``quantized=False``: a block kept in BF16."""
     if recompute == "full":  # only the block's input, the residual stream
         return {"layer inputs": float(m.d_model * HP_BYTES)}
     out: dict[str, float] = {}
-    for s in block_saved(m, moe):
+    for s in block_saved(m, moe, quantized):
         if recompute == "none" or s.keep_selective:
             out[s.group] = out.get(s.group, 0.0) + s.bytes(recipe, act)
     return out

@@ -1,9 +1,10 @@
-"""This machine: its devices, the element formats each runs natively, and library versions.
+"""This machine: its devices, what each runs natively, and library versions.
 
-Native formats of a CUDA device are ``lowprec.kernels.capability``'s, the facts the kernels choose
-their backends by (and the accelerator table's NVIDIA rows are held to); an AMD or Intel device is
-looked up by architecture in that table. A CPU runs none of them natively: lowprec emulates every
-low-precision format there.
+What a device runs natively is what the kernels decide there: the high-precision formats its tensor
+cores multiply (``Capability.hp_formats``) and the kinds of low-precision GEMM ``gemm_path`` runs on
+them (``lowprec.kernels.native.native_gemms``; see [Note: one source for "native"] there). A ROCm
+device is looked up as the kernels look it up, by the compute capability torch reports for it. A CPU
+runs none of them natively: lowprec emulates every low-precision GEMM there.
 """
 from __future__ import annotations
 
@@ -15,16 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec.kernels.capability import capability
-from lowprec.plan.gpus import GPUS, arch_of_sm
+from lowprec.kernels.capability import Capability, capability
+from lowprec.kernels.native import native_gemms
+from lowprec.plan.gpus import arch_of_sm
 
 
-def native_formats_for_arch(arch: str) -> tuple[str, ...] | None:
-    """Native element formats of a non-CUDA architecture in the accelerator table (``gfx942``...)."""
-    for g in GPUS.values():
-        if arch.split(":")[0] == g.arch:
-            return g.native_elements
-    return None
+def native_of(cap: Capability) -> tuple[str, ...]:
+    """What ``cap``'s device multiplies natively: high-precision formats, then low-precision GEMM kinds."""
+    return cap.hp_formats + native_gemms(cap)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,8 +33,8 @@ class Device:
     name: str
     capability: str
     memory_gb: float | None
-    native: tuple[str, ...] | None
-    """Native element formats; empty for a CPU, None when unknown."""
+    native: tuple[str, ...]
+    """What it multiplies natively (:func:`native_of`); empty for a CPU."""
 
 
 def _cpu() -> Device:
@@ -44,20 +43,15 @@ def _cpu() -> Device:
     except (ValueError, OSError, AttributeError):  # not POSIX
         memory = None
     name = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    return Device(device="cpu", name=name, capability="-", memory_gb=memory,
-                  native=capability("cpu").native_formats)
+    return Device(device="cpu", name=name, capability="-", memory_gb=memory, native=native_of(capability("cpu")))
 
 
 def _accelerator(i: int) -> Device:
     props = torch.cuda.get_device_properties(i)
+    cap = capability(torch.device("cuda", i))  # ROCm reports its devices through torch.cuda too
     arch = getattr(props, "gcnArchName", "") if torch.version.hip else ""
-    if arch:  # ROCm reports AMD devices through torch.cuda
-        arch, native = arch.split(":")[0], native_formats_for_arch(arch)
-    else:
-        cap = capability(torch.device("cuda", i))
-        arch, native = arch_of_sm(cap.sm), cap.native_formats
-    return Device(device=f"cuda:{i}", name=props.name, capability=arch,
-                  memory_gb=props.total_memory / 1e9, native=native)
+    return Device(device=f"cuda:{i}", name=props.name, capability=arch.split(":")[0] or arch_of_sm(cap.sm),
+                  memory_gb=props.total_memory / 1e9, native=native_of(cap))
 
 
 def local_devices() -> list[Device]:

@@ -7,7 +7,8 @@ inputs, GEMM FLOPs, tensor- and expert-parallel splits) is read off one list of
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from lowprec._checks import fail
 from lowprec.plan.models import ModelSpec
@@ -99,14 +100,33 @@ def ffn_linears(m: ModelSpec, moe: bool) -> list[Linear]:
     return out
 
 
-def block_linears(m: ModelSpec, moe: bool) -> list[Linear]:
-    """The linears of one block: attention, then a dense (``moe=False``) or MoE feed-forward."""
-    return attention_linears(m) + ffn_linears(m, moe)
+def block_linears(m: ModelSpec, moe: bool, quantized: bool = True) -> list[Linear]:
+    """The linears of one block: attention, then a dense (``moe=False``) or MoE feed-forward;
+    ``quantized=False``: a block the policy keeps in high precision, none of its linears quantized."""
+    lins = attention_linears(m) + ffn_linears(m, moe)
+    return lins if quantized else [replace(lin, quantized=False) for lin in lins]
 
 
-def block_kinds(m: ModelSpec) -> list[tuple[bool, int]]:
-    """``(is_moe, number of blocks)`` for each kind of block the model has."""
-    return [(moe, n) for moe, n in ((False, m.n_dense_layers), (True, m.n_moe_layers)) if n]
+class BlockKind(NamedTuple):
+    moe: bool
+    """A MoE block (else dense)."""
+    quantized: bool
+    """Its linears take the recipe (else the policy keeps the block in BF16)."""
+
+
+def blocks_in(m: ModelSpec, lo: int, hi: int, hp_blocks: int = 0) -> dict[BlockKind, int]:
+    """How many blocks of each kind layers ``lo``..``hi - 1`` hold. Dense blocks come first; the last
+    ``hp_blocks`` are kept in BF16 (a recipe's ``hp_last_fraction``, as the default policy does)."""
+    nd, hp_from = m.n_dense_layers, m.n_layers - hp_blocks
+    spans = {BlockKind(False, True): (0, min(nd, hp_from)), BlockKind(False, False): (min(nd, hp_from), nd),
+             BlockKind(True, True): (nd, max(nd, hp_from)), BlockKind(True, False): (max(nd, hp_from), m.n_layers)}
+    counts = {k: max(0, min(hi, b) - max(lo, a)) for k, (a, b) in spans.items()}
+    return {k: n for k, n in counts.items() if n}
+
+
+def block_kinds(m: ModelSpec, hp_blocks: int = 0) -> list[tuple[BlockKind, int]]:
+    """``(kind, number of blocks)`` for each kind of block the model has."""
+    return list(blocks_in(m, 0, m.n_layers, hp_blocks).items())
 
 
 def block_norm_params(m: ModelSpec) -> int:
@@ -130,8 +150,9 @@ class ParamCount:
     norms: int
 
 
-def count_params(m: ModelSpec) -> ParamCount:
-    blocks = [(n, block_linears(m, moe)) for moe, n in block_kinds(m)]
+def count_params(m: ModelSpec, hp_blocks: int = 0) -> ParamCount:
+    """``hp_blocks``: the last blocks kept in BF16, whose linears are not counted as quantized."""
+    blocks = [(n, block_linears(m, *kind)) for kind, n in block_kinds(m, hp_blocks)]
     total = sum(n * sum(lin.numel for lin in lins) for n, lins in blocks)
     active = sum(n * sum(lin.active_numel for lin in lins) for n, lins in blocks)
     quant = sum(n * sum(lin.numel for lin in lins if lin.quantized) for n, lins in blocks)
@@ -150,7 +171,7 @@ def check_parallel_fits(m: ModelSpec, tp: int, ep: int) -> None:
         fail("tp", f"a divisor of the {m.n_heads} attention heads of {m.name}", tp)
     if m.mla is None and m.n_kv_heads % tp and tp % m.n_kv_heads:
         fail("tp", f"a divisor or multiple of the {m.n_kv_heads} key/value heads of {m.name}", tp)
-    for lin in (lin for moe, _ in block_kinds(m) for lin in block_linears(m, moe)):
+    for lin in (lin for kind, _ in block_kinds(m) for lin in block_linears(m, kind.moe)):
         width = lin.d_out if lin.name.endswith(("gate", "up")) else lin.d_in
         if lin.tp_ranks is None and lin.name.endswith(("gate", "up", "down")) and width % tp:
             fail("tp", f"a divisor of the feed-forward width {width} ({lin.name}) of {m.name}", tp)

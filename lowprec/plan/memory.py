@@ -51,7 +51,7 @@ from lowprec._checks import check_choice, check_positive_int, fail
 from lowprec.nn.saved import SavedActivations
 from lowprec.optim.states import StateFormat
 from lowprec.plan.activations import RECOMPUTE, block_bytes, output_saved
-from lowprec.plan.layers import block_kinds, block_linears, block_norm_params, check_parallel_fits
+from lowprec.plan.layers import BlockKind, block_linears, block_norm_params, blocks_in, check_parallel_fits
 from lowprec.plan.models import ModelSpec
 from lowprec.plan.recipes import GRAD_BYTES, HP_BYTES, MASTER_BYTES, OPTIMIZERS, RecipeCost, Storage, saved_storage
 from lowprec.plan.units import GB, count
@@ -198,9 +198,9 @@ def _casts(lin, recipe: RecipeCost, n: float) -> tuple[float, float]:
     return lp, lp_t
 
 
-def _block_params(m: ModelSpec, moe: bool, recipe: RecipeCost, tp: int, ep: int) -> _Params:
+def _block_params(m: ModelSpec, kind: BlockKind, recipe: RecipeCost, tp: int, ep: int) -> _Params:
     dense = expert = quant = lp = lp_t = lp_max = lp_t_max = 0.0
-    for lin in block_linears(m, moe):
+    for lin in block_linears(m, *kind):
         one = lin.d_in * lin.d_out / lin.shards(tp)  # one weight (one expert): what one Linear casts
         n = one * lin.copies / (ep if lin.expert else 1)
         fwd, t = _casts(lin, recipe, n)
@@ -215,9 +215,15 @@ def _block_params(m: ModelSpec, moe: bool, recipe: RecipeCost, tp: int, ep: int)
     return _Params(dense, expert, quant, lp, lp_t, lp_max, lp_t_max, dense + expert)
 
 
+def stage_blocks(m: ModelSpec, recipe: RecipeCost, pp: int, stage: int) -> dict[BlockKind, int]:
+    """The blocks of each kind on ``stage``: the last ones the recipe keeps in BF16 sit on the last stages."""
+    lo, hi = stage * m.n_layers // pp, (stage + 1) * m.n_layers // pp
+    return blocks_in(m, lo, hi, recipe.hp_blocks(m.n_layers))
+
+
 def _stage_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -> _Params:
-    counts = dict(zip((False, True), stage_layers(m, par.pp, stage)))
-    blocks = [(_block_params(m, moe, recipe, par.tp, par.ep), counts[moe]) for moe, _ in block_kinds(m)]
+    blocks = [(_block_params(m, kind, recipe, par.tp, par.ep), n)
+              for kind, n in stage_blocks(m, recipe, par.pp, stage).items()]
     table = m.vocab * m.d_model / par.tp  # vocabulary-parallel embedding and LM head
     extra = table if stage == 0 else 0.0
     if stage == par.pp - 1:  # a tied head shares the embedding only when both sit on one stage
@@ -307,19 +313,20 @@ def _states(p: _Params, recipe: RecipeCost, par: Parallel, train: Training, stag
 
 
 def _activations(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Training, stage: int) -> list[Component]:
-    counts = dict(zip((False, True), stage_layers(m, par.pp, stage)))
+    counts = stage_blocks(m, recipe, par.pp, stage)
     in_flight = par.pp - stage  # 1F1B: stage s holds pp - s micro-batches
     scale = train.tokens * in_flight / par.tp
     groups: dict[str, float] = {}
-    for moe, _ in block_kinds(m):
-        for group, per_token in block_bytes(m, moe, recipe, train.recompute, train.act).items():
-            groups[group] = groups.get(group, 0.0) + per_token * counts[moe]
+    for kind, n in counts.items():
+        for group, per_token in block_bytes(m, kind.moe, recipe, train.recompute, train.act, kind.quantized).items():
+            groups[group] = groups.get(group, 0.0) + per_token * n
     where = f"{in_flight} micro-batch(es) x {train.tokens} tokens" + (f" / tp {par.tp}" if par.tp > 1 else "")
     n = sum(counts.values())
     out = [Component(f"activations: {g}", b * scale, f"{count(b)} B/token summed over {n} layers x {where}")
            for g, b in groups.items() if b]
     if train.recompute == "full" and sum(counts.values()):
-        worst = max(sum(block_bytes(m, moe, recipe, "none", train.act).values()) for moe, n in counts.items() if n)
+        worst = max(sum(block_bytes(m, kind.moe, recipe, "none", train.act, kind.quantized).values())
+                    for kind in counts)
         out.append(Component("activations: recomputed block", worst * train.tokens / par.tp,
                              f"{count(worst)} B/token, one block rebuilt at a time"))
     if stage == par.pp - 1:

@@ -11,6 +11,7 @@ from lowprec.plan.memory import Parallel, StageMemory, Training, fewest_gpus, me
 from lowprec.plan.models import ModelSpec, get_model
 from lowprec.plan.recipes import RecipeCost, get_recipe
 from lowprec.plan.throughput import FlopTerm, Throughput, flop_terms, throughput
+from lowprec.plan.trainable import trainer_refusals
 from lowprec.plan.units import GB
 from lowprec.recipes import Recipe
 
@@ -71,6 +72,8 @@ class Plan:
     """Fewest GPUs that fit with this tp, pp, ep and ZeRO stage; None if no count does."""
     flops: tuple[FlopTerm, ...]
     throughput: Throughput
+    trainer_refusals: tuple[str, ...] = ()
+    """One line per option ``lowprec train`` cannot run in this layout (``lowprec.plan.trainable``)."""
 
     @property
     def capacity_bytes(self) -> float:
@@ -90,11 +93,13 @@ def plan(config: PlanConfig) -> Plan:
     gpus = config.gpus or fewest or config.tp * config.pp * config.ep
     par = Parallel(gpus=gpus, **layout)
     mem = memory_per_gpu(m, recipe, par, train)
-    terms = flop_terms(m, recipe, gpu, train.seq, train.recompute)
+    terms = flop_terms(m, recipe, gpu, train.seq, train.recompute, train.tokens)
     # one optimizer step runs grad_accum micro-batches per data-parallel rank, and at least the pp
     # that fill a 1F1B pipeline
     tokens_per_step = train.tokens * par.dp * max(train.grad_accum, par.pp)
     tp_out = throughput(terms, gpus=gpus, mfu=config.mfu, tokens_per_step=tokens_per_step,
                         tokens=config.tokens, price_per_gpu_hour=config.price_per_gpu_hour)
-    return Plan(config=config, model=m, params=count_params(m), recipe=recipe, gpu=gpu, parallel=par,
-                memory=mem, fewest_gpus=fewest, flops=tuple(terms), throughput=tp_out)
+    params = count_params(m, recipe.hp_blocks(m.n_layers))
+    return Plan(config=config, model=m, params=params, recipe=recipe, gpu=gpu, parallel=par, memory=mem,
+                fewest_gpus=fewest, flops=tuple(terms), throughput=tp_out,
+                trainer_refusals=trainer_refusals(par, train))

@@ -18,6 +18,7 @@ row-wise 1 + 4/K (one FP32 per row of K elements), FP8 per-tensor 1 + 4/numel.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lowprec import formats as F
@@ -158,6 +159,17 @@ class RecipeCost:
     blocks (``lowprec.nn.fp8_weight.storage_for``); None when the recipe casts no weight."""
     fp8_weight_direct: bool = False
     """The GEMMs read the stored FP8 codes as they are (no weight casts); else they are decoded and cast."""
+    recipe: R.Recipe | None = None
+    """The recipe itself, whose GEMMs the planner asks the kernels about (``lowprec.plan.gemm_paths``)."""
+    operands: tuple[tuple[Storage, Storage], ...] = ()
+    """How fprop's, dgrad's and wgrad's ``(lhs, rhs)`` casts are stored: an emulated GEMM's cast traffic."""
+    hp_last_fraction: float = 0.0
+    """Fraction of the last blocks the default policy keeps in BF16 (``Recipe.hp_last_fraction``)."""
+
+    def hp_blocks(self, n_layers: int) -> int:
+        """How many of ``n_layers`` last blocks the default policy keeps in BF16 for this recipe, as
+        ``lowprec.policy`` rounds it (up); none for a recipe that quantizes nothing."""
+        return math.ceil(self.hp_last_fraction * n_layers) if self.quantizes else 0
 
     @property
     def quantizes(self) -> bool:
@@ -199,6 +211,9 @@ def cost_of(recipe: R.Recipe) -> RecipeCost:
         gemms=(gemm_format(recipe.fprop), gemm_format(recipe.dgrad), gemm_format(recipe.wgrad)),
         note=_note(recipe),
         fp8_weight=_fp8_weight(recipe)[0], fp8_weight_direct=_fp8_weight(recipe)[1],
+        recipe=recipe,
+        operands=tuple((storage_of(g.lhs), storage_of(g.rhs)) for g in (recipe.fprop, recipe.dgrad, recipe.wgrad)),
+        hp_last_fraction=recipe.hp_last_fraction,
     )
 
 

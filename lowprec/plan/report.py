@@ -37,8 +37,11 @@ def plan_to_dict(p: Plan) -> dict:
             "total_gb": _gb(p.memory.total), "capacity_gb": p.gpu.memory_gb, "fits": p.fits,
             "fewest_gpus": p.fewest_gpus,
         },
-        "flops": [{"name": f.name, "flops_per_token": f.flops, "gemm": f.gemm, "peak_tflops": f.tflops,
-                   "native": f.native, "recompute": f.recompute, "formula": f.formula} for f in p.flops],
+        "flops": [{"name": f.name, "flops_per_token": f.flops, "gemm": f.gemm, "path": f.path.value,
+                   "emulated_in": f.emulated_in, "peak_tflops": f.tflops, "native": f.native,
+                   "cast_bytes_per_token": f.cast_bytes, "recompute": f.recompute, "formula": f.formula}
+                  for f in p.flops],
+        "trainer_refusals": list(p.trainer_refusals),
         "throughput": {
             "formula": "tokens/s = gpus x mfu / sum(flops_per_token / peak)",
             "mfu": c.mfu, "model_flops_per_token": t.model_flops_per_token,
@@ -57,8 +60,21 @@ def _fit_line(p: Plan) -> str:
     par = p.parallel
     layout = f"tp {par.tp} x pp {par.pp} x ep {par.ep}, ZeRO-{par.zero}"
     if p.fewest_gpus is None:
-        return line + f"; no GPU count fits with {layout} (try --zero 3, more --tp/--pp, or --recompute full)"
+        return line + f"; no GPU count fits with {layout}" + _hint(p)
     return line + f"; fewest GPUs that fit with {layout}: {p.fewest_gpus}"
+
+
+def _hint(p: Plan) -> str:
+    """What to try where nothing fits: only options not already at their most saving value."""
+    tries = (["--zero 3"] if p.parallel.zero < 3 else []) + ["more --tp/--pp"] + (
+        ["--recompute full"] if p.config.training.recompute != "full" else [])
+    return f" (try {', '.join(tries[:-1])} or {tries[-1]})" if len(tries) > 1 else f" (try {tries[0]})"
+
+
+def _trainer_lines(p: Plan) -> list[str]:
+    if not p.trainer_refusals:
+        return []
+    return ["", "lowprec train cannot run this layout as planned:"] + [f"  {line}" for line in p.trainer_refusals]
 
 
 def _time_lines(p: Plan) -> list[str]:
@@ -91,9 +107,10 @@ def format_plan(p: Plan) -> str:
     ]
     rows = [[x.name, f"{x.bytes / GB:.2f}", x.formula] for x in p.memory.components]
     rows.append(["total", f"{p.memory.total / GB:.2f}", ""])
-    flops = [[f.name, f.gemm + ("" if f.native else " (emulated: bf16 peak)"), f"{f.tflops:g}",
+    flops = [[f.name, f.label, f"{f.tflops:g}",
               f"{f.flops / 1e9:.4g}", f.formula] for f in p.flops]
-    return "\n".join(head + [format_table(["component", "GB", "formula"], rows), "", _fit_line(p), "",
+    return "\n".join(head + [format_table(["component", "GB", "formula"], rows), "", _fit_line(p)]
+                     + _trainer_lines(p) + ["",
                              "FLOPs per token by GEMM format",
                              format_table(["part", "format", "peak TFLOP/s", "GFLOP", "formula"], flops), ""]
                      + _time_lines(p))

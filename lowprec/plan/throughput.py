@@ -2,31 +2,39 @@
 
 [Note: FLOPs and time]
 Per token, the GEMMs of the linears a recipe quantizes cost 2·P in each of fprop, dgrad and
-wgrad (P: their active parameters), 6·P in all — the "6 × active parameters" rule — and each GEMM
-runs at the accelerator's dense peak for that GEMM's format (the BF16 peak where the format is
-emulated). The LM head and MoE routers stay BF16 (6·P at the BF16 peak); the input embedding is a
-lookup and costs nothing. Attention scores and their weighted sum cost, per layer and token,
-2·s·h·(d_qk + d_v) forward and twice that backward: 6·s·h·(d_qk + d_v), which is PaLM's
-12·s·d_model for d_qk = d_v = d_model / h (arXiv 2204.02311, appendix B; the causal mask is not
-credited, as in published MFU figures); they run in BF16. Full recomputation adds one more
-forward of every block; selective recomputation adds no GEMMs.
+wgrad (P: their active parameters), 6·P in all — the "6 × active parameters" rule. How each of
+the three runs is the kernels' decision for the GPU (``lowprec.plan.gemm_paths``): a native GEMM
+at the accelerator's dense peak for its format; an emulated one as the high-precision GEMM it is
+(BF16, or FP32 where the values are not exact in BF16) plus the memory traffic of its casts, which
+a BF16 step does not have: each operand element is written by its cast (read 2 bytes, write its
+low-precision bytes) and read back and widened for the GEMM (read those bytes, write 2 or 4), at
+the accelerator's HBM bandwidth. The weight's elements count once per micro-batch. The LM head,
+MoE routers and the blocks a recipe keeps in BF16 (NVFP4's last 15%) run in BF16 (6·P at the BF16
+peak); the input embedding is a lookup and costs nothing. Attention scores and their weighted sum
+cost, per layer and token, 2·s·h·(d_qk + d_v) forward and twice that backward:
+6·s·h·(d_qk + d_v), which is PaLM's 12·s·d_model for d_qk = d_v = d_model / h (arXiv 2204.02311,
+appendix B; the causal mask is not credited, as in published MFU figures); they run in BF16. Full
+recomputation adds one more forward of every block; selective recomputation adds no GEMMs.
 
-Time per token on one GPU is ``sum(flops / peak) / mfu``, so ``mfu`` is the fraction of the peak
-of each format that the run achieves, and tokens/s is ``gpus`` over that.
+Time per token on one GPU is ``sum(flops / peak) / mfu + sum(cast bytes / bandwidth)``, so ``mfu``
+is the fraction of each format's peak the GEMMs achieve (the casts of native GEMMs are in it too),
+and tokens/s is ``gpus`` over that.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from lowprec._checks import fail
+from lowprec.plan.gemm_paths import Path, gemm_paths
 from lowprec.plan.gpus import GPU
-from lowprec.plan.layers import block_kinds, block_linears, count_params
+from lowprec.plan.layers import Linear, block_kinds, block_linears, count_params
 from lowprec.plan.models import ModelSpec
-from lowprec.plan.recipes import RecipeCost
+from lowprec.plan.recipes import HP_BYTES, RecipeCost, Storage
 from lowprec.plan.units import count
 
 HP_GEMM = "bf16"
-"""Format of the GEMMs kept in high precision (LM head, routers, attention)."""
+"""Format of the GEMMs kept in high precision (LM head, routers, attention, BF16 blocks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,48 +46,122 @@ class FlopTerm:
     tflops: float
     """Dense peak used for it."""
     native: bool
+    """Run in its own format at its own peak (a GEMM lowprec emulates is not)."""
     formula: str
     recompute: bool = False
     """Extra work of recomputation, not counted as model FLOPs."""
+    path: Path = Path.HP
+    emulated_in: str | None = None
+    """The high-precision dtype an emulated GEMM multiplies in (``bf16``, ``fp32``)."""
+    cast_bytes: float = 0.0
+    """Bytes per token an emulated GEMM's casts move (see [Note: FLOPs and time])."""
+    hbm_tb_s: float = 1.0
 
     @property
     def seconds(self) -> float:
-        """Seconds per token on one GPU at 100% of peak."""
+        """Seconds per token on one GPU at 100% of peak, GEMM only."""
         return self.flops / (self.tflops * 1e12)
 
+    @property
+    def cast_seconds(self) -> float:
+        """Seconds per token of an emulated GEMM's cast traffic at the HBM bandwidth."""
+        return self.cast_bytes / (self.hbm_tb_s * 1e12)
 
-def _term(gpu: GPU, name: str, flops: float, gemm: str, formula: str, recompute: bool = False) -> FlopTerm:
-    tflops, native = gpu.peak(gemm)
-    return FlopTerm(name, flops, gemm, tflops, native, formula, recompute)
+    @property
+    def label(self) -> str:
+        if self.path is Path.EMULATED:
+            listed = "" if self.native else ", no fp32 peak listed: timed at bf16"
+            return f"{self.gemm} (emulated: {self.emulated_in} GEMM{listed} + cast traffic)"
+        return self.gemm if self.native else f"{self.gemm} (no peak listed: bf16 peak)"
 
 
-def _router_params(m: ModelSpec) -> int:
-    return sum(n * lin.active_numel for moe, n in block_kinds(m) for lin in block_linears(m, moe)
-               if not lin.quantized)
+def _hp_term(gpu: GPU, name: str, flops: float, formula: str, recompute: bool = False) -> FlopTerm:
+    tflops, listed = gpu.peak(HP_GEMM)
+    return FlopTerm(name, flops, HP_GEMM, tflops, listed, formula, recompute)
 
 
-def flop_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, seq: int, recompute: str) -> list[FlopTerm]:
-    counts = count_params(m)
-    p_q = counts.quantized_active
-    fprop, dgrad, wgrad = recipe.gemms
+@dataclass(frozen=True, slots=True)
+class _Elements:
+    """Per token, summed over the quantized linears: input and output elements of each token's
+    active copies, and weight elements per micro-batch over its tokens."""
+
+    inputs: float
+    outputs: float
+    weights: float
+
+
+def _elements(m: ModelSpec, hp_blocks: int, tokens: int) -> _Elements:
+    lins: list[tuple[int, Linear]] = [(n, lin) for kind, n in block_kinds(m, hp_blocks)
+                                      for lin in block_linears(m, *kind) if lin.quantized]
+    return _Elements(inputs=sum(n * lin.d_in * lin.active for n, lin in lins),
+                     outputs=sum(n * lin.d_out * lin.active for n, lin in lins),
+                     weights=sum(n * lin.numel for n, lin in lins) / tokens)
+
+
+def _traffic(s: Storage, row: int, wide: int) -> float:
+    """Bytes one element's cast moves: written (read BF16, write it) and widened (read it, write ``wide``)."""
+    lp = s.bytes_per_element(row, math.inf)
+    return (HP_BYTES + lp) + (lp + wide)
+
+
+def _linear_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, tokens: int, p_q: float,
+                  recompute: bool = False) -> list[FlopTerm]:
+    paths = gemm_paths(recipe.recipe, gpu.capability)
+    e = _elements(m, recipe.hp_blocks(m.n_layers), tokens)
+    # (lhs, rhs) elements per token: fprop input x weight, dgrad grad_output x weight.T, wgrad grad_output.T x input.T
+    sides = ((e.inputs, e.weights), (e.outputs, e.weights), (e.outputs, e.inputs))
+    out = []
+    for i, (gp, fmt, (lhs, rhs), (n_l, n_r)) in enumerate(zip(paths, recipe.gemms, recipe.operands, sides)):
+        if recompute and i:
+            break  # recomputation runs fprop again
+        name = f"recompute: linears ({gp.gemm})" if recompute else f"linears: {gp.gemm}"
+        formula = f"2 x {count(p_q)} active quantized params"
+        flops = 2 * p_q
+        if gp.path is Path.EMULATED:
+            tflops, listed = gpu.peak(gp.emulated_in)
+            wide = 4 if gp.emulated_in == "fp32" else HP_BYTES
+            cast = n_l * _traffic(lhs, m.d_model, wide) + n_r * _traffic(rhs, m.d_model, wide)
+            out.append(FlopTerm(name, flops, fmt, tflops, listed, formula + f" + {count(cast)} B of cast traffic",
+                                recompute, gp.path, gp.emulated_in, cast, gpu.hbm_tb_s))
+            continue
+        tflops, listed = gpu.peak(fmt)
+        if gp.path is Path.NATIVE and not listed:
+            fail("gpu", f"a {fmt} peak in the {gpu.key} row (lowprec runs {recipe.name}'s {gp.gemm} natively on "
+                 f"{gpu.arch})", "none listed")
+        out.append(FlopTerm(name, flops, fmt, tflops, listed, formula, recompute, gp.path))
+    return out
+
+
+def _hp_linear_params(m: ModelSpec, hp_blocks: int) -> tuple[float, float]:
+    """(router, BF16-block linear) active parameters: the block linears that run in BF16."""
+    routers = sum(n * lin.active_numel for kind, n in block_kinds(m) for lin in block_linears(m, kind.moe)
+                  if not lin.quantized)
+    hp = count_params(m, hp_blocks).quantized_active
+    return routers, count_params(m).quantized_active - hp
+
+
+def flop_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, seq: int, recompute: str,
+               tokens: int | None = None) -> list[FlopTerm]:
+    """``tokens``: per micro-batch (default ``seq``), over which a weight's casts are spread."""
+    hp_blocks = recipe.hp_blocks(m.n_layers)
+    p_q = count_params(m, hp_blocks).quantized_active
     head = m.vocab * m.d_model
-    routers = _router_params(m)
+    routers, kept = _hp_linear_params(m, hp_blocks)
     attn_fwd = 2 * seq * m.n_heads * (m.qk_head_dim + m.v_head_dim) * m.n_layers
     attn_formula = f"2 x s {seq} x h {m.n_heads} x (d_qk {m.qk_head_dim} + d_v {m.v_head_dim}) x L {m.n_layers}"
-    terms = [
-        _term(gpu, "linears: fprop", 2 * p_q, fprop, f"2 x {count(p_q)} active quantized params"),
-        _term(gpu, "linears: dgrad", 2 * p_q, dgrad, f"2 x {count(p_q)} active quantized params"),
-        _term(gpu, "linears: wgrad", 2 * p_q, wgrad, f"2 x {count(p_q)} active quantized params"),
-        _term(gpu, "LM head and routers", 6 * (head + routers), HP_GEMM,
-              f"6 x ({count(head)} head + {count(routers)} router params)"),
-        _term(gpu, "attention scores and values", 3 * attn_fwd, HP_GEMM, "3 x " + attn_formula),
+    terms = _linear_terms(m, recipe, gpu, tokens or seq, p_q)
+    if kept:
+        terms.append(_hp_term(gpu, f"linears of the last {hp_blocks} blocks (bf16 by policy)", 6 * kept,
+                              f"6 x {count(kept)} active params"))
+    terms += [
+        _hp_term(gpu, "LM head and routers", 6 * (head + routers),
+                 f"6 x ({count(head)} head + {count(routers)} router params)"),
+        _hp_term(gpu, "attention scores and values", 3 * attn_fwd, "3 x " + attn_formula),
     ]
     if recompute == "full":
-        terms += [
-            _term(gpu, "recompute: linears", 2 * p_q, fprop, f"2 x {count(p_q)} (one more forward)", True),
-            _term(gpu, "recompute: routers and attention", 2 * routers + attn_fwd, HP_GEMM,
-                  f"2 x {count(routers)} + " + attn_formula, True),
-        ]
+        terms += _linear_terms(m, recipe, gpu, tokens or seq, p_q, recompute=True)
+        terms.append(_hp_term(gpu, "recompute: bf16 linears, routers and attention", 2 * (routers + kept) + attn_fwd,
+                              f"2 x {count(routers + kept)} + " + attn_formula, True))
     return terms
 
 
@@ -104,9 +186,10 @@ def throughput(terms: list[FlopTerm], *, gpus: int, mfu: float, tokens_per_step:
     if not 0 < mfu <= 1:
         fail("mfu", "a fraction in (0, 1]", mfu)
     model_flops = sum(t.flops for t in terms if not t.recompute)
-    seconds_per_token = sum(t.seconds for t in terms) / mfu  # one GPU
+    seconds_per_token = sum(t.seconds for t in terms) / mfu + sum(t.cast_seconds for t in terms)  # one GPU
     tokens_per_s = gpus / seconds_per_token
-    peak = model_flops / sum(t.seconds for t in terms if not t.recompute) / 1e12
+    # the blended peak: model FLOPs over the time they take at 100% of every peak, cast traffic included
+    peak = model_flops / sum(t.seconds + t.cast_seconds for t in terms if not t.recompute) / 1e12
     days = gpu_hours = cost = None
     if tokens is not None:
         days = tokens / tokens_per_s / 86400

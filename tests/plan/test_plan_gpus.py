@@ -1,4 +1,4 @@
-"""The accelerator table: dense peaks, sources, NVIDIA rows' native formats from the compute capability."""
+"""The accelerator table: dense peaks, sources, and the capability the kernels would see on each row."""
 from __future__ import annotations
 
 import pytest
@@ -29,19 +29,17 @@ def test_every_row_names_its_source_and_has_sane_figures():
         assert peaks["bf16"] <= peaks.get("fp8", peaks["bf16"]) <= peaks.get("mxfp4", peaks.get("fp8", peaks["bf16"]))
 
 
-# What each NVIDIA row runs natively, by hand: Ampere BF16/FP16, Hopper adds FP8, Blackwell (sm100,
-# sm103) adds the block-scaled MX formats and NVFP4.
-HOPPER = {"bf16", "fp16", "fp8"}
-BLACKWELL = HOPPER | {"mxfp8", "mxfp6", "mxfp4", "nvfp4"}
-NVIDIA_NATIVE = {"a100": {"bf16", "fp16"}, "h100": HOPPER, "h200": HOPPER, "b200": BLACKWELL, "gb200": BLACKWELL,
-                 "b300": BLACKWELL}
+# What lowprec's kernels would see on each row: the compute capability of an NVIDIA row, the one ROCm
+# reports for an AMD architecture (gfx942 -> 9.4), and no tensor-core GEMMs of lowprec's on Gaudi.
+CAPABILITIES = {"a100": (8, 0), "h100": (9, 0), "h200": (9, 0), "b200": (10, 0), "gb200": (10, 0), "b300": (10, 3),
+                "mi300x": (9, 4), "mi325x": (9, 4), "mi355x": (9, 5), "gaudi3": None}
 
 
-def test_nvidia_rows_run_what_their_compute_capability_runs():
-    assert {k for k, g in GPUS.items() if g.vendor == "NVIDIA"} == set(NVIDIA_NATIVE)
-    for key, native in NVIDIA_NATIVE.items():
-        assert set(GPUS[key].native_gemms) == native, key
-        assert all(GPUS[key].peak(fmt)[1] == (fmt in native) for fmt in BLACKWELL), key
+def test_each_row_is_seen_as_the_kernels_would_see_the_device():
+    assert set(CAPABILITIES) == set(GPUS)
+    for key, sm in CAPABILITIES.items():
+        cap = GPUS[key].capability
+        assert (cap.sm, cap.device_type) == (sm, "cuda" if sm else "hpu"), key
 
 
 def _row(arch: str, **peaks) -> GPU:
@@ -49,13 +47,13 @@ def _row(arch: str, **peaks) -> GPU:
                peaks=tuple(peaks.items()), source="s")
 
 
-def test_an_nvidia_row_whose_peaks_disagree_with_its_compute_capability_is_refused():
-    assert _row("sm90", bf16=1, fp16=1, fp8=2).native_gemms == ("bf16", "fp16", "fp8")
-    with pytest.raises(ValueError, match="x.peaks: expected peaks for the GEMM formats sm90 runs natively, "
-                                         "bf16, fp16, fp8, got bf16, fp16"):
-        _row("sm90", bf16=1, fp16=1)  # an FP8 peak missing: planned as emulated though sm90 runs it
-    with pytest.raises(ValueError, match="runs natively, bf16, fp16, got bf16, fp16, fp8"):
-        _row("sm80", bf16=1, fp16=1, fp8=2)  # FP8 claimed native on Ampere
+def test_a_row_lists_hardware_peaks_and_needs_a_bf16_one():
+    # the hardware's block-scaled peaks are listed whatever lowprec runs natively (the planner asks the kernels)
+    assert _row("sm100", bf16=1, fp8=2, nvfp4=4).peak("nvfp4") == (4, True)
+    with pytest.raises(ValueError, match=r"x.peaks: expected a bf16 peak \(high-precision GEMMs run at it\)"):
+        _row("sm90", fp16=1, fp8=2)
+    with pytest.raises(ValueError, match="x.peaks: expected one of 'bf16', .*, got 'fp12'"):
+        _row("sm90", bf16=1, fp12=2)
 
 
 @pytest.mark.parametrize("arch, sm", [("sm80", (8, 0)), ("sm89", (8, 9)), ("sm100", (10, 0)), ("sm103", (10, 3)),
@@ -64,7 +62,7 @@ def test_arch_names_read_as_compute_capabilities(arch, sm):
     assert sm_of_arch(arch) == sm
 
 
-def test_emulated_formats_fall_back_to_bf16():
+def test_formats_without_a_listed_peak_fall_back_to_bf16():
     assert GPUS["a100"].peak("fp8") == (312, False)
     assert GPUS["h200"].peak("mxfp8") == (989, False)
     assert GPUS["mi355x"].peak("nvfp4") == (2516.6, False)
