@@ -13,11 +13,6 @@ from lowprec.plan.recipes import get_recipe
 from lowprec.plan.throughput import flop_terms, throughput
 
 
-def _peaks(model, recipe, gpu):
-    terms = flop_terms(PRESETS[model], get_recipe(recipe), GPUS[gpu], 4096, "none")
-    return {t.name: (t.gemm, t.tflops, t.native) for t in terms}
-
-
 def test_llama2_7b_flops_by_hand():
     s, d, layers, vocab = 4096, 4096, 32, 32000
     block = 4 * d * d + 3 * d * 11008
@@ -122,3 +117,14 @@ def test_full_recompute_adds_a_forward_but_not_model_flops():
 def test_bad_plan_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan(PlanConfig(model="llama-2-7b", **kwargs))
+
+
+def test_nvfp4s_last_blocks_run_bf16_gemms():
+    block = 4 * 4096 * 4096 + 3 * 4096 * 11008  # one Llama-2-7B block's linears
+    terms = {t.name: t for t in flop_terms(PRESETS["llama-2-7b"], get_recipe("nvfp4"), GPUS["h100"], 4096, "none")}
+    # the policy keeps the last ceil(0.15 x 32) = 5 blocks in BF16; the other 27 take NVFP4
+    kept = terms["linears of the last 5 blocks (bf16 by policy)"]
+    assert (kept.flops, kept.gemm, kept.tflops) == (6 * 5 * block, "bf16", 989)
+    assert all(terms[f"linears: {g}"].flops == 2 * 27 * block for g in ("fprop", "dgrad", "wgrad"))
+    assert not any(t.name.startswith("linears of the last") for t in flop_terms(
+        PRESETS["llama-2-7b"], get_recipe("fp8-current"), GPUS["h100"], 4096, "none"))
