@@ -22,8 +22,9 @@ from collections.abc import Iterator
 
 import torch
 
+from lowprec import formats as F
 from lowprec.quant.hadamard import RHT_BLOCK, hadamard_padded
-from lowprec.telemetry.stats import OperandStats, stats_tensor
+from lowprec.telemetry.stats import OperandStats, cast_format, stats_tensor
 
 _GEMM_OF_SIDE = {  # (role value, transposed side) -> the GEMM that reads it; see [Note: the three GEMMs]
     (0, False): "fprop", (0, True): "wgrad",  # input
@@ -43,7 +44,7 @@ class Collector:
         self._names = names
         """id of a layer's cast state -> the layer's name in the sampled model."""
         self.step = step
-        self._pending: list[tuple[str, str, str, torch.Tensor]] = []
+        self._pending: list[tuple[str, str, str, F.Format | None, torch.Tensor]] = []
 
     def side(self, state: object, role: int, transposed: bool, hp2: torch.Tensor, q, spec) -> None:
         """Report one cast side: ``q`` the cast of ``hp2`` (a layer's 2-D operand, transposed for the
@@ -54,7 +55,7 @@ class Collector:
         if spec is not None and spec.hadamard_seed is not None:
             hp2 = hadamard_padded(hp2, RHT_BLOCK, spec.hadamard_seed)  # what the cast quantized
         figures = stats_tensor(hp2, q)
-        self._pending.append((name, _GEMM_OF_SIDE[(role, transposed)], _OPERANDS[role], figures))
+        self._pending.append((name, _GEMM_OF_SIDE[(role, transposed)], _OPERANDS[role], cast_format(q), figures))
 
     def forward(self, state: object, plan, x2: torch.Tensor, weight: torch.Tensor | None, qx, qx_t, qw,
                 qw_t) -> None:
@@ -81,11 +82,13 @@ class Collector:
             return []
         rows = torch.stack([f.cpu() for *_, f in self._pending]).tolist()  # one host sync per device
         merged: dict[tuple[str, str, str], list[float]] = {}
-        for (name, gemm, operand, _), row in zip(self._pending, rows):
+        formats: dict[tuple[str, str, str], F.Format | None] = {}
+        for (name, gemm, operand, fmt, _), row in zip(self._pending, rows):
             key = (name, gemm, operand)
             merged[key] = row if key not in merged else _worst(merged[key], row)
+            formats.setdefault(key, fmt)  # one layer's operand: one recipe, one format
         self._pending.clear()
-        return [OperandStats(*key, *row, self.step) for key, row in merged.items()]
+        return [OperandStats(*key, *row, self.step, formats[key]) for key, row in merged.items()]
 
 
 def _worst(a: list[float], b: list[float]) -> list[float]:

@@ -12,16 +12,20 @@ import math
 import os
 from pathlib import Path
 
+from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.telemetry.stats import GEMMS, OPERANDS, OperandStats
 
 FILENAME = "telemetry.csv"
-COLUMNS = ("step", "layer", "gemm", "operand", "amax", "scale", "underflow", "saturation", "sqnr_db")
-_FIGURES = COLUMNS[4:]
+COLUMNS = ("step", "layer", "gemm", "operand", "amax", "scale", "underflow", "saturation", "sqnr_db", "format")
+_FIGURES = COLUMNS[4:9]
+_BEFORE_FORMAT = COLUMNS[:9]
+"""The columns of files written before the cast's format was recorded: read with the format unknown."""
 
 
 def row_of(r: OperandStats) -> list[str]:
-    return [str(r.step), r.layer, r.gemm, r.operand] + [repr(float(getattr(r, c))) for c in _FIGURES]
+    return ([str(r.step), r.layer, r.gemm, r.operand] + [repr(float(getattr(r, c))) for c in _FIGURES]
+            + [r.fmt.name if r.fmt is not None else ""])
 
 
 class TelemetryWriter:
@@ -79,8 +83,8 @@ def _rows_through(path: Path, last_step: int) -> list[list[str]]:
     kept = []
     for row in rows:
         try:
-            if len(row) == len(COLUMNS) and int(row[0]) <= last_step:
-                kept.append(row)
+            if len(row) in (len(_BEFORE_FORMAT), len(COLUMNS)) and int(row[0]) <= last_step:
+                kept.append(row + [""] * (len(COLUMNS) - len(row)))
         except ValueError:
             continue
     return kept
@@ -95,22 +99,23 @@ def read_records(path: Path, name: str = "telemetry") -> list[OperandStats]:
     with path.open(newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
-        if header is None or tuple(header) != COLUMNS:
+        if header is None or tuple(header) not in (COLUMNS, _BEFORE_FORMAT):
             fail(name, f"{path.name} with the columns {', '.join(COLUMNS)}", f"{header!r} in {str(path)!r}")
-        return [_parse(row, i, path, name) for i, row in enumerate(reader, start=2)]
+        return [_parse(row, i, path, name, len(header)) for i, row in enumerate(reader, start=2)]
 
 
-def _parse(row: list[str], line: int, path: Path, name: str) -> OperandStats:
+def _parse(row: list[str], line: int, path: Path, name: str, columns: int) -> OperandStats:
     try:
-        if len(row) != len(COLUMNS):
+        if len(row) != columns:
             raise ValueError(f"{len(row)} fields")
-        figures = [float(v) for v in row[4:]]
+        figures = [float(v) for v in row[4:9]]
         step = int(row[0])
         if step < 0 or row[2] not in GEMMS or row[3] not in OPERANDS or not row[1]:
             raise ValueError("a bad step, layer, gemm or operand")
         if any(math.isnan(v) or not 0 <= v <= 1 for v in figures[2:4]):
             raise ValueError("a fraction outside [0, 1]")
-        return OperandStats(row[1], row[2], row[3], *figures, step)
+        fmt = F.get(row[9]) if columns > 9 and row[9] else None
+        return OperandStats(row[1], row[2], row[3], *figures, step, fmt)
     except ValueError as e:
-        fail(name, f"rows of {len(COLUMNS)} fields ({', '.join(COLUMNS)})",
+        fail(name, f"rows of {columns} fields ({', '.join(COLUMNS[:columns])})",
              f"line {line} of {str(path)!r}: {','.join(row)!r} ({e})")

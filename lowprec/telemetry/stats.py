@@ -61,6 +61,10 @@ class OperandStats:
     """Signal to quantization noise of the cast, in dB (+inf when exact)."""
     step: int
     """The training step (or the caller's count) the operand was sampled at."""
+    fmt: F.Format | None = None
+    """The element format the operand was cast to (the dtype's for a side kept in 16 bits); None where
+    unknown (a ``telemetry.csv`` written before it was recorded). The trouble floors follow it
+    (:mod:`lowprec.telemetry.trouble`)."""
 
     def __post_init__(self) -> None:
         check_choice("gemm", self.gemm, GEMMS)
@@ -69,6 +73,15 @@ class OperandStats:
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
                 fail(name, "a fraction in [0, 1]", v)
+        if self.fmt is not None and not isinstance(self.fmt, F.Format):
+            fail("fmt", "a lowprec.formats.Format or None", describe(self.fmt), TypeError)
+
+
+def cast_format(q: QuantizedTensor | torch.Tensor) -> F.Format | None:
+    """The element format of a cast: a quantized tensor's, or the table's format of a plain tensor's dtype."""
+    if isinstance(q, QuantizedTensor):
+        return q.fmt
+    return next((f for f in F.FORMATS.values() if f.torch_dtype == q.dtype), None)
 
 
 def _top_threshold(fmax: float, spacing: float) -> float:
@@ -133,4 +146,4 @@ def operand_stats(hp: torch.Tensor, q: QuantizedTensor | torch.Tensor, *, layer:
     """:class:`OperandStats` of ``q``, the cast of ``hp`` (a :class:`~lowprec.quant.QuantizedTensor`, or a
     plain tensor for a side kept in 16 bits); one host sync."""
     amax, scale, underflow, saturation, sqnr = stats_tensor(hp, q).tolist()
-    return OperandStats(layer, gemm, operand, amax, scale, underflow, saturation, sqnr, step)
+    return OperandStats(layer, gemm, operand, amax, scale, underflow, saturation, sqnr, step, cast_format(q))

@@ -1,31 +1,109 @@
 """Which layers a run's telemetry shows in trouble, and the policy that keeps them in high precision.
 
 [Note: the trouble score]
-Each record is judged against its peers: the records of every layer for the same GEMM, operand and
-step (the same recipe cast the same role of every layer, so a layer that loses more than its peers
-is the one in trouble, whatever the format's usual error). A record's trouble is
+Each record is judged against floors of the format its operand was cast to, read from the format
+table (:mod:`lowprec.formats`), so that what a format does by design is never a flag:
 
-    max(0, peer median SQNR - its SQNR)                     dB it loses beyond its peers
-  + 100 * saturation                                        1 dB per percent of elements clipped
-  + 100 * max(0, underflow - peer median underflow)         1 dB per percent flushed beyond its peers
+* underflow: flagged above ``UNDERFLOW_SCALE / sqrt(binades)``, where ``binades = log2(max /
+  (min_subnormal / 2))`` is how far below its block's largest value an element survives the cast.
+  A format that keeps fewer binades flushes more of a healthy operand's small elements, though less
+  than in proportion (much of what a wide format flushes was numerically zero to begin with): E2M1
+  keeps 4.6 binades (floor 0.70: NVFP4 and MXFP4 flush up to 0.45 of a SwiGLU output in reference
+  runs), E4M3 18.8 (0.35: up to 0.15 of an attention projection's gradient), E5M2 32.8 (0.26),
+  BF16 262 (0.09);
+* saturation: flagged above ``SATURATION_FLOOR`` (5%) in every format, since clipping is the scale's
+  doing, not the format's: current scaling never clips, a delayed scale behind a growing amax clips up
+  to 2% in a reference run's first steps, and a fault (an operand scaled up between two steps) clips
+  most of the tensor;
+* SQNR: flagged under ``ideal - SQNR_ALLOWANCE_DB``, where ``ideal = 6.02 * man_bits + 14.5`` dB is
+  the SQNR of rounding values spread evenly over a binade (the error uniform in half a grid step):
+  E4M3 32.5 dB (floor 2.5), E5M2 26.5 (-3.5), E2M1 20.5 (-9.5). A cast loses SQNR through what it
+  clips or flushes, which the two figures above judge; this flag is for a cast whose error outweighs
+  the operand (a reference fp8-delayed run's first steps fall to 3 dB on E5M2 gradients and train on).
 
-and a layer's score is its worst record's over every operand and sampled step. A record with a
-non-finite amax or a NaN SQNR (inf or NaN in the operand) scores inf. Layers scoring at least the
-threshold (default 3: 3 dB, or 3% of the elements clipped) are suggested for high precision.
+A record's trouble is its worst figure's distance to the floor, as a fraction of the floor
+(``underflow / floor``, ``saturation / floor``, ``max(0, ideal - SQNR) / allowance``), so 1 is at the
+floor; a record with a non-finite amax or a NaN SQNR (inf or NaN in the operand) scores inf. A
+layer's score is its worst record's over every operand and sampled step; layers scoring
+``TROUBLE_THRESHOLD`` (1) or more are flagged and suggested for high precision. A record without a
+format (a file written before it was recorded) is judged by the most lenient floors of the table's
+element formats (E2M1's). The reference figures above are the largest of 20-step runs of every preset
+on a two-block model of width 128 (the embedded corpus, CPU); tests/telemetry/test_trouble_presets.py
+runs each preset briefly and asserts that nothing is flagged, and tests/telemetry/test_inspect.py that
+an injected fault is.
 """
 from __future__ import annotations
 
 import math
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass, replace
 
+from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.policy import Policy
 from lowprec.telemetry.stats import OperandStats
 
-TROUBLE_THRESHOLD = 3.0
-"""A layer scoring this or more is suggested for high precision (see [Note: the trouble score])."""
+TROUBLE_THRESHOLD = 1.0
+"""A layer scoring this or more is flagged and suggested for high precision (see [Note: the trouble score])."""
+UNDERFLOW_SCALE = 1.5
+"""Underflow floor times the square root of the binades a format keeps below a block's largest value."""
+SATURATION_FLOOR = 0.05
+"""The fraction of an operand's elements clipped, in any format, above which it is flagged."""
+SQNR_ALLOWANCE_DB = 30.0
+"""How far under its format's ideal SQNR a record may fall before it is flagged."""
+
+
+def binades(fmt: F.Format) -> float:
+    """How many binades below a block's largest value an element of ``fmt`` survives the cast."""
+    return math.log2(fmt.max / (fmt.min_subnormal / 2))
+
+
+def ideal_sqnr_db(fmt: F.Format) -> float:
+    """The SQNR of rounding values spread evenly over a binade onto ``fmt``'s grid: the rounding error is
+    uniform in half a step 2^-m, so noise/signal = 2^-2m / 12 / (7/3)."""
+    return 20 * math.log10(2) * fmt.man_bits + 10 * math.log10(28)
+
+
+@dataclass(frozen=True, slots=True)
+class Floors:
+    """Where a figure of an operand cast to ``fmt`` is flagged (see [Note: the trouble score])."""
+
+    fmt: F.Format | None
+    underflow: float
+    """Flagged above this fraction flushed to zero."""
+    saturation: float
+    """Flagged above this fraction clipped."""
+    sqnr_db: float
+    """Flagged under this SQNR."""
+
+
+def _lenient() -> F.Format:
+    """The element format whose floors are widest: the one keeping the fewest binades (E2M1)."""
+    return min((f for f in F.FORMATS.values() if f.kind is F.Kind.FLOAT), key=binades)
+
+
+def floors(fmt: F.Format | None) -> Floors:
+    """The floors of an operand cast to ``fmt`` (None: unknown, judged by the most lenient)."""
+    f = fmt if fmt is not None else _lenient()
+    return Floors(fmt, min(1.0, UNDERFLOW_SCALE / math.sqrt(binades(f))), SATURATION_FLOOR,
+                  ideal_sqnr_db(f) - SQNR_ALLOWANCE_DB)
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """The figure of a record that scored, beside its floor."""
+
+    figure: str
+    """``underflow``, ``saturation``, ``sqnr_db`` or ``non-finite``."""
+    value: float
+    floor: float
+
+    def __str__(self) -> str:
+        if self.figure == "non-finite":
+            return "non-finite values (always flagged)"
+        if self.figure == "sqnr_db":
+            return f"SQNR {self.value:.1f} dB (flag below {self.floor:.1f})"
+        return f"{self.figure} {self.value:.3g} (flag above {self.floor:.3g})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,44 +112,41 @@ class LayerTrouble:
 
     layer: str
     score: float
-    """The worst record's trouble (see [Note: the trouble score])."""
+    """The worst record's trouble (see [Note: the trouble score]); 1 is at its floor."""
     worst: str
     """``gemm.operand @ step`` of the record that scored it."""
     worst_sqnr_db: float
     max_saturation: float
     max_underflow: float
+    flag: Flag | None = None
+    """The worst record's figure that scored, with its floor."""
 
 
-def _record_trouble(r: OperandStats, sqnr_median: float, underflow_median: float) -> float:
+def record_trouble(r: OperandStats) -> tuple[float, Flag]:
+    """A record's trouble and the figure that scored it (see [Note: the trouble score])."""
     if not math.isfinite(r.amax) or math.isnan(r.sqnr_db):
-        return math.inf
-    shortfall = max(0.0, sqnr_median - r.sqnr_db) if math.isfinite(r.sqnr_db) else 0.0
-    return shortfall + 100 * r.saturation + 100 * max(0.0, r.underflow - underflow_median)
-
-
-def _finite_median(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return statistics.median(finite) if finite else math.inf
+        return math.inf, Flag("non-finite", math.nan, math.nan)
+    fl = floors(r.fmt)
+    ideal = fl.sqnr_db + SQNR_ALLOWANCE_DB
+    scored = [(r.underflow / fl.underflow, Flag("underflow", r.underflow, fl.underflow)),
+              (r.saturation / fl.saturation, Flag("saturation", r.saturation, fl.saturation)),
+              (max(0.0, ideal - r.sqnr_db) / SQNR_ALLOWANCE_DB, Flag("sqnr_db", r.sqnr_db, fl.sqnr_db))]
+    return max(scored, key=lambda t: t[0])
 
 
 def rank_layers(records: list[OperandStats]) -> list[LayerTrouble]:
     """Every layer of ``records``, the most troubled first (ties: in the order they appear)."""
-    peers: dict[tuple[str, str, int], list[OperandStats]] = defaultdict(list)
+    by_layer: dict[str, list[tuple[float, Flag, OperandStats]]] = defaultdict(list)
     for r in records:
-        peers[(r.gemm, r.operand, r.step)].append(r)
-    medians = {k: (_finite_median([r.sqnr_db for r in v]), statistics.median([r.underflow for r in v]))
-               for k, v in peers.items()}
-    by_layer: dict[str, list[tuple[float, OperandStats]]] = defaultdict(list)
-    for r in records:
-        by_layer[r.layer].append((_record_trouble(r, *medians[(r.gemm, r.operand, r.step)]), r))
+        by_layer[r.layer].append((*record_trouble(r), r))
     out = []
     for layer, scored in by_layer.items():
-        score, worst = max(scored, key=lambda t: t[0])
-        rs = [r for _, r in scored]
+        score, flag, worst = max(scored, key=lambda t: t[0])
+        rs = [r for *_, r in scored]
         sqnrs = [r.sqnr_db for r in rs]
         out.append(LayerTrouble(layer, score, f"{worst.gemm}.{worst.operand} @ step {worst.step}",
                                 math.nan if any(map(math.isnan, sqnrs)) else min(sqnrs),
-                                max(r.saturation for r in rs), max(r.underflow for r in rs)))
+                                max(r.saturation for r in rs), max(r.underflow for r in rs), flag))
     return sorted(out, key=lambda t: -t.score)
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from lowprec.telemetry.control import ControlConfig
 from lowprec.telemetry.records import read_records
+from lowprec.telemetry.trouble import TROUBLE_THRESHOLD, rank_layers
 from tests.train.runs import CFG, MICRO, build_model, run
 
 K = 6
@@ -48,6 +49,10 @@ def _saturated(records, step: int) -> set[tuple[str, str, str]]:
     return {(r.layer, r.gemm, r.operand) for r in records if r.step == step and r.saturation > 0.5}
 
 
+def _flagged(records) -> set[str]:
+    return {t.layer for t in rank_layers(records) if t.score >= TROUBLE_THRESHOLD}
+
+
 @pytest.fixture(scope="module")
 def data():
     from lowprec.train.data import corpus_data
@@ -55,8 +60,10 @@ def data():
 
 
 def test_an_input_scaled_by_1e4_is_seen_widened_and_the_loss_recovers(data, tmp_path):
-    clean, _ = _run(data, tmp_path / "clean", fault=False)
+    clean, clean_records = _run(data, tmp_path / "clean", fault=False)
     faulty, faulty_records = _run(data, tmp_path / "faulty", fault=True)
+    # inspect's trouble score flags the faulted layer alone, and nothing in the run without the fault
+    assert _flagged(faulty_records) == {LAYER} and _flagged(clean_records) == set()
     auto, auto_records = _run(data, tmp_path / "auto", fault=True, control=CONTROL)
     # the telemetry names the layer and the operand: its input, in the two GEMMs that read it
     hit = {(LAYER, "fprop", "input"), (LAYER, "wgrad", "input")}

@@ -3,37 +3,69 @@ report's files, and one-line errors naming RUN_DIR."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch.nn as nn
 from click.testing import CliRunner
 
+from lowprec import formats as F
 from lowprec import telemetry as T
 from lowprec.cli import main
 from lowprec.policy_file import load_policy
 from lowprec.telemetry import OperandStats
-from lowprec.telemetry.records import TelemetryWriter
-from lowprec.telemetry.trouble import rank_layers, suggest_policy
+from lowprec.telemetry.records import TelemetryWriter, read_records
+from lowprec.telemetry.trouble import (
+    SATURATION_FLOOR,
+    SQNR_ALLOWANCE_DB,
+    TROUBLE_THRESHOLD,
+    UNDERFLOW_SCALE,
+    binades,
+    floors,
+    rank_layers,
+    suggest_policy,
+)
 from tests.nn.common import make_linear, randn
 
-
-def _rec(layer, step, sqnr, saturation=0.0, underflow=0.0, amax=1.0):
-    return OperandStats(layer, "fprop", "input", amax, 0.01, underflow, saturation, sqnr, step)
+E4M3, E2M1 = F.get("e4m3"), F.get("e2m1")
 
 
-RECORDS = [_rec("a", 1, 30.0), _rec("b", 1, 28.0, underflow=0.01), _rec("c", 1, 31.0),
-           _rec("a", 2, 30.0), _rec("b", 2, 20.0, saturation=0.05), _rec("c", 2, math.inf)]
+def _rec(layer, step, sqnr, saturation=0.0, underflow=0.0, amax=1.0, fmt=E4M3):
+    return OperandStats(layer, "fprop", "input", amax, 0.01, underflow, saturation, sqnr, step, fmt)
+
+
+RECORDS = [_rec("a", 1, 30.0), _rec("b", 1, 28.0, underflow=0.2), _rec("c", 1, 31.0),
+           _rec("a", 2, 30.0), _rec("b", 2, 20.0, saturation=0.1), _rec("c", 2, math.inf)]
+
+
+def test_the_floors_follow_the_format_table():
+    # binades kept below a block's largest value: log2(max / (min_subnormal / 2))
+    assert binades(E2M1) == pytest.approx(math.log2(6 / 0.25)) and binades(E4M3) == pytest.approx(math.log2(448 * 1024))
+    e2m1, e4m3 = floors(E2M1), floors(E4M3)
+    assert e2m1.underflow == pytest.approx(UNDERFLOW_SCALE / math.sqrt(math.log2(24)))  # 0.70
+    assert e4m3.underflow == pytest.approx(UNDERFLOW_SCALE / math.sqrt(math.log2(448 * 1024)))  # 0.35
+    assert e2m1.saturation == e4m3.saturation == SATURATION_FLOOR
+    # ideal SQNR 6.02 * man_bits + 14.5 dB, less the allowance
+    assert e4m3.sqnr_db == pytest.approx(20 * math.log10(2) * 3 + 10 * math.log10(28) - SQNR_ALLOWANCE_DB)
+    assert floors(None) == replace(e2m1, fmt=None)  # unknown: the most lenient
 
 
 def test_the_ranking_scores_as_the_note_says():
     ranked = rank_layers(RECORDS)
-    # step 2's peers: median SQNR of 30, 20 (inf left out) = 25; b loses 5 dB and clips 5%: 5 + 5
-    # step 1's peers: median 30, median underflow 0; b loses 2 dB and flushes 1% more: 2 + 1
-    assert [(t.layer, t.score) for t in ranked] == [("b", pytest.approx(10.0)), ("a", 0.0), ("c", 0.0)]
-    assert ranked[0].worst == "fprop.input @ step 2" and ranked[0].max_saturation == 0.05
+    # b: saturation 0.1 over a floor of 0.05 at step 2 (2.0) beats underflow 0.2 of E4M3's 0.346 at step 1
+    assert [t.layer for t in ranked] == ["b", "a", "c"]
+    assert ranked[0].score == pytest.approx(0.1 / SATURATION_FLOOR) and ranked[0].worst == "fprop.input @ step 2"
+    assert str(ranked[0].flag) == "saturation 0.1 (flag above 0.05)"
+    ideal = floors(E4M3).sqnr_db + SQNR_ALLOWANCE_DB  # a's SQNR shortfall, as a fraction of the allowance
+    assert ranked[1].score == pytest.approx((ideal - 30.0) / SQNR_ALLOWANCE_DB)
+    assert ranked[2].score == pytest.approx((ideal - 31.0) / SQNR_ALLOWANCE_DB)  # its inf (exact) scores 0
+    assert str(ranked[1].flag) == "SQNR 30.0 dB (flag below 2.5)"
+    # the same underflow is a flag in E4M3 and healthy in E2M1, whose floor is wider
+    assert rank_layers([_rec("a", 1, 30.0, underflow=0.5)])[0].score > 1
+    assert rank_layers([_rec("a", 1, 16.0, underflow=0.5, fmt=E2M1)])[0].score < 1
     assert rank_layers([_rec("a", 1, math.nan), _rec("b", 1, 30.0)])[0].score == math.inf
     assert suggest_policy(ranked).exclude == ("b",)
-    assert suggest_policy(ranked, threshold=11).exclude is None
+    assert suggest_policy(ranked, threshold=2.5).exclude is None
 
 
 def test_an_input_scaled_by_1e4_mid_run_is_named_with_its_operand():
@@ -45,8 +77,13 @@ def test_an_input_scaled_by_1e4_mid_run_is_named_with_its_operand():
             h = model[0](x.requires_grad_())
             model[1](h * fault).sum().backward()  # the fault: layer 1's input scaled up
         records += t.records
-    worst = rank_layers(records)[0]
-    assert (worst.layer, worst.worst) == ("1", "fprop.input @ step 3") and worst.max_saturation > 0.5
+    ranked = {t.layer: t for t in rank_layers(records)}
+    # the fault clips layer 1's input, and the gradient layer 0 gets back through it (1e4 times larger)
+    assert (ranked["1"].worst, ranked["0"].worst) == ("fprop.input @ step 3", "dgrad.grad_output @ step 3")
+    assert all(t.score >= TROUBLE_THRESHOLD and t.flag.figure == "saturation" for t in ranked.values())
+    assert ranked["1"].max_saturation > 0.5
+    before = rank_layers([r for r in records if r.step < 3])  # the steps before the fault: nothing flagged
+    assert max(t.score for t in before) < TROUBLE_THRESHOLD
 
 
 def _write(run_dir, records):
@@ -60,7 +97,8 @@ def test_inspect_writes_the_report_heatmaps_and_policy(tmp_path):
     _write(tmp_path, RECORDS)
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 0, result.output
-    assert "1 in trouble" in result.output
+    assert result.output.splitlines()[:2] == [f"{tmp_path / 'inspect.html'}: 3 layers, 1 flagged",
+                                              "  b: fprop.input @ step 2: saturation 0.1 (flag above 0.05)"]
     page = (tmp_path / "inspect.html").read_text()
     for png in ("inspect_sqnr.png", "inspect_underflow.png", "inspect_saturation.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png in page
@@ -85,6 +123,36 @@ def test_a_missing_or_corrupt_csv_is_one_line_naming_run_dir(tmp_path, content, 
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), result.output
     assert len(result.output.strip().splitlines()) == 1
+
+
+def test_the_format_travels_in_the_csv_and_older_files_read_without_it(tmp_path):
+    _write(tmp_path, RECORDS)
+    assert read_records(tmp_path / "telemetry.csv") == RECORDS
+    old = tmp_path / "old" / "telemetry.csv"
+    old.parent.mkdir()
+    old.write_text("step,layer,gemm,operand,amax,scale,underflow,saturation,sqnr_db\n1,a,fprop,input,1.0,1,0.5,0,16\n")
+    (record,) = read_records(old)
+    assert record.fmt is None and rank_layers([record])[0].flag.floor == floors(E2M1).underflow
+
+
+@pytest.mark.parametrize("settings, last_step, expected", [
+    ({"telemetry_every": 0, "recipe": "nvfp4"}, 5, "the run had telemetry off (--telemetry-every 0)"),
+    ({"telemetry_every": 500, "recipe": "nvfp4"}, 300, "the run ended at step 300, before its first sampled step "
+                                                       "(500: --telemetry-every 500)"),
+    ({"telemetry_every": 2, "recipe": "bf16"}, 5, "recipe bf16 casts nothing to low precision"),
+    ({"telemetry_every": 2, "recipe": "fp8-current"}, 5, "no layer of the run was converted to fp8-current"),
+    (None, 5, "the run sampled no operand, and it left no checkpoint to say why"),
+])
+def test_inspect_explains_a_run_without_telemetry(settings, last_step, expected, tmp_path, monkeypatch):
+    import lowprec.train.run_state
+
+    monkeypatch.setattr(lowprec.train.run_state, "saved_train_config", lambda directory: settings)
+    (tmp_path / "log.csv").write_text(f"step,loss\n1,5.0\n{last_step},4.0\n")
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output == f"{tmp_path}: no telemetry.csv, nothing to inspect: {expected}" + \
+        result.output[len(f"{tmp_path}: no telemetry.csv, nothing to inspect: {expected}"):]
+    assert len(result.output.splitlines()) == 1 and not (tmp_path / "inspect.html").exists()
 
 
 def test_sqnr_heatmap_marks_exact_casts_blank():
