@@ -247,7 +247,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     if fp8_weights:
         _store_fp8(converted, report)
     _bind_activations(model, policy, report)
-    _warn(report)
+    _warn(report, converted)
     return report
 
 
@@ -295,21 +295,39 @@ def _params(lin: nn.Linear) -> int:
     return lin.in_features * lin.out_features + (lin.out_features if lin.bias is not None else 0)
 
 
+class SmallLayersWarning(UserWarning):
+    """The one warning for the linears kept in high precision as too small to gain from the recipe (where
+    it runs natively, or everywhere with ``Policy(skip_small=True)``), with its counts, so that a command
+    can say it in its own words (``lowprec train`` names its option)."""
 
-def _warn(report: ConversionReport) -> None:
+    def __init__(self, message: str, kept: int, linears: int, device: str, recipe: str,
+                 min_features: int | None) -> None:
+        super().__init__(message)
+        self.kept, self.linears, self.device, self.recipe, self.min_features = (
+            kept, linears, device, recipe, min_features)
+
+
+def _warn(report: ConversionReport, converted: dict[str, Linear]) -> None:
     def names(layers):
         return ", ".join(lr.name for lr in layers[:5]) + (" ..." if len(layers) > 5 else "")
 
     hp = [lr for lr in report.kept if lr.reason.startswith("high precision")]
-    small = [lr for lr in hp if "too small to gain" in lr.reason]
+    # by the device's rule or the policy's; a bf16 or fp16 recipe has nothing to gain
+    small = [lr for lr in report.kept if "too small to gain" in lr.reason] if report.recipe.low_precision else []
     shapes = [lr for lr in hp if lr not in small]
     if shapes:
         warnings.warn(f"lowprec: {len(shapes)} linear(s) run in high precision because the {report.recipe.name} "
                       f"GEMMs cannot take their shape: {names(shapes)} (see the conversion report)", stacklevel=3)
     if small:
-        warnings.warn(f"lowprec: {len(small)} linear(s) run in high precision on {report.device}, too small to "
-                      f"gain from {report.recipe.name}: {names(small)} (see the conversion report; "
-                      "Policy(skip_small=False) converts them)", stacklevel=3)
+        warnings.warn(SmallLayersWarning(
+            f"lowprec: {len(small)} linear(s) run in high precision on {report.device}, too small to gain from "
+            f"{report.recipe.name}: {names(small)} (see the conversion report; Policy(skip_small=False) converts "
+            "them)", len(small), len(report.layers), report.device, report.recipe.name, report.min_features),
+            stacklevel=3)
+    for lr in hp:  # said here once for the model: not again by each layer at its first forward
+        plan = converted[lr.name].plan()
+        if plan is not None and plan.hp_reason is not None:
+            converted[lr.name]._warned.add(plan.hp_reason)
     emulated = [g for g, p in report.gemm_paths.items() if p == "emulated"]
     if emulated and report.converted:
         warnings.warn(f"lowprec: {report.recipe.name} {'/'.join(emulated)} GEMMs are emulated on {report.device} "

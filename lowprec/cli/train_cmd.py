@@ -15,6 +15,7 @@ import click
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.cli.app import check_device, main
+from lowprec.convert import SmallLayersWarning
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
 from lowprec.optim.states import StateFormat
@@ -218,6 +219,31 @@ def one_line_warnings(show: bool = True) -> Iterator[None]:
         yield
 
 
+def _small_text(w: SmallLayersWarning, dtype: str) -> str:
+    under = w.min_features if w.min_features is not None else "policy.min_features"
+    return (f"{w.kept} of {w.linears} linears stay in {dtype} on {w.device}, too small to gain from {w.recipe} "
+            f"(a dimension under {under}: their GEMMs would save less time than their casts cost); a --policy "
+            'file holding {"skip_small": false} converts them')
+
+
+@contextlib.contextmanager
+def small_layers_line(dtype: str, said: list[SmallLayersWarning]) -> Iterator[None]:
+    """The conversion's warning of the layers too small to gain as this command's one line, naming the option
+    that converts them; each such warning is kept in ``said`` for the run's summary. Other warnings pass on to
+    the display in force (:func:`one_line_warnings`)."""
+    with warnings.catch_warnings():
+        shown = warnings.showwarning
+
+        def show(message, category, *args, **kw):
+            if isinstance(message, SmallLayersWarning):
+                said.append(message)
+                message = _small_text(message, dtype)
+            shown(message, category, *args, **kw)
+
+        warnings.showwarning = show
+        yield
+
+
 @contextlib.contextmanager
 def launched(opts: dict[str, Any], command: str) -> Iterator[tuple[str, bool]]:
     """The run's process group under torchrun (see :func:`lowprec.distributed.launch.process_group`).
@@ -262,29 +288,33 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
         if main and repeats:
             click.echo(repeats, err=True)
         skipped: list[bool] = []  # of the steps this command ran (a resumed run's earlier ones are in the history)
-        result = train(model, data, cfg, out_dir=out, resume=resume,
-                       on_step=lambda row: skipped.append(row["skipped"]))
+        small: list[SmallLayersWarning] = []
+        with small_layers_line(cfg.dtype, small):
+            result = train(model, data, cfg, out_dir=out, resume=resume,
+                           on_step=lambda row: skipped.append(row["skipped"]))
     failure = _failure(result, skipped, cfg)
     if main:
-        _print_result(result, out, opts["as_json"], data.fingerprint)
+        _print_result(result, out, opts["as_json"], data.fingerprint, [_small_text(w, cfg.dtype) for w in small])
         if failure is not None:
             click.echo(f"Error: {failure}", err=True)
     if failure is not None:
         raise SystemExit(FAILED_RUN_STATUS)
 
 
-def _print_result(result: RunResult, out: str, as_json: bool, data_sha256: str) -> None:
+def _print_result(result: RunResult, out: str, as_json: bool, data_sha256: str, notes: list[str]) -> None:
     if as_json:
         summary = {"recipe": result.recipe, "steps": result.steps, "final_train_loss": _finite(result.final_train_loss),
                    "final_val_loss": _finite(result.final_val_loss), "tokens_per_s": _finite(result.tokens_per_s),
                    "peak_memory_bytes": result.peak_memory_bytes, "skipped_steps": result.skipped_steps,
-                   "diverged": result.diverged, "data_sha256": data_sha256, "out": out}
+                   "diverged": result.diverged, "data_sha256": data_sha256, "out": out, "notes": notes}
         click.echo(json.dumps(summary, indent=1))
         return
     click.echo(f"step {result.steps}: train loss {result.final_train_loss:.4f}, val loss "
                f"{result.final_val_loss:.4f}, {result.tokens_per_s:,.0f} tokens/s, peak memory "
                f"{fmt_memory(result.peak_memory_bytes)}, {result.skipped_steps} skipped steps"
                + (" -- DIVERGED" if result.diverged else ""))
+    for note in notes:  # what the run's start said, again beside its figures
+        click.echo(f"note: {note}")
     click.echo(f"log: {out}/log.csv, checkpoints: {out}/checkpoints")
 
 

@@ -14,6 +14,7 @@ A compiled model runs eagerly inside the region (see [Note: telemetry under torc
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -82,3 +83,31 @@ class Telemetry:
     def region(self, model: nn.Module, step: int) -> contextlib.AbstractContextManager[Sample | None]:
         """:func:`sample` on a due step; a region that does nothing (and yields None) on the others."""
         return sample(model, step) if self.due(step) else contextlib.nullcontext(None)
+
+
+class NothingToSample(UserWarning):
+    """Telemetry is on but no layer of the model makes a low-precision cast: nothing will be sampled."""
+
+
+def nothing_to_sample(model: nn.Module) -> str | None:
+    """Why sampling ``model`` would record nothing (no converted layer runs its recipe's casts), or None."""
+    plans = [m.plan() for m in model.modules() if isinstance(getattr(m, "state", None), CastState)]
+    if any(p is not None and p.scaled for p in plans):
+        return None
+    if not plans:
+        return "no linear was converted (the policy kept every one in high precision)"
+    reasons = [p.hp_reason for p in plans if p is not None and p.hp_reason is not None]
+    if not reasons:
+        return "the recipe casts nothing to low precision"
+    return f"all {len(plans)} converted linear(s) run in high precision here (the first: {reasons[0]})"
+
+
+def warn_nothing_to_sample(model: nn.Module, telemetry: Telemetry) -> None:
+    """A :class:`NothingToSample` warning, said once at a run's start, when ``telemetry`` samples steps of
+    ``model`` but no layer casts anything (so no figures and no ``telemetry.csv`` will come)."""
+    if telemetry.every == 0:
+        return
+    why = nothing_to_sample(model)
+    if why is not None:
+        warnings.warn(f"lowprec: telemetry has nothing to sample, so no telemetry.csv will be written: {why}",
+                      NothingToSample, stacklevel=3)

@@ -54,6 +54,7 @@ from lowprec.nn import cached_weight_casts
 from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import AdamWLP, Optimizer
 from lowprec.telemetry import Telemetry
+from lowprec.telemetry.sample import warn_nothing_to_sample
 from lowprec.train import step_control
 from lowprec.train.checkpoint import latest_checkpoint
 from lowprec.train.config import TrainConfig
@@ -306,6 +307,7 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     model.to(device=device, dtype=cfg.torch_dtype)
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
     conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
+    warn_nothing_to_sample(model, Telemetry(cfg.telemetry_every))  # said at the start, not by a missing file
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers

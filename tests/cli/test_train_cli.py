@@ -223,3 +223,46 @@ def test_train_takes_a_policy_file_and_keeps_it_in_the_run(tmp_path):
     bad.write_text('{"format": "lowprec-policy", "version": 1, "policy": {"exlcude": []}}')
     result = _invoke("train", "--policy", str(bad), "--out", str(tmp_path / "r2"), *SMALL)
     assert result.exit_code == 1 and "unknown field(s) 'exlcude'" in result.output, result.output
+
+
+def _native_here(monkeypatch):
+    """The GPU's decision on this CPU: every GEMM path native (cuBLAS), so the small-layer rule applies; the
+    tiny model's linears are all small, so none reaches a native GEMM."""
+    import importlib
+
+    for module in ("lowprec.nn.plan", "lowprec.convert"):  # lowprec.convert is also the function's name
+        monkeypatch.setattr(importlib.import_module(module), "gemm_path", lambda *args, **kw: "cublas")
+
+
+@pytest.mark.parametrize("how", ["policy", "native"])
+def test_layers_too_small_to_gain_are_one_line_at_the_start_and_in_the_summary(how, tmp_path, monkeypatch):
+    """The speed rule keeps the tiny model's 28 block linears in high precision: forced by a policy file
+    (skip_small: true), or by the rule a GPU applies where the recipe runs natively. train says so in one
+    line naming the option that converts them (not once per layer shape), then in its summary; telemetry
+    says at the start that it has nothing to sample, and inspect explains the missing telemetry.csv."""
+    args = ["train", "--model", "tiny", "--recipe", "fp8-current", "--steps", "1", "--telemetry-every", "1",
+            "--out", str(tmp_path / "run"), *SMALL]
+    if how == "policy":
+        (tmp_path / "p.json").write_text(json.dumps({"format": "lowprec-policy", "version": 1,
+                                                     "policy": {"skip_small": True}}))
+        args += ["--policy", str(tmp_path / "p.json")]
+    else:
+        _native_here(monkeypatch)
+    result = _invoke(*args)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    small = [line for line in lines if "too small to gain" in line]
+    said = ('28 of 29 linears stay in float32 on cpu, too small to gain from fp8-current (a dimension under '
+            '{}: their GEMMs would save less time than their casts cost); a --policy file holding '
+            '{{"skip_small": false}} converts them')
+    under = "1024" if how == "native" else "policy.min_features"
+    assert small[0] == "warning: " + said.format(under)
+    assert small[-1] == "note: " + said.format(under) and lines.index(small[-1]) > lines.index(
+        next(line for line in lines if line.startswith("step 1:")))
+    assert len([line for line in lines if line.startswith("warning:")]) == 2, result.output
+    assert any(line.startswith("warning: lowprec: telemetry has nothing to sample") for line in lines)
+    assert not (tmp_path / "run" / "telemetry.csv").exists()
+    inspected = _invoke("inspect", str(tmp_path / "run"))
+    assert inspected.exit_code == 0 and inspected.output.startswith(
+        f"{tmp_path / 'run'}: no telemetry.csv, nothing to inspect: no layer of the run was converted to "
+        "fp8-current"), inspected.output
