@@ -7,6 +7,7 @@ Hugging Face name, ``lm_head``.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from lowprec._checks import fail
+from lowprec.plan.hf_config import check_fields
 from lowprec.train.model import PRESETS, build_model
 
 
@@ -52,6 +54,26 @@ def _safetensors_weights(path: Path) -> bool:
     return False
 
 
+try:  # what transformers' config classes raise when a validator refuses a value (huggingface_hub >= 1.0)
+    from huggingface_hub.errors import StrictDataclassError as _ValidationError
+except ImportError:
+    class _ValidationError(Exception):
+        """Stands for the error an older huggingface_hub cannot raise."""
+
+
+def _check_stated_shape(path: Path, transformers: Any) -> None:
+    """Refuses a config that leaves out a field of the model's shape, naming them all: transformers would
+    fill each from its config class's default (Llama-7B's 32 layers, 11008 wide) without a word."""
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        cfg = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with the file
+    model_type = cfg.get("model_type") if isinstance(cfg, dict) else None
+    if isinstance(model_type, str) and model_type in transformers.CONFIG_MAPPING:  # else transformers refuses it
+        check_fields(cfg, "model", transformers.CONFIG_MAPPING[model_type].attribute_map, got=repr(str(file)))
+
+
 def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[str, Any]]:
     has_weights = _safetensors_weights(path)
     try:
@@ -59,6 +81,7 @@ def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[st
     except ImportError:
         fail("model", "a preset or, with the optional 'hf' extra (pip install 'lowprec[hf]') installed, a "
              "Hugging Face config", f"{str(path)!r} but transformers is not installed", ValueError)
+    _check_stated_shape(path, transformers)
     try:
         config = transformers.AutoConfig.from_pretrained(str(path))
         if config.vocab_size < vocab_size:
@@ -69,10 +92,12 @@ def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[st
         else:
             torch.manual_seed(seed)  # transformers initialises from the global generator
             model = transformers.AutoModelForCausalLM.from_config(config)
-    except (OSError, KeyError, TypeError, ValueError, safetensors.SafetensorError) as e:
+    except (OSError, KeyError, TypeError, ValueError, safetensors.SafetensorError, _ValidationError) as e:
         if str(e).startswith("model: expected"):
             raise
-        why = " ".join(str(e).split()).split(". ")[0].rstrip(".") or type(e).__name__  # its first sentence
+        # a config class's validator (hidden size not a multiple of the heads) says why in its cause
+        cause = e.__cause__ if isinstance(e, _ValidationError) and e.__cause__ is not None else e
+        why = " ".join(str(cause).split()).split(". ")[0].rstrip(".") or type(e).__name__  # its first sentence
         raise ValueError(f"model: expected a Hugging Face causal LM that transformers loads, got {str(path)!r} "
                          f"({why})") from e
     return HFCausalLM(model), config.to_dict()

@@ -123,7 +123,11 @@ def test_resuming_on_changed_data_says_what_changed(tmp_path):
     ({"config.json": '{"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, '
                      '"num_hidden_layers": 1, "num_attention_heads": 2}', "model.safetensors": "not a header"},
      "Error while deserializing header"),
-], ids=["unknown-type", "corrupt-weights"])
+    # it was a traceback from the config class's validator
+    ({"config.json": '{"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, '
+                     '"num_hidden_layers": 1, "num_attention_heads": 5}'},
+     "(The hidden size (64) is not a multiple of the number of attention heads (5))"),
+], ids=["unknown-type", "corrupt-weights", "invalid-heads"])
 def test_a_hugging_face_model_transformers_cannot_load_is_one_line(tmp_path, files, why):
     pytest.importorskip("transformers")
     model = tmp_path / "hf"
@@ -133,3 +137,15 @@ def test_a_hugging_face_model_transformers_cannot_load_is_one_line(tmp_path, fil
     line = _one_line("train", "--model", str(model), "--out", str(tmp_path / "out"), *SMALL)
     assert line.startswith(f"Error: model: expected a Hugging Face causal LM that transformers loads, got '{model}' (")
     assert why in line
+
+
+def test_a_hugging_face_config_without_its_shape_is_one_line_naming_every_missing_field(tmp_path):
+    pytest.importorskip("transformers")
+    model = tmp_path / "hf"
+    model.mkdir()
+    # it was filled with Llama-7B's defaults and killed for memory after 71 s, printing nothing
+    (model / "config.json").write_text('{"model_type": "llama", "vocab_size": 256}')
+    line = _one_line("train", "--model", str(model), "--out", str(tmp_path / "out"), *SMALL)
+    assert line.endswith(f"got '{model / 'config.json'}' without hidden_size, num_hidden_layers, "
+                         "num_attention_heads, intermediate_size")
+    assert not (tmp_path / "out" / "checkpoints").exists()

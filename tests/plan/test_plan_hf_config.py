@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from lowprec.plan.hf_config import from_hf_config, load_hf_config
+from lowprec.plan.hf_config import _Config, from_hf_config, load_hf_config, missing_fields
 from lowprec.plan.layers import count_params
 from lowprec.plan.models import PRESETS, get_model
 
@@ -72,7 +72,37 @@ def test_missing_key_names_file_and_key(tmp_path):
     del cfg["hidden_size"]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="hidden_size: expected an int, got nothing"):
+        _Config(cfg, tmp_path.name).get_int("hidden_size")
+
+
+@pytest.mark.parametrize("cfg, missing", [
+    ({"model_type": "llama", "vocab_size": 256}, "hidden_size, num_hidden_layers, num_attention_heads, "
+                                                 "intermediate_size"),
+    ({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_attention_heads": None},
+     "num_hidden_layers, num_attention_heads, intermediate_size"),
+    ({k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}, "num_local_experts"),
+    ({k: v for k, v in QWEN3_MOE.items() if k not in ("num_experts", "moe_intermediate_size")},
+     "num_experts, moe_intermediate_size"),
+    ({k: v for k, v in DEEPSEEK_V3.items() if k != "kv_lora_rank"}, "kv_lora_rank"),
+    ({"text_config": {"model_type": "llama", "hidden_size": 64}}, "vocab_size, num_hidden_layers, "
+                                                                  "num_attention_heads, intermediate_size"),
+])
+def test_missing_fields_are_all_named_in_one_line(tmp_path, cfg, missing):
+    # a config of model_type and vocab_size alone was filled from Llama-7B's defaults when trained
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError) as e:
         load_hf_config(tmp_path)
+    model_type = (cfg.get("text_config") or cfg)["model_type"]
+    assert str(e.value) == (f"{tmp_path.name}: expected a config.json stating every field of a {model_type!r} "
+                            f"model's shape (lowprec fills in no model's defaults), got one without {missing}")
+
+
+def test_a_type_outside_the_table_states_width_depth_heads_and_vocabulary():
+    gpt2 = {"model_type": "gpt2", "vocab_size": 256, "n_embd": 64, "n_layer": 2}
+    assert missing_fields(gpt2) == ["hidden_size", "num_hidden_layers", "num_attention_heads"]
+    aliases = {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head"}
+    assert missing_fields(gpt2, aliases) == ["num_attention_heads"]
+    assert missing_fields({**gpt2, "n_head": 2}, aliases) == []
 
 
 def test_wrong_type_and_bad_json_and_missing_file(tmp_path):

@@ -52,3 +52,25 @@ def test_a_hugging_face_config_trains_with_its_lm_head_kept(tmp_path):
     line = next(line for line in result.conversion.splitlines() if line.startswith("model.lm_head"))
     assert " no " in line  # kept in high precision by the default policy
     assert torch.isfinite(torch.tensor(result.final_train_loss))
+
+
+@pytest.mark.parametrize("fields, missing", [
+    ({}, "hidden_size, num_hidden_layers, num_attention_heads, intermediate_size"),
+    # it trained a 32-layer, 11008-wide model, Llama-7B's defaults, without a word
+    ({"hidden_size": 64}, "num_hidden_layers, num_attention_heads, intermediate_size"),
+])
+def test_a_config_that_leaves_out_its_shape_is_refused_naming_every_field(tmp_path, fields, missing):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256, **fields}))
+    with pytest.raises(ValueError) as e:
+        load_model(str(tmp_path))
+    assert str(e.value) == ("model: expected a config.json stating every field of a 'llama' model's shape (lowprec "
+                            f"fills in no model's defaults), got '{tmp_path / 'config.json'}' without {missing}")
+
+
+def test_a_type_outside_the_table_may_state_its_shape_under_its_own_names(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 256, "n_embd": 32,
+                                                      "n_layer": 1, "n_head": 2}))
+    model, _ = load_model(str(tmp_path))
+    assert model.model.config.n_layer == 1 and model.model.config.n_embd == 32
