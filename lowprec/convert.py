@@ -18,7 +18,7 @@ from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
 from lowprec.nn.fp8_weight import check_fp8_weights, store_fp8
 from lowprec.nn.plan import fallback_reason, layer_plan
-from lowprec.policy import Policy, find_blocks, policy_reason, share_groups
+from lowprec.policy import Policy, UnmatchedPatternWarning, find_blocks, policy_reason, share_groups, unmatched_patterns
 
 
 class Kept(str, enum.Enum):
@@ -220,6 +220,8 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.modules()}
     blocks = find_blocks(model)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if (unmatched := unmatched_patterns(policy, [n for n, _ in linears])) is not None:
+        warnings.warn(UnmatchedPatternWarning(f"lowprec: {unmatched}"), stacklevel=2)  # a typo does less than asked
     converted: dict[str, Linear] = {}
     for name, lin in linears:
         reason = policy_reason(policy, name, lin, embeddings=embeddings, mha_children=mha, blocks=blocks,

@@ -134,6 +134,24 @@ def _matches(f: Filter, name: str, module: nn.Module) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in f)
 
 
+class UnmatchedPatternWarning(UserWarning):
+    """A glob pattern of ``policy.include`` / ``policy.exclude`` that names no linear of the model (a typo,
+    most likely): the policy then does less than it says."""
+
+
+def unmatched_patterns(policy: Policy, names: list[str], name: str = "policy") -> str | None:
+    """One line (about the argument ``name``) naming each glob pattern of ``policy.include`` / ``exclude``
+    that matches none of ``names`` (the model's linears), or None when each matches one; predicates are
+    not judged."""
+    unmatched = [f"{field} {p!r}" for field in ("include", "exclude") if isinstance(getattr(policy, field), tuple)
+                 for p in getattr(policy, field) if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+    if not unmatched:
+        return None
+    example = f" such as {names[0]!r}" if names else ""
+    return (f"{name}: expected include/exclude patterns that each match a linear layer's name{example}, got "
+            f"{', '.join(unmatched)} matching none of the model's {len(names)} linears")
+
+
 def find_blocks(model: nn.Module) -> tuple[str, int] | None:
     """The transformer blocks: (prefix, count) of the ModuleList holding the most parameters."""
     best, best_params = None, 0

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
 
 from lowprec import recipes
 from lowprec._checks import fail
@@ -19,6 +20,7 @@ from lowprec.convert import SmallLayersWarning
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
 from lowprec.optim.states import StateFormat
+from lowprec.policy import unmatched_patterns
 from lowprec.policy_file import policy_from_dict, read_policy_dict
 from lowprec.telemetry.control import ControlConfig
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
@@ -207,6 +209,16 @@ def _policy_option(path: str | None) -> dict[str, Any] | None:
     return data
 
 
+def _check_policy_patterns(cfg: TrainConfig, model: torch.nn.Module) -> None:
+    """Refuses a ``--policy`` pattern that names no linear of ``model`` (a typo), before any step: where
+    ``lowprec.convert`` warns, a run the command starts is refused."""
+    policy = cfg.policy_object()
+    names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    unmatched = unmatched_patterns(policy, names, "--policy") if policy is not None else None
+    if unmatched is not None:
+        raise ValueError(unmatched)
+
+
 @contextlib.contextmanager
 def one_line_warnings(show: bool = True) -> Iterator[None]:
     """Warnings (e.g. "GEMMs are emulated on cpu") as one ``warning: ...`` line each, without source lines;
@@ -279,6 +291,7 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
         cfg = config_from_options(recipe, opts, device=device, resumed=resumed, save_every=save_every, keep=keep)
         data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
         model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
+        _check_policy_patterns(cfg, model)
         if main and not opts["quiet"] and not opts["as_json"]:
             ranks = Ranks.of(cfg.parallel)
             where = f" x {ranks.world_size} ranks ({cfg.parallel})" if ranks.distributed else ""

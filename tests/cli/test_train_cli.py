@@ -266,3 +266,17 @@ def test_layers_too_small_to_gain_are_one_line_at_the_start_and_in_the_summary(h
     assert inspected.exit_code == 0 and inspected.output.startswith(
         f"{tmp_path / 'run'}: no telemetry.csv, nothing to inspect: no layer of the run was converted to "
         "fp8-current"), inspected.output
+
+
+def test_a_policy_pattern_that_names_no_layer_is_refused_before_training(tmp_path):
+    from lowprec.policy import Policy
+    from lowprec.policy_file import save_policy
+    # a typo in "attention": the run trained with the policy doing nothing, without a word
+    path = save_policy(Policy(exclude=("layers.*.atention.*", "layers.0.*")), tmp_path / "policy.json")
+    out = tmp_path / "run"
+    result = _invoke("train", "--recipe", "fp8-current", "--steps", "1", "--policy", str(path), "--out", str(out),
+                     *SMALL)
+    _one_line_error(result, "Error: --policy: expected include/exclude patterns that each match a linear layer's "
+                            "name such as 'layers.0.attention.wq', got exclude 'layers.*.atention.*' matching none "
+                            "of the model's ")
+    assert not (out / "log.csv").exists()
