@@ -24,7 +24,7 @@ from lowprec.policy import unmatched_patterns
 from lowprec.policy_file import policy_from_dict, read_policy_dict
 from lowprec.telemetry.control import ControlConfig
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
-from lowprec.train.data import load_data, repetition_warning
+from lowprec.train.data import check_sequence_fits, load_data, repetition_warning
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
 from lowprec.train.result import RunResult
@@ -209,6 +209,16 @@ def _policy_option(path: str | None) -> dict[str, Any] | None:
     return data
 
 
+def _check_out(out: Path, resume: bool) -> None:
+    """Refuses an ``--out`` that names a file, or that does not exist with ``--resume``, before anything is made."""
+    if out.exists() and not out.is_dir():
+        fail("--out", "a directory for logs and checkpoints, or a path where one can be made",
+             f"{str(out)!r}, an existing file")
+    if resume and not out.is_dir():
+        fail("--resume", "--out naming the directory of the run to continue", f"--out {str(out)!r}, which does "
+             "not exist (start without --resume)")
+
+
 def _check_policy_patterns(cfg: TrainConfig, model: torch.nn.Module) -> None:
     """Refuses a ``--policy`` pattern that names no linear of ``model`` (a typo), before any step: where
     ``lowprec.convert`` warns, a run the command starts is refused."""
@@ -286,12 +296,14 @@ def fmt_memory(n: int | None) -> str:
 def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, **opts: Any) -> None:
     """Train a model in one recipe; logs and checkpoints go to --out."""
     recipes.get(recipe)  # an unknown recipe is refused before anything is built
+    _check_out(Path(out), resume)
     with launched(opts, "train") as (device, main):
         resumed = saved_train_config(Path(out) / "checkpoints") if resume else None
         cfg = config_from_options(recipe, opts, device=device, resumed=resumed, save_every=save_every, keep=keep)
         data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
         model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
         _check_policy_patterns(cfg, model)
+        check_sequence_fits(data, cfg.seq_len, spec.max_positions, names=("--data", "--seq-len"))
         if main and not opts["quiet"] and not opts["as_json"]:
             ranks = Ranks.of(cfg.parallel)
             where = f" x {ranks.world_size} ranks ({cfg.parallel})" if ranks.distributed else ""

@@ -13,6 +13,7 @@ goes on with the batches the first one would have drawn.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -47,6 +48,8 @@ class TokenData:
     """What the tokens came from, for logs and reports."""
     fingerprint: str
     """sha256 identifying the data, checked when a run resumes."""
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    """The share of the tokens in the validation part (at least one token)."""
 
     def train_batch(self, seed: int, step: int, n_micro: int, batch_size: int, seq_len: int, *,
                     rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +60,7 @@ class TokenData:
         ``r*B/W .. (r+1)*B/W - 1``: the ranks' slices of a step are, together, the batch one process
         draws, and only this rank's windows are read from the tokens.
         """
-        _check_fits("train", self.train, seq_len)
+        check_sequence_fits(self, seq_len)
         rows = _rank_rows(batch_size, rank, world_size)
         rng = np.random.default_rng([seed, step])
         starts = rng.integers(0, len(self.train) - seq_len, size=n_micro * batch_size)  # (M*B,)
@@ -70,7 +73,7 @@ class TokenData:
         """A fixed validation set: ``n_batches`` (inputs, targets) pairs of (B / world_size, T), windows evenly
         spaced; with ``world_size`` ranks, each batch's rows are split as in :meth:`train_batch`."""
         check_positive_int("val_batches", n_batches)
-        _check_fits("validation", self.val, seq_len)
+        check_sequence_fits(self, seq_len)
         rows = _rank_rows(batch_size, rank, world_size)
         n = n_batches * batch_size
         starts = np.linspace(0, len(self.val) - seq_len - 1, n).astype(np.int64)  # (N,)
@@ -91,9 +94,41 @@ def _rank_rows(batch_size: int, rank: int, world_size: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def _check_fits(part: str, tokens: np.ndarray, seq_len: int) -> None:
-    if len(tokens) < seq_len + 2:
-        fail("seq_len", f"at most {len(tokens) - 2} (the {part} split has {len(tokens)} tokens)", seq_len)
+def longest_sequence(data: TokenData) -> int:
+    """The longest ``seq_len`` the data takes: a window is a sequence and its next token's target, and the
+    training split draws its starts from at least two places."""
+    return min(len(data.train), len(data.val)) - 2
+
+
+def tokens_needed(seq_len: int, val_fraction: float) -> int:
+    """The fewest tokens a source needs so that both its splits hold one window of ``seq_len``."""
+    n = max(2 * (seq_len + 2), math.ceil((seq_len + 2) / val_fraction))
+    while int(n * val_fraction) < seq_len + 2:  # the float product may round under
+        n += 1
+    return n
+
+
+def check_sequence_fits(data: TokenData, seq_len: int, max_positions: int | None = None, *,
+                        names: tuple[str, str] = ("data", "seq_len")) -> None:
+    """Refuses a ``seq_len`` the data (or the model, ``max_positions``) cannot take, naming every limit at
+    once; data too small for one sequence is refused as such. ``names``: the data's and seq_len's options."""
+    data_name, seq_name = names
+    total, longest, needed = len(data.train) + len(data.val), longest_sequence(data), tokens_needed(
+        seq_len, data.val_fraction)
+    over_model = max_positions is not None and seq_len > max_positions
+    if longest < 1:  # no seq_len fits: the data is what to change
+        model = f"; {seq_name} {seq_len:,} is also over the model's {max_positions:,} positions" if over_model else ""
+        fail(data_name, f"at least {needed:,} tokens, for one sequence of {seq_name} {seq_len:,} in each of the "
+             f"training and validation (last {data.val_fraction:.0%}) splits",
+             f"{data.source}: {total:,} tokens{model}")
+    if seq_len > longest or over_model:
+        more = f"; {seq_len:,} needs at least {needed:,} tokens" if seq_len > longest else ""
+        limits = [f"{longest:,} ({data_name} {data.source}: {total:,} tokens, its validation split "
+                  f"{len(data.val):,}{more})"]
+        if max_positions is not None:
+            limits.append(f"{max_positions:,} (the model's max positions)")
+        fail(seq_name, f"at most {min(longest, max_positions or longest):,}, the least of " + " and ".join(limits)
+             if len(limits) > 1 else f"at most {limits[0]}", f"{seq_len:,}")
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> torch.Tensor:
@@ -106,7 +141,7 @@ def _split(tokens: np.ndarray, val_fraction: float, vocab_size: int, source: str
         fail("val_fraction", "a number strictly between 0 and 1", describe(val_fraction))
     cut = len(tokens) - max(1, int(len(tokens) * val_fraction))
     return TokenData(train=tokens[:cut], val=tokens[cut:], vocab_size=vocab_size, source=source,
-                     fingerprint=fingerprint)
+                     fingerprint=fingerprint, val_fraction=val_fraction)
 
 
 def corpus_data(cap_bytes: int = DEFAULT_CAP_BYTES, val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:

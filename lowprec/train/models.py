@@ -8,6 +8,8 @@ Hugging Face name, ``lm_head``.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ from torch import nn
 
 from lowprec._checks import fail
 from lowprec.plan.hf_config import check_fields
-from lowprec.train.model import PRESETS, build_model
+from lowprec.train.model import PRESETS, Transformer, build_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,14 @@ class ModelSpec:
     """The preset name or the path it was loaded from."""
     config: dict[str, Any]
     n_params: int
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model takes, as its config states it (None where it states none)."""
+        for key in ("max_seq_len", "max_position_embeddings", "n_positions"):
+            if isinstance(self.config.get(key), int):
+                return self.config[key]
+        return None
 
 
 class HFCausalLM(nn.Module):
@@ -101,6 +111,19 @@ def _load_hf(path: Path, vocab_size: int, seed: int) -> tuple[nn.Module, dict[st
         raise ValueError(f"model: expected a Hugging Face causal LM that transformers loads, got {str(path)!r} "
                          f"({why})") from e
     return HFCausalLM(model), config.to_dict()
+
+
+def describe_shapes(shapes: Mapping[str, Sequence[int]]) -> str:
+    """The model a state's parameter shapes are: the preset's name where they are one's (built with the
+    vocabulary of the first parameter, the embedding), and the parameter count."""
+    n = sum(math.prod(shape) for shape in shapes.values())
+    vocab = next(iter(shapes.values()), [0])[0] if shapes else 0
+    for name, cfg in PRESETS.items():
+        with torch.device("meta"):  # shapes only: no storage, no initialisation
+            preset = Transformer(replace(cfg, vocab_size=max(vocab, 1)))
+        if {k: list(p.shape) for k, p in preset.named_parameters()} == {k: list(v) for k, v in shapes.items()}:
+            return f"preset {name!r} ({n:,} parameters)"
+    return f"a model of {n:,} parameters in {len(shapes)} tensors"
 
 
 def check_model_spec(spec: str) -> str:

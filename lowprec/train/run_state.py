@@ -36,6 +36,7 @@ from lowprec.train.checkpoint import (
 )
 from lowprec.train.config import TrainConfig, check_resumable
 from lowprec.train.data import TokenData
+from lowprec.train.models import describe_shapes
 from lowprec.train.schedule import Schedule
 from lowprec.train.state_checks import (
     check_model_state,
@@ -163,8 +164,8 @@ def _check_run(run: RunState, step: int, state: Any, where: str) -> tuple[list[d
     if data["fingerprint"] != run.data.fingerprint:
         fail("data", f"the data the checkpoint was trained on ({data['source']})", run.data.source)
     if shapes != _param_shapes(unwrap(run.model)):
-        fail("model", "the model the checkpoint was trained on (same parameter names and shapes)",
-             "a different one")
+        fail("model", f"the model the checkpoint was trained on, {describe_shapes(shapes)}",
+             describe_shapes(_param_shapes(unwrap(run.model))))
     if steps != list(range(1, step + 1)) or next_step != step + 1:
         fail("checkpoint", f"a history of steps 1 to {step} and step {step + 1} next in {where}",
              f"{len(steps)} rows and step {next_step!r} next", CheckpointError)

@@ -119,8 +119,23 @@ def test_bad_data_is_refused_with_the_argument_named(tmp_path, make, kwargs, exc
 def test_sequence_longer_than_a_split_is_refused(tmp_path):
     (tmp_path / "t.txt").write_text("x" * 100)
     data = load_data(tmp_path / "t.txt", val_fraction=0.1)
-    with pytest.raises(ValueError, match="seq_len: expected at most 8 \\(the validation split has 10 tokens\\)"):
+    with pytest.raises(ValueError) as e:
         data.val_batches(1, 1, 64)
+    assert str(e.value) == (f"seq_len: expected at most 8 (data {data.source}: 100 tokens, its validation split 10; "
+                            "64 needs at least 660 tokens), got 64")
+
+
+def test_data_too_small_for_any_sequence_says_its_size_and_the_least_it_needs(tmp_path):
+    (tmp_path / "t.txt").write_text("hello world!")
+    data = load_data(tmp_path / "t.txt")
+    # it read "seq_len: expected at most -1 (the validation split has 1 tokens)"
+    for draw in (lambda: data.train_batch(0, 0, 1, 2, 128), lambda: data.val_batches(1, 2, 128)):
+        with pytest.raises(ValueError) as e:
+            draw()
+        assert str(e.value) == ("data: expected at least 2,600 tokens, for one sequence of seq_len 128 in each of the "
+                                f"training and validation (last 5%) splits, got {data.source}: 12 tokens")
+    (tmp_path / "t.txt").write_text("x" * 2600)
+    assert len(load_data(tmp_path / "t.txt").val) == 128 + 2  # the least it needs is enough
 
 
 def _ids(tmp_path, ids, dtype=np.int64):

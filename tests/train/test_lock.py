@@ -80,3 +80,12 @@ def test_every_rank_is_refused_alike(tmp_path):
     messages = [(tmp_path / f"error_{r}.txt").read_text() for r in (0, 1)]
     assert messages[0] == messages[1] and f"locked by process {os.getpid()} " in messages[0]
     assert not (out / "log.csv").exists()
+
+
+def test_a_file_where_the_run_directory_should_be_is_named(tmp_path):
+    (tmp_path / "f").write_text("")
+    # it was mkdir's bare FileExistsError
+    with pytest.raises(NotADirectoryError) as e, run_directory_lock(tmp_path / "f"):
+        pass
+    assert str(e.value) == (f"out_dir: expected a directory, or a path where one can be made, got "
+                            f"'{tmp_path / 'f'}', an existing file")
