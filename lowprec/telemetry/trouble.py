@@ -36,6 +36,7 @@ an injected fault is.
 """
 from __future__ import annotations
 
+import enum
 import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -91,21 +92,29 @@ def floors(fmt: F.Format | None) -> Floors:
                   ideal_sqnr_db(f) - SQNR_ALLOWANCE_DB)
 
 
+class Figure(str, enum.Enum):
+    """What a record is judged by: an :class:`OperandStats` figure, or its values being non-finite."""
+
+    UNDERFLOW = "underflow"
+    SATURATION = "saturation"
+    SQNR = "sqnr_db"
+    NON_FINITE = "non-finite"
+
+
 @dataclass(frozen=True, slots=True)
 class Flag:
     """The figure of a record that scored, beside its floor."""
 
-    figure: str
-    """``underflow``, ``saturation``, ``sqnr_db`` or ``non-finite``."""
+    figure: Figure
     value: float
     floor: float
 
     def __str__(self) -> str:
-        if self.figure == "non-finite":
+        if self.figure is Figure.NON_FINITE:
             return "non-finite values (always flagged)"
-        if self.figure == "sqnr_db":
+        if self.figure is Figure.SQNR:
             return f"SQNR {self.value:.1f} dB (flag below {self.floor:.1f})"
-        return f"{self.figure} {self.value:.3g} (flag above {self.floor:.3g})"
+        return f"{self.figure.value} {self.value:.3g} (flag above {self.floor:.3g})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,12 +136,12 @@ class LayerTrouble:
 def record_trouble(r: OperandStats) -> tuple[float, Flag]:
     """A record's trouble and the figure that scored it (see [Note: the trouble score])."""
     if not math.isfinite(r.amax) or math.isnan(r.sqnr_db):
-        return math.inf, Flag("non-finite", math.nan, math.nan)
+        return math.inf, Flag(Figure.NON_FINITE, math.nan, math.nan)
     fl = floors(r.fmt)
     ideal = fl.sqnr_db + SQNR_ALLOWANCE_DB
-    scored = [(r.underflow / fl.underflow, Flag("underflow", r.underflow, fl.underflow)),
-              (r.saturation / fl.saturation, Flag("saturation", r.saturation, fl.saturation)),
-              (max(0.0, ideal - r.sqnr_db) / SQNR_ALLOWANCE_DB, Flag("sqnr_db", r.sqnr_db, fl.sqnr_db))]
+    scored = [(r.underflow / fl.underflow, Flag(Figure.UNDERFLOW, r.underflow, fl.underflow)),
+              (r.saturation / fl.saturation, Flag(Figure.SATURATION, r.saturation, fl.saturation)),
+              (max(0.0, ideal - r.sqnr_db) / SQNR_ALLOWANCE_DB, Flag(Figure.SQNR, r.sqnr_db, fl.sqnr_db))]
     return max(scored, key=lambda t: t[0])
 
 
