@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from lowprec.cli import main
 from lowprec.train.checkpoint import list_checkpoints
 from lowprec.train.logs import read_log
-from tests.distributed.launch_helpers import TIGHT, explain, forked_cli, torchrun
+from tests.distributed.launch_helpers import REORDERED, TIGHT, explain, forked_cli, torchrun
 
 LOOSE = 1e-2
 """Relative difference of each step's train and validation loss for fp8-current, whose per-tensor scales come
@@ -60,7 +60,9 @@ def test_torchrun_ddp_trains_like_one_process_and_only_rank_0_speaks(one_process
     assert proc.returncode == 0, explain(proc)
     rows = read_log(tmp_path / "log.csv")
     _assert_close_curves(rows, one_process, TIGHT)
-    assert rows[0]["loss"] == one_process[0]["loss"]  # same initialisation and data: the first loss agrees
+    # same initialisation and data: the first loss agrees up to the order of its mean
+    assert math.isclose(float(rows[0]["loss"]), float(one_process[0]["loss"]), rel_tol=REORDERED), \
+        (rows[0], one_process[0])
     assert rows != one_process  # two processes really ran: the rounding differs after the first step
     # rank 0 alone prints, logs and writes TensorBoard events (each writer names its file by process)
     assert proc.stdout.count("step 4: train loss") == 1, proc.stdout
@@ -86,7 +88,7 @@ def test_a_ddp_checkpoint_resumes_on_one_process(tmp_path):
     assert rows[:2] == ddp[:2]  # the history comes from the checkpoint
     # step 3 starts from the weights two ranks left at step 2 and reads the batch of step 3: its loss
     # (before the update) differs from the two ranks' only by the order of the mean over the batch
-    assert math.isclose(float(rows[2]["loss"]), float(ddp[2]["loss"]), rel_tol=1e-6)
+    assert math.isclose(float(rows[2]["loss"]), float(ddp[2]["loss"]), rel_tol=REORDERED), (rows[2], ddp[2])
     _assert_close_curves(rows, ddp, TIGHT)
 
 
