@@ -1,5 +1,6 @@
-"""``lowprec inspect``'s report: an HTML page beside PNG heatmaps (layers x sampled steps) of the worst
-SQNR, underflow and saturation, the layers ranked by trouble, and a suggested policy file.
+"""``lowprec inspect``'s report: one self-contained HTML page, its PNG heatmaps (layers x sampled steps) of
+the worst SQNR, underflow and saturation inlined and written beside it, the layers ranked by trouble, and
+a suggested policy file.
 
 Heatmaps are drawn on a bare ``matplotlib.figure.Figure`` with the Agg canvas (no pyplot state).
 Each cell is a layer's worst record at a step over its GEMM operands: the lowest SQNR, the largest
@@ -8,12 +9,14 @@ underflow and saturation fractions.
 from __future__ import annotations
 
 import html
+import io
 import json
 import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 
+from lowprec._html import inline_png
 from lowprec.policy_file import policy_to_dict, save_policy
 from lowprec.telemetry.stats import OperandStats
 from lowprec.telemetry.trouble import TROUBLE_THRESHOLD, LayerTrouble, rank_layers, suggest_policy
@@ -41,7 +44,8 @@ def grid(records: list[OperandStats], figure: str, worst: Callable) -> tuple[lis
     return layers, steps, [[cell(layer, s) for s in steps] for layer in layers]
 
 
-def heatmap_png(records: list[OperandStats], figure: str, title: str, worst: Callable, cmap: str, path: Path) -> None:
+def heatmap_png(records: list[OperandStats], figure: str, title: str, worst: Callable, cmap: str, path: Path) -> bytes:
+    """Draw the heatmap into ``path``; its bytes, which the report also embeds."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # a second to import: only inspect pays
     from matplotlib.figure import Figure
 
@@ -55,7 +59,10 @@ def heatmap_png(records: list[OperandStats], figure: str, title: str, worst: Cal
     every = max(1, len(steps) // 20)
     ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=7)
     ax.set(title=title, xlabel="step", ylabel="layer")
-    fig.savefig(path, format="png", metadata={"Software": None})  # same records, same bytes
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", metadata={"Software": None})  # same records, same bytes
+    path.write_bytes(buffer.getvalue())
+    return buffer.getvalue()
 
 
 def _row(t: LayerTrouble, threshold: float) -> str:
@@ -73,8 +80,9 @@ def write_report(records: list[OperandStats], out: Path, title: str,
     images = []
     for figure, suffix, caption, worst, cmap in HEATMAPS:
         png = out.with_name(f"{out.stem}_{suffix}.png")
-        heatmap_png(records, figure, caption, worst, cmap, png)
-        images.append(f'<h3>{html.escape(caption)}</h3><img src="{png.name}" alt="{suffix} heatmap">')
+        data = heatmap_png(records, figure, caption, worst, cmap, png)
+        # inlined, so that the page is whole on its own (the PNGs beside it are for other uses)
+        images.append(f"<h3>{html.escape(caption)}</h3>{inline_png(data, f'{suffix} heatmap ({png.name})')}")
     ranked = rank_layers(records)
     policy = suggest_policy(ranked, threshold)
     policy_path = save_policy(policy, out.with_name(POLICY_FILE))

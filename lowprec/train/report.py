@@ -6,7 +6,6 @@ baseline judged against its family's tolerance and beside the baseline's seed ba
 """
 from __future__ import annotations
 
-import base64
 import html
 import json
 import math
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec._checks import fail
+from lowprec._html import inline_png
 from lowprec._table import format_table
 from lowprec.convert import Coverage
 from lowprec.train.result import FINAL_WINDOW, RunResult
@@ -254,14 +254,13 @@ class CompareReport:
                        + f"<td class=\"{row['verdict'].replace(' ', '_')}\">{e(cells[-1])}</td></tr>"
                        for cells, row in zip(self._cells(), self.rows()))
         setup = _items(f"{k}: {v}" for k, v in _setup(self.context))
-        img = base64.b64encode(png).decode()
         return (f"<!doctype html><html><head><meta charset=\"utf-8\"><title>lowprec compare</title><style>"
                 f"body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}table{{border-collapse:collapse}}"
                 f"td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}.PASS{{background:#c8f0c8}}"
                 f".WARN{{background:#f8e8a0}}.FAIL{{background:#f4b8b8}}.NOT_TESTED{{background:#d8d8d8}}img{{max-width:100%}}</style></head><body>"
                 f"<h1>{e(self.title())}</h1><ul>{_items(self.legend())}</ul><table><tr>{head}</tr>{body}</table><h2>Verdicts</h2>"
                 f"<ul>{_items(self.reasons())}</ul><ul>{_items(self.notes())}</ul>"
-                f"<img alt=\"loss curves\" src=\"data:image/png;base64,{img}\"><h2>Setup</h2><ul>{setup}</ul>"
+                f"{inline_png(png, 'loss curves')}<h2>Setup</h2><ul>{setup}</ul>"
                 f"</body></html>\n")
 
     def curves(self) -> list[RunResult]:

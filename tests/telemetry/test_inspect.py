@@ -2,6 +2,7 @@
 report's files, and one-line errors naming RUN_DIR."""
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import replace
 
@@ -101,7 +102,11 @@ def test_inspect_writes_the_report_heatmaps_and_policy(tmp_path):
                                               "  b: fprop.input @ step 2: saturation 0.1 (flag above 0.05)"]
     page = (tmp_path / "inspect.html").read_text()
     for png in ("inspect_sqnr.png", "inspect_underflow.png", "inspect_saturation.png"):
-        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png in page
+        data = (tmp_path / png).read_bytes()
+        # the page holds each image itself (it linked the files, so a page moved alone showed none)
+        inlined = f'src="data:image/png;base64,{base64.b64encode(data).decode()}"'
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and inlined in page
+    assert 'src="inspect_' not in page and page.count("<img ") == 3
     assert load_policy(tmp_path / "suggested_policy.json").exclude == ("b",)
     out = tmp_path / "elsewhere" / "r.html"
     assert CliRunner().invoke(main, ["inspect", str(tmp_path), "--out", str(out)]).exit_code == 0
