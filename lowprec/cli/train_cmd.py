@@ -40,10 +40,18 @@ class Defaults:
     batch_size: int
     seq_len: int
     val_batches: int
+    telemetry_every: int | None = 500
+    """None: scaled with ``--steps`` (:func:`default_telemetry_every`). ``compare`` keeps 500, past its runs'
+    length, so that five recipes do not each pay for samples nobody asked for."""
 
 
-TRAIN_DEFAULTS = Defaults(steps=300, batch_size=16, seq_len=128, val_batches=8)
+TRAIN_DEFAULTS = Defaults(steps=300, batch_size=16, seq_len=128, val_batches=8, telemetry_every=None)
 _CONTROL_DEFAULTS = ControlConfig()
+TELEMETRY_SAMPLES = 16
+"""Telemetry samples a default run records: enough for inspect's per-layer trends."""
+TELEMETRY_EVERY_MAX = 500
+"""The default interval's ceiling: a sampled step costs about 9 plain ones (the 1B compiled step
+on the H200, docs/telemetry.md), so every 500 steps keeps telemetry under 2% of a long run's time."""
 FAILED_RUN_STATUS = 3
 """The exit status of a ``train`` that ended but failed: diverged, or every step it ran skipped."""
 
@@ -95,9 +103,15 @@ def _options(d: Defaults) -> list[Callable]:
                           "stay in high precision. Default: the default policy."),
         click.option("--compile", "compiled", is_flag=True,
                      help="torch.compile the model's forward and backward (inductor)."),
-        click.option("--telemetry-every", type=int, default=500, show_default=True,
+        click.option("--telemetry-every", type=int, default=d.telemetry_every,
+                     show_default=d.telemetry_every is not None,
                      help="Every N steps, record each converted layer's operand figures (amax, scale, underflow, "
-                          "saturation, SQNR) to telemetry.csv for lowprec inspect; 0: off."),
+                          "saturation, SQNR) to telemetry.csv for lowprec inspect; 0: off." + (
+                              "" if d.telemetry_every is not None else
+                              f" Default: --steps / {TELEMETRY_SAMPLES} ({TELEMETRY_SAMPLES} samples a run, enough "
+                              f"for inspect; every step under {TELEMETRY_SAMPLES} steps), at most "
+                              f"{TELEMETRY_EVERY_MAX} (a sampled step's cost under 2% of a long run's time); with "
+                              "--resume, the checkpoint's.")),
         click.option("--auto-precision", is_flag=True,
                      help="Automatic precision control: widen a layer's GEMM (nvfp4/mxfp4 -> mxfp8 -> bf16, "
                           "fp8 -> bf16) when its sampled telemetry crosses a threshold or after repeated loss "
@@ -136,6 +150,12 @@ def training_options(defaults: Defaults) -> Callable[[Callable], Callable]:
     return decorate
 
 
+def default_telemetry_every(steps: int) -> int:
+    """``--telemetry-every``'s default: ``TELEMETRY_SAMPLES`` samples a run, never more often than every step
+    nor less often than every ``TELEMETRY_EVERY_MAX`` steps."""
+    return min(TELEMETRY_EVERY_MAX, max(1, steps // TELEMETRY_SAMPLES))
+
+
 def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = None,
                         resumed: dict[str, Any] | None = None, **extra: Any) -> TrainConfig:
     """A :class:`TrainConfig` from the shared options, with the device-dependent defaults filled in.
@@ -149,7 +169,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
     # steps <= 0 is left for TrainConfig to refuse, with its message
     positive = steps > 0
     device = device or opts["device"] or default_device()
-    derived = {"warmup_steps": max(1, steps // 10) * positive, "eval_every": max(1, steps // 6)}
+    derived = {"warmup_steps": max(1, steps // 10) * positive, "eval_every": max(1, steps // 6),
+               "telemetry_every": default_telemetry_every(steps)}
     for name in derived:
         if opts[name] is not None:
             derived[name] = opts[name]
@@ -162,7 +183,7 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
         grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
-        policy=_policy_option(opts["policy_file"]), telemetry_every=opts["telemetry_every"],
+        policy=_policy_option(opts["policy_file"]),
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],
         fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"], control=_control_option(opts), **extra)
