@@ -27,6 +27,9 @@ from lowprec.policy import Policy
 FORMAT = "lowprec-policy"
 VERSION = 1
 _FIELDS = tuple(f.name for f in fields(Policy))
+CONVERT_SMALL = json.dumps({"format": FORMAT, "version": VERSION, "policy": {"skip_small": False}})
+"""The whole policy file that converts the layers kept as too small to gain: what every message naming that
+option quotes, so a user can paste it as it is."""
 
 
 def policy_to_dict(policy: Policy) -> dict[str, Any]:

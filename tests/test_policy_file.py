@@ -5,7 +5,7 @@ import torch.nn as nn
 
 import lowprec
 from lowprec.policy import Policy
-from lowprec.policy_file import load_policy, policy_from_dict, save_policy
+from lowprec.policy_file import CONVERT_SMALL, load_policy, policy_from_dict, save_policy
 
 
 def test_a_policy_round_trips_through_its_file(tmp_path):
@@ -55,3 +55,9 @@ def test_bad_files_are_refused(tmp_path, text, match):
         path.write_text(text)
     with pytest.raises(ValueError, match=match):
         load_policy(path)
+
+
+def test_the_file_the_messages_quote_converts_small_layers(tmp_path):
+    """Every message about layers kept as too small quotes CONVERT_SMALL as the file to pass: it must load."""
+    (tmp_path / "p.json").write_text(CONVERT_SMALL)
+    assert load_policy(tmp_path / "p.json").skip_small is False

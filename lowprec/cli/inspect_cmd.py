@@ -8,6 +8,7 @@ import click
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.cli.app import main
+from lowprec.policy_file import CONVERT_SMALL
 from lowprec.telemetry.records import FILENAME, read_records
 from lowprec.telemetry.trouble import TROUBLE_THRESHOLD, LayerTrouble
 
@@ -75,5 +76,5 @@ def _why_no_telemetry(directory: Path) -> str:
     if isinstance(name, str) and name in recipes.names() and not recipes.get(name).low_precision:
         return f"recipe {name} casts nothing to low precision, so there is nothing to sample"
     return (f"no layer of the run was converted to {name} (every linear ran in high precision: the conversion "
-            "line train printed says why), so there was nothing to sample; a policy file with "
-            '"skip_small": false (train --policy FILE) converts layers kept as too small to gain')
+            "line train printed says why), so there was nothing to sample; a policy file holding "
+            f"{CONVERT_SMALL} (train --policy FILE) converts layers kept as too small to gain")

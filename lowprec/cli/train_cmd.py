@@ -21,7 +21,7 @@ from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
 from lowprec.optim.states import StateFormat
 from lowprec.policy import unmatched_patterns
-from lowprec.policy_file import policy_from_dict, read_policy_dict
+from lowprec.policy_file import CONVERT_SMALL, policy_from_dict, read_policy_dict
 from lowprec.telemetry.control import ControlConfig
 from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dtype
 from lowprec.train.data import check_sequence_fits, load_data, repetition_warning
@@ -266,7 +266,7 @@ def _small_text(w: SmallLayersWarning, dtype: str) -> str:
     under = w.min_features if w.min_features is not None else "policy.min_features"
     return (f"{w.kept} of {w.linears} linears stay in {dtype} on {w.device}, too small to gain from {w.recipe} "
             f"(a dimension under {under}: their GEMMs would save less time than their casts cost); a --policy "
-            'file holding {"skip_small": false} converts them')
+            f"file holding {CONVERT_SMALL} converts them")
 
 
 @contextlib.contextmanager

@@ -185,7 +185,7 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
     if "cublas" not in paths or min(in_features, out_features) >= min_features:
         return None
     return (f"too small to gain on {device.type} ({in_features}x{out_features}: a dimension under "
-            f"{min_features}; Policy(min_features=None) converts it)")
+            f"{min_features}; Policy(skip_small=False) converts it)")
 
 
 def _forward_scale(weight: OperandPlan) -> bool:

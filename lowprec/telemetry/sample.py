@@ -102,10 +102,12 @@ def nothing_to_sample(model: nn.Module) -> str | None:
     return f"all {len(plans)} converted linear(s) run in high precision here (the first: {reasons[0]})"
 
 
-def warn_nothing_to_sample(model: nn.Module, telemetry: Telemetry) -> None:
+def warn_nothing_to_sample(model: nn.Module, telemetry: Telemetry, scaled: bool) -> None:
     """A :class:`NothingToSample` warning, said once at a run's start, when ``telemetry`` samples steps of
-    ``model`` but no layer casts anything (so no figures and no ``telemetry.csv`` will come)."""
-    if telemetry.every == 0:
+    ``model`` under a recipe that casts to low precision (``scaled``: the recipe's ``low_precision``) but no
+    layer casts anything (so no figures and no ``telemetry.csv`` will come). A BF16 or FP16 run has nothing
+    to sample by design: it is not warned about (``lowprec inspect`` says why its run has no telemetry)."""
+    if telemetry.every == 0 or not scaled:
         return
     why = nothing_to_sample(model)
     if why is not None:

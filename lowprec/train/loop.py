@@ -307,7 +307,8 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     model.to(device=device, dtype=cfg.torch_dtype)
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
     conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
-    warn_nothing_to_sample(model, Telemetry(cfg.telemetry_every))  # said at the start, not by a missing file
+    # said at the start, not by a missing file
+    warn_nothing_to_sample(model, Telemetry(cfg.telemetry_every), recipe.low_precision)
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
                            world_size=ranks.world_size)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers

@@ -63,6 +63,7 @@ from lowprec import formats as F
 from lowprec import recipes
 from lowprec._checks import describe, fail
 from lowprec.convert import Coverage, Kept
+from lowprec.policy_file import CONVERT_SMALL
 from lowprec.quant.granularity import GranularityKind
 
 
@@ -295,7 +296,7 @@ gap would mostly measure the baseline against itself."""
 
 _KEPT_HINTS = {
     Kept.POLICY: "the policy keeps them (--policy: its include, exclude, keep_* and skip_small fields)",
-    Kept.SMALL: "too small to gain where the recipe runs natively (a --policy file with \"skip_small\": false "
+    Kept.SMALL: f"too small to gain where the recipe runs natively (a --policy file holding {CONVERT_SMALL} "
                 "converts them)",
     Kept.SHAPE: "shapes the recipe's GEMMs cannot take (a --model whose widths are multiples of what the "
                 "conversion report names)",

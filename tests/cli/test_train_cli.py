@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from lowprec.cli import main, train_cmd
 from lowprec.cli.train_cmd import FAILED_RUN_STATUS
+from lowprec.policy_file import CONVERT_SMALL
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.logs import read_log
 from lowprec.train.models import load_model
@@ -254,7 +255,7 @@ def test_layers_too_small_to_gain_are_one_line_at_the_start_and_in_the_summary(h
     small = [line for line in lines if "too small to gain" in line]
     said = ('28 of 29 linears stay in float32 on cpu, too small to gain from fp8-current (a dimension under '
             '{}: their GEMMs would save less time than their casts cost); a --policy file holding '
-            '{{"skip_small": false}} converts them')
+            + CONVERT_SMALL.replace("{", "{{").replace("}", "}}") + ' converts them')
     under = "1024" if how == "native" else "policy.min_features"
     assert small[0] == "warning: " + said.format(under)
     assert small[-1] == "note: " + said.format(under) and lines.index(small[-1]) > lines.index(
