@@ -16,10 +16,19 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from lowprec import formats as F
 from lowprec._html import inline_png
 from lowprec.policy_file import policy_to_dict, save_policy
 from lowprec.telemetry.stats import OperandStats
-from lowprec.telemetry.trouble import TROUBLE_THRESHOLD, LayerTrouble, rank_layers, suggest_policy
+from lowprec.telemetry.trouble import (
+    SATURATION_FLOOR,
+    SQNR_ALLOWANCE_DB,
+    TROUBLE_THRESHOLD,
+    LayerTrouble,
+    floors,
+    rank_layers,
+    suggest_policy,
+)
 
 HEATMAPS = (  # (figure, file suffix, title, worst of a cell's records, colour map)
     ("sqnr_db", "sqnr", "worst SQNR (dB; white: exact)", min, "viridis"),
@@ -89,6 +98,7 @@ def write_report(records: list[OperandStats], out: Path, title: str,
     kept = [t.layer for t in ranked if t.score >= threshold]
     steps = sorted({r.step for r in records})
     table = "\n".join(_row(t, threshold) for t in ranked)
+    underflow = ", ".join(f"{n.upper()} {floors(F.get(n)).underflow:.2f}" for n in ("e2m1", "e4m3", "e5m2"))
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em}} td,th{{padding:2px 8px;text-align:left}}
@@ -97,10 +107,12 @@ tr.keep{{background:#fdd}} img{{max-width:100%}}</style></head><body>
 <p>{len(records)} records: {len({r.layer for r in records})} layers, {len(steps)} sampled steps
 ({steps[0]} to {steps[-1]}).</p>
 <h2>Layers ranked by trouble</h2>
-<p>A record's trouble is the SQNR it loses beyond the median of its peers (every layer's record for the same
-GEMM, operand and step), in dB, plus 1 per percent of elements saturated, plus 1 per percent flushed to zero
-beyond its peers' median; a layer scores its worst record (non-finite values: inf). Layers scoring
-{threshold:g} or more (shaded) are suggested for high precision.</p>
+<p>Each record is judged against floors of the format its operand was cast to: underflow above
+a floor that falls as the square root of the binades the format keeps below a block's largest value
+({underflow}), saturation above {SATURATION_FLOOR:.0%} in any format, SQNR more than {SQNR_ALLOWANCE_DB:g} dB
+under the format's ideal. A record's trouble is its
+worst figure's distance to its floor as a fraction of the floor (1 at the floor); a layer scores its worst
+record (non-finite values: inf). Layers scoring {threshold:g} or more (shaded) are suggested for high precision.</p>
 <table><tr><th>layer</th><th>trouble</th><th>worst record</th><th>worst SQNR (dB)</th><th>max saturation</th>
 <th>max underflow</th></tr>
 {table}</table>
