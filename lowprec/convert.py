@@ -1,18 +1,18 @@
-"""``convert(model, recipe, policy)``: swap a model's linears for ``lowprec.nn.Linear`` and report."""
+"""``convert(model, recipe, policy)``: swap a model's linears for ``lowprec.nn.Linear`` and report.
+
+The report itself (what each linear became, the counts, the table and JSON) is
+:mod:`lowprec.conversion_report`; its names are importable from here too.
+"""
 from __future__ import annotations
 
-import enum
-import json
-import math
 import warnings
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
-from lowprec._table import format_table
+from lowprec.conversion_report import ConversionReport, Coverage, Kept, LayerReport
 from lowprec.kernels import capability, gemm_path
 from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
@@ -20,150 +20,7 @@ from lowprec.nn.fp8_weight import check_fp8_weights, store_fp8
 from lowprec.nn.plan import fallback_reason, layer_plan
 from lowprec.policy import Policy, UnmatchedPatternWarning, find_blocks, policy_reason, share_groups, unmatched_patterns
 
-
-class Kept(str, enum.Enum):
-    """Why a linear stays in high precision, by what would change it."""
-
-    POLICY = "policy"
-    """The policy keeps it (head, router, kept blocks, include/exclude, ``skip_small=True``)."""
-    SMALL = "small"
-    """Too small to gain where the recipe runs natively (``Policy.skip_small`` None)."""
-    SHAPE = "shape"
-    """A shape the recipe's GEMMs cannot take."""
-
-
-@dataclass(frozen=True, slots=True)
-class LayerReport:
-    name: str
-    in_features: int
-    out_features: int
-    converted: bool
-    """True when the layer runs the recipe's low-precision GEMMs."""
-    reason: str
-    """What it became, or why it stays in high precision."""
-    params: int = 0
-    """The layer's parameters (weight and bias)."""
-    kept: Kept | None = None
-    """Why it stays in high precision; None when converted."""
-
-
-@dataclass(frozen=True, slots=True)
-class Coverage:
-    """How much of a model's linears run the recipe: what a verdict on the recipe rests on."""
-
-    converted: int
-    linears: int
-    converted_params: int
-    params: int
-    """Parameters of every linear (weights and biases)."""
-    kept: tuple[tuple[Kept, int], ...] = ()
-    """How many linears stay in high precision for each reason, most first."""
-
-    @property
-    def fraction(self) -> float:
-        """The converted linears' share of the linear parameters; NaN for a model without linears."""
-        return self.converted_params / self.params if self.params else math.nan
-
-    @property
-    def share(self) -> str:
-        """``fraction`` as a percentage rounded down, so that 100% means every parameter and 0% none."""
-        if not self.params:
-            return "n/a"
-        share = f"{math.floor(self.fraction * 100)}%"
-        return "<1%" if share == "0%" and self.converted_params else share
-
-    def __str__(self) -> str:
-        return f"{self.converted} of {self.linears} linears converted ({self.share} of linear parameters)"
-
-    def to_dict(self) -> dict:
-        return {"converted": self.converted, "linears": self.linears, "converted_params": self.converted_params,
-                "params": self.params, "fraction": self.fraction if self.params else None,
-                "kept": {k.value: n for k, n in self.kept}}
-
-
-@dataclass
-class ConversionReport:
-    """Every linear of the model: what it became and why. ``str(report)`` prints the table."""
-
-    recipe: R.Recipe
-    device: str
-    layers: list[LayerReport] = field(default_factory=list)
-    gemm_paths: dict[str, str] = field(default_factory=dict)
-    """``fprop``/``dgrad``/``wgrad`` -> ``cublas`` (native), ``emulated`` or ``hp`` on this device."""
-    small_elsewhere: list[str] = field(default_factory=list)
-    """Converted layers that would run in high precision on a device where the recipe runs natively
-    (too small to gain there: see ``Policy.skip_small``); empty where this device is such a one."""
-    min_features: int | None = None
-    shared_inputs: list[tuple[str, ...]] = field(default_factory=list)
-    """Groups of converted layers that read one input and share its casts (``Policy.share_inputs``)."""
-    fp8_weights: list[str] = field(default_factory=list)
-    """Converted layers whose weight is stored in FP8 (``convert(..., fp8_weights=True)``)."""
-    fp8_decoded: list[str] = field(default_factory=list)
-    """Of those, the layers whose recipe casts weights to another format: decoded, then cast."""
-    saved_activations: list[str] = field(default_factory=list)
-    """Norms and SwiGLUs that keep their inputs for backward in FP8 (``Policy.saved_activations``)."""
-    activations: str | None = None
-    """How they keep them (``e4m3 block1x128``, ...); None: in the model's dtype."""
-
-    @property
-    def converted(self) -> list[LayerReport]:
-        return [lr for lr in self.layers if lr.converted]
-
-    @property
-    def kept(self) -> list[LayerReport]:
-        return [lr for lr in self.layers if not lr.converted]
-
-    def coverage(self) -> Coverage:
-        """How many linears, and what share of their parameters, run the recipe (the summary's count)."""
-        kept: dict[Kept, int] = {}
-        for lr in self.kept:
-            kept[lr.kept or Kept.POLICY] = kept.get(lr.kept or Kept.POLICY, 0) + 1
-        return Coverage(len(self.converted), len(self.layers), sum(lr.params for lr in self.converted),
-                        sum(lr.params for lr in self.layers),
-                        tuple(sorted(kept.items(), key=lambda kv: -kv[1])))
-
-    def to_table(self, markdown: bool = False) -> str:
-        rows = [(lr.name, f"{lr.in_features}x{lr.out_features}", "yes" if lr.converted else "no", lr.reason)
-                for lr in self.layers]
-        return format_table(["layer", "shape", "low precision", "reason"], rows, markdown=markdown)
-
-    def summary(self) -> str:
-        paths = ", ".join(f"{g} {p}" for g, p in self.gemm_paths.items())
-        return (f"recipe {self.recipe.name}: {self.coverage()}, {len(self.kept)} kept in high precision; "
-                f"GEMMs on {self.device}: {paths}")
-
-    def notes(self) -> list[str]:
-        """What the table alone does not say: layers whose precision depends on the device."""
-        out = []
-        if self.shared_inputs:
-            leaves = sorted({"/".join(n.rsplit(".", 1)[-1] for n in g) for g in self.shared_inputs})
-            out.append(f"{len(self.shared_inputs)} group(s) of layers share their input's casts ({', '.join(leaves)})")
-        if self.saved_activations:
-            out.append(f"{len(self.saved_activations)} norm/SwiGLU module(s) save their inputs for backward as "
-                       f"{self.activations} (Policy.saved_activations)")
-        if self.small_elsewhere:
-            out.append(f"{len(self.small_elsewhere)} converted linear(s) have a dimension under {self.min_features}: "
-                       f"where {self.recipe.name} runs natively they stay in high precision, too small to gain "
-                       "(Policy(skip_small=False) converts them there too)")
-        if self.fp8_weights:
-            how = (f", {len(self.fp8_decoded)} of them decoded and cast again at each forward"
-                   if self.fp8_decoded else ", read by the GEMMs as stored")
-            out.append(f"{len(self.fp8_weights)} weight(s) stored in FP8 with their FP32 masters in the optimizer{how}")
-        return out
-
-    def to_dict(self) -> dict:
-        return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
-                "layers": [asdict(lr) for lr in self.layers], "coverage": self.coverage().to_dict(),
-                "small_elsewhere": self.small_elsewhere,
-                "shared_inputs": [list(g) for g in self.shared_inputs],
-                "fp8_weights": self.fp8_weights, "fp8_decoded": self.fp8_decoded,
-                "saved_activations": self.saved_activations, "activations": self.activations}
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def __str__(self) -> str:
-        return "\n".join([self.summary(), *self.notes(), self.to_table()])
+__all__ = ["ConversionReport", "Coverage", "Kept", "LayerReport", "SmallLayersWarning", "convert", "recipe_paths"]
 
 
 def recipe_paths(recipe: R.Recipe, device: torch.device | str | None = None) -> dict[str, str]:
