@@ -92,10 +92,6 @@ class Cast:
     def stochastic(self) -> bool:
         return F.as_rounding(self.rounding) is F.Rounding.STOCHASTIC
 
-    @property
-    def block_cols(self) -> int | None:
-        return self.granularity.block_cols if self.granularity is not None else None
-
     def describe(self) -> str:
         if self.format is None:
             return "hp"

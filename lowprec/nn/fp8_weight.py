@@ -74,16 +74,10 @@ BLOCK = 128
 def storage_for(op: OperandPlan) -> tuple[Granularity, bool]:
     """``(granularity, direct)``: how a layer whose weight casts are ``op`` stores its FP8 weight, and
     whether the GEMMs take the stored codes as they are (see [Note: FP8 primary weights])."""
-    if serves(tensorwise(), op):
+    if codes_serve(tensorwise(), op):
         return tensorwise(), True
     block = blockwise(BLOCK, BLOCK)
-    return block, serves(block, op)
-
-
-def serves(granularity: Granularity, op: OperandPlan | None) -> bool:
-    """Whether codes stored with ``granularity`` are exactly the operands of ``op``'s two weight casts
-    (:func:`lowprec.nn.plan.codes_serve`)."""
-    return codes_serve(granularity, op)
+    return block, codes_serve(block, op)
 
 
 def stored_operand(data: torch.Tensor, scale: torch.Tensor, granularity: Granularity, shape: torch.Size,
@@ -163,7 +157,7 @@ class FP8Weight(QuantizedWeight):
         return self._granularity
 
     def serves(self, op: OperandPlan | None) -> bool:
-        return serves(self._granularity, op)
+        return codes_serve(self._granularity, op)
 
     @property
     def resident(self) -> bool:
