@@ -4,8 +4,12 @@
 ``torch`` is the pure-torch reference in ``lowprec.quant`` (any device). ``triton`` kernels run on
 CUDA and equal the reference bit for bit. ``cublas`` is ``torch._scaled_mm``. ``emulated`` computes a
 GEMM a device lacks from the exact quantized values. A cast's backend is chosen by
-``kernels.route`` and a GEMM's by ``kernels.gemm.gemm_path``, from the device's capability, once per
-layer and device (never at import); ``backend=`` forces one.
+``kernels.route`` and a GEMM's by ``kernels.gemm.gemm_path``, from the device's capability (looked up
+at first use, never at import, and cached per device). A layer takes both when its plan is made
+(``lowprec.nn.plan.layer_plan``, cached per recipe, device and shape, so layers alike share one; made
+again when the layer moves or changes recipe); a call of ``quantize`` or ``scaled_mm`` without
+``backend=`` chooses at the call. ``backend=`` forces one. Three Triton choices that are not casts are
+made elsewhere (see [Note: routes] in ``kernels.route``).
 """
 from __future__ import annotations
 

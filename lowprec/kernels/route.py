@@ -16,9 +16,13 @@ SEPARATE       each side cast on its own backend                                
 =============  =====================================================================  ===========
 
 Either side may be absent (inference needs no transposed side; backward recasts only weight.T).
-Every other module follows the route; none asks the device again. A backend is ``triton`` where the
-device runs Triton and the kernels cover the side (:func:`lowprec.kernels.triton_plan.covers`), else
-``torch`` (the reference); both give the same bits.
+A backend is ``triton`` where the device runs Triton and the kernels cover the side
+(:func:`lowprec.kernels.triton_plan.covers`), else ``torch`` (the reference); both give the same bits.
+Every cast follows a route: ``kernels.cast`` runs the one it is given and ``kernels.quantize`` asks
+:func:`backend_for`. Three Triton-or-reference choices that are not casts are still made where they
+run, from the device: the fused BF16 dequantize of an emulated block-scaled GEMM's operands
+(``kernels.gemm._operand``, on any CUDA tensor), the fused dequantize of activations saved for backward
+(``nn.saved._fused_dequantize``) and AdamWLP's fused step (``optim.adamw_lp``).
 """
 from __future__ import annotations
 

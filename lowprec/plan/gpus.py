@@ -5,13 +5,16 @@ the document it comes from, and its note says where a figure is uncertain or der
 a per-GPU figure divided out of a per-system one). Memory is the vendor's quoted capacity in GB.
 
 [Note: hardware peaks and lowprec's GEMMs]
-A row lists the peaks of the GEMM formats the hardware has; ``fp32`` is its plain (non-tensor-core)
-FP32 rate, which an emulated GEMM that is not exact in BF16 runs at. Which of the hardware's
-formats lowprec runs natively is not the table's to say: the row's :attr:`GPU.capability` is what
-the kernels would see on that device, and the planner asks ``lowprec.kernels.native.is_native``
-(``gemm_path``) for each GEMM of a recipe. A GEMM the kernels emulate is planned as a high-precision
-GEMM plus its casts' memory traffic, whatever peak the hardware lists for its format: NVFP4 on a
-B200 is planned at the B200's BF16 speed until lowprec has a native NVFP4 GEMM.
+A row lists the peaks of the GEMM formats the hardware has; ``fp32`` is its plain (non-tensor-core) FP32
+rate, which an emulated GEMM runs at where its values are not exact in BF16 or the device is not CUDA
+(``lowprec.kernels.gemm.emulation_dtype``; a row that lists none is timed at its BF16 peak). Which of
+the hardware's formats lowprec runs natively is not the table's to say: the row's :attr:`GPU.capability`
+is the one ``gemm_path`` would be given on that device, and the planner asks
+``lowprec.kernels.native.is_native`` (``gemm_path``) for each GEMM of a recipe. Its ``triton`` is False:
+the planner counts a cast's memory traffic, whichever backend (Triton or the reference) would run it. A
+GEMM the kernels emulate is planned as a high-precision GEMM plus its casts' memory traffic, whatever
+peak the hardware lists for its format: NVFP4 on a B200 is planned at the B200's BF16 speed until
+lowprec has a native NVFP4 GEMM.
 """
 from __future__ import annotations
 
@@ -80,8 +83,9 @@ class GPU:
 
     @property
     def capability(self) -> Capability:
-        """What lowprec's kernels would see on this accelerator: a CUDA compute capability, or the one
-        ROCm reports for an AMD architecture; any other (Gaudi) runs no tensor-core GEMM of lowprec's."""
+        """What ``gemm_path`` would be given on this accelerator: a CUDA compute capability, or the one
+        ROCm reports for an AMD architecture; any other (Gaudi) a host's, on which every low-precision
+        GEMM is emulated, in FP32."""
         sm = sm_of_arch(self.arch) or rocm_sm(self.arch)
         if sm is not None:
             return cuda_capability(sm, name=self.name)

@@ -55,7 +55,9 @@ def test_a_compiled_backward_recasts_the_input_with_eagers_bits(recipe):
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "mxfp8"])
 def test_everything_but_the_autocast_lookup_compiles_with_fullgraph(recipe, monkeypatch):
-    # isolates the one graph break above: with the context lookup replaced, the rest is one graph
+    # the autocast lookup (autocast.resolve) compiles too, reading a plain mirror of its ContextVar (the
+    # test above); with it replaced by the bound recipe the rest is one graph, so a failure of the test
+    # above that this one does not share points at the lookup
     monkeypatch.setattr(linear_module, "resolve", lambda bound: bound)
     _compiled_matches_eager(recipe)
 
