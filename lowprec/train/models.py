@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lowprec._checks import fail
-from lowprec.plan.hf_config import check_fields
+from lowprec.train.hf_fields import check_fields
 from lowprec.train.model import PRESETS, Transformer, build_model
 
 
