@@ -53,7 +53,13 @@ from lowprec.distributed.launch import Ranks, reshard
 from lowprec.distributed.named_state import optimizer_state_by_name, optimizer_state_by_position, optimizer_targets
 from lowprec.distributed.safe_metadata import MetadataReader
 from lowprec.optim import Optimizer
-from lowprec.train.checkpoint import (
+from lowprec.state.checks import (
+    check_model_state,
+    check_optimizer_shapes,
+    check_rng_state,
+    set_cuda_rng_state,
+)
+from lowprec.state.files import (
     DISTRIBUTED_FORMAT,
     FORMAT_VERSION,
     PARTIAL_SUFFIX,
@@ -65,12 +71,6 @@ from lowprec.train.checkpoint import (
     read_meta,
     split_tensors,
     write_atomically,
-)
-from lowprec.train.state_checks import (
-    check_model_state,
-    check_optimizer_shapes,
-    check_rng_state,
-    set_cuda_rng_state,
 )
 
 _HASH_CHUNK = 1 << 24

@@ -16,7 +16,7 @@ from torch import nn
 from lowprec._checks import fail
 from lowprec.distributed.launch import reshard, unwrap
 from lowprec.optim import Optimizer
-from lowprec.train.checkpoint import CheckpointError
+from lowprec.state.files import CheckpointError
 
 
 def param_names(model: nn.Module, opt: Optimizer) -> list[str]:

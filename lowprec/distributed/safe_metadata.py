@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from lowprec._checks import fail
-from lowprec.train.checkpoint import CheckpointError
+from lowprec.state.files import CheckpointError
 
 METADATA_FILE = ".metadata"
 

@@ -49,7 +49,7 @@ from collections.abc import Callable
 
 import torch
 
-from lowprec.distributed.agree import is_dtensor
+from lowprec.ranks import is_dtensor
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.distributed.agree import is_dtensor
 from lowprec.kernels.capability import capability, triton_available
 from lowprec.optim import adamw_batch as batch
 from lowprec.optim.states import Moment, StateFormat, code_dtype, load, store
+from lowprec.ranks import is_dtensor
 
 
 def update_one(p: torch.Tensor, state: dict, fmt: StateFormat, group: dict) -> None:

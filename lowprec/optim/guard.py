@@ -11,7 +11,7 @@ better.) Clipping then follows ``torch.nn.utils.clip_grad_norm_``: gradients are
 
 [Note: one decision for all ranks]
 Under data parallelism the verdict must be the group's, or one rank steps while another skips and
-the replicas part for good (see [Note: ranks agree] in ``lowprec.distributed.agree``). The
+the replicas part for good (see [Note: ranks agree] in ``lowprec.ranks``). The
 synchronisation above becomes one all-reduce (SUM) of four float32 numbers, then one host read:
 
 * the squared norm of this rank's *sharded* gradients (FSDP2's DTensor shards): summed over ranks,
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.distributed.agree import agree, collective_device
 from lowprec.optim.spike import SpikeDetector
+from lowprec.ranks import agree, collective_device
 
 NONFINITE_LOSS = "non-finite loss"
 NONFINITE_GRADS = "non-finite gradients"

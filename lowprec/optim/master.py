@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.distributed.agree import local
 from lowprec.nn.fp8_weight import FP8Weight, requantize_all
 from lowprec.optim.accumulate import is_low_precision
+from lowprec.ranks import local
 
 
 class MasterWeights:

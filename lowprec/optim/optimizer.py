@@ -34,13 +34,13 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.distributed.agree import data_parallel_group, is_dtensor, is_sharded, local
 from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.optim.accumulate import GradAccumulator
 from lowprec.optim.guard import StepGuard, by_device
 from lowprec.optim.loss_scale import LossScaleConfig, LossScaler
 from lowprec.optim.master import MasterWeights
 from lowprec.optim.stochastic import StochasticRounding
+from lowprec.ranks import data_parallel_group, is_dtensor, is_sharded, local
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_KEYS = {"optimizer", "master_weights", "loss_scale", "guard", "stochastic_rounding"}

@@ -40,8 +40,8 @@ from torch import nn
 
 from lowprec import recipes as R
 from lowprec._checks import check_positive_int, describe, fail
-from lowprec.distributed.agree import agree
 from lowprec.nn import Linear
+from lowprec.ranks import agree
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 LADDER: dict[str, str] = {"nvfp4": "mxfp8", "mxfp4": "mxfp8", "mxfp8": "bf16", "fp8-delayed": "bf16",
