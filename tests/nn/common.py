@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from lowprec import kernels as K
 from lowprec import recipes as R
+from lowprec.kernels import routed
 from lowprec.nn import Linear
 from lowprec.quant import QuantizedTensor
 
@@ -102,6 +103,7 @@ class QuantizeSpy:
             return q
 
         monkeypatch.setattr(K, "quantize", spy)
+        monkeypatch.setattr(routed, "quantize", spy)  # what kernels.cast and requantize_many call
 
     def rng_state_of(self, q: QuantizedTensor) -> torch.Tensor:
         for _, result, state in self.calls:
