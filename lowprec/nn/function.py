@@ -44,8 +44,8 @@ from lowprec import kernels as K
 from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
 from lowprec.nn.fp8_weight import stored_operand
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan
+from lowprec.nn.probe import probe
 from lowprec.quant import QuantizedTensor
-from lowprec.telemetry.collect import probe
 
 
 def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:

@@ -3,8 +3,8 @@
 [Note: telemetry under torch.compile]
 Telemetry is computed only on sampled steps, and a sampled step runs eagerly: :func:`collecting`
 enters ``torch.compiler.set_stance("force_eager")``, so a compiled model runs its original Python
-code for that step, with the collector readable (a ``contextvars`` value, as ``lowprec.autocast``
-keeps its region). A layer asks :func:`probe` after its casts; while the compiler traces, the first
+code for that step, with the collector readable (a ``contextvars`` value in ``lowprec.nn.probe``, as
+``lowprec.autocast`` keeps its region). A layer asks :func:`probe` after its casts; while the compiler traces, the first
 test (``torch.compiler.is_compiling()``) is a constant, the context variable is never read, and the
 graph holds no trace of telemetry: unsampled compiled steps run the graphs they always ran, with no
 graph break, no guard and no recompilation, and a sampled step leaves the compiled cache as it was.
@@ -16,15 +16,17 @@ host read of their results; an eager step costs what an eager step costs, once e
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 from collections.abc import Iterator
 
 import torch
 
 from lowprec import formats as F
+from lowprec.nn.probe import probe, reporting_to
 from lowprec.quant.hadamard import RHT_BLOCK, hadamard_padded
 from lowprec.telemetry.stats import OperandStats, cast_format, stats_tensor
+
+__all__ = ["Collector", "collecting", "probe"]
 
 _GEMM_OF_SIDE = {  # (role value, transposed side) -> the GEMM that reads it; see [Note: the three GEMMs]
     (0, False): "fprop", (0, True): "wgrad",  # input
@@ -110,23 +112,8 @@ def _spec(op, transposed: bool):
     return route.transposed if transposed else route.along_k
 
 
-_COLLECTOR: contextvars.ContextVar[Collector | None] = contextvars.ContextVar("lowprec_telemetry", default=None)
-
-
-def probe() -> Collector | None:
-    """The collector of the sampled region the caller runs in, or None; always None while the compiler
-    traces, so compiled graphs hold nothing of telemetry (see [Note: telemetry under torch.compile])."""
-    if torch.compiler.is_compiling():
-        return None
-    return _COLLECTOR.get()
-
-
 @contextlib.contextmanager
 def collecting(collector: Collector) -> Iterator[Collector]:
     """Layers report into ``collector`` in the region, and compiled models run eagerly there."""
-    token = _COLLECTOR.set(collector)
-    try:
-        with torch.compiler.set_stance("force_eager"):
-            yield collector
-    finally:
-        _COLLECTOR.reset(token)
+    with reporting_to(collector), torch.compiler.set_stance("force_eager"):
+        yield collector
