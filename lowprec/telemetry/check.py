@@ -29,11 +29,10 @@ import torch
 import torch.nn.functional as nnf
 from torch import nn
 
-import lowprec
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec._table import format_table
-from lowprec.convert import Coverage
+from lowprec.convert import Coverage, convert
 from lowprec.nn import Linear
 from lowprec.policy import Policy, quality_policy
 
@@ -128,8 +127,8 @@ def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torc
     policy = policy if policy is not None else Policy()
     measured = quality_policy(policy)
     lp, ref = copy.deepcopy(model).eval(), copy.deepcopy(model).eval()
-    coverage = lowprec.convert(lp, recipe, measured).coverage()
-    lowprec.convert(ref, "bf16", measured)
+    coverage = convert(lp, recipe, measured).coverage()
+    convert(ref, "bf16", measured)
     layers = _scaled_layers(lp)
     ref_layers = dict(ref.named_modules())
     energy = {n: _Energy() for n in layers}
