@@ -226,17 +226,23 @@ def test_train_takes_a_policy_file_and_keeps_it_in_the_run(tmp_path):
     assert result.exit_code == 1 and "unknown field(s) 'exlcude'" in result.output, result.output
 
 
-def _native_here(monkeypatch):
+def _native_here(monkeypatch, request):
     """The GPU's decision on this CPU: every GEMM path native (cuBLAS), so the small-layer rule applies; the
-    tiny model's linears are all small, so none reaches a native GEMM."""
+    tiny model's linears are all small, so none reaches a native GEMM. Layer plans are cached by shape: those
+    an earlier test made on this CPU are dropped first, and those made here after."""
     import importlib
+
+    from lowprec.nn import plan
 
     for module in ("lowprec.nn.plan", "lowprec.convert"):  # lowprec.convert is also the function's name
         monkeypatch.setattr(importlib.import_module(module), "gemm_path", lambda *args, **kw: "cublas")
+    plan.layer_plan.cache_clear()
+    request.addfinalizer(plan.layer_plan.cache_clear)
 
 
 @pytest.mark.parametrize("how", ["policy", "native"])
-def test_layers_too_small_to_gain_are_one_line_at_the_start_and_in_the_summary(how, tmp_path, monkeypatch):
+def test_layers_too_small_to_gain_are_one_line_at_the_start_and_in_the_summary(how, tmp_path, monkeypatch,
+                                                                              request):
     """The speed rule keeps the tiny model's 28 block linears in high precision: forced by a policy file
     (skip_small: true), or by the rule a GPU applies where the recipe runs natively. train says so in one
     line naming the option that converts them (not once per layer shape), then in its summary; telemetry
@@ -248,7 +254,7 @@ def test_layers_too_small_to_gain_are_one_line_at_the_start_and_in_the_summary(h
                                                      "policy": {"skip_small": True}}))
         args += ["--policy", str(tmp_path / "p.json")]
     else:
-        _native_here(monkeypatch)
+        _native_here(monkeypatch, request)
     result = _invoke(*args)
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
