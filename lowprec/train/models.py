@@ -59,7 +59,7 @@ def _safetensors_weights(path: Path) -> bool:
     if pickles:
         convert = (f"python -c \"from transformers import AutoModelForCausalLM as M; "
                    f"M.from_pretrained('{path}').save_pretrained('{path}')\"")
-        fail("model", "weights in .safetensors files (lowprec loads no pickles)",
+        fail("model", "weights in .safetensors files (lowprec loads no pickled weights)",
              f"{pickles[0]} in {str(path)!r}; convert a checkpoint you trust once with: {convert}")
     return False
 

@@ -60,8 +60,8 @@ def test_a_pickled_hugging_face_checkpoint_is_refused_with_how_to_convert_it(tmp
     (model / "config.json").write_text('{"model_type": "llama", "vocab_size": 256}')
     (model / "pytorch_model.bin").write_bytes(b"\x80\x02}q\x00.")  # a pickle: never opened
     line = _one_line("train", "--model", str(model), "--out", str(tmp_path / "out"), *SMALL)
-    assert line.startswith(f"Error: model: expected weights in .safetensors files (lowprec loads no pickles), got "
-                           f"pytorch_model.bin in '{model}'; convert a checkpoint you trust once with: python -c")
+    assert line.startswith("Error: model: expected weights in .safetensors files (lowprec loads no pickled weights), "
+                           f"got pytorch_model.bin in '{model}'; convert a checkpoint you trust once with: python -c")
     assert f"M.from_pretrained('{model}').save_pretrained('{model}')" in line
 
 
