@@ -89,6 +89,18 @@ class QuantizedTensor:
         gs = 4 if self.global_scale is not None else 0
         return (self.data.numel() * self.fmt.bits + 7) // 8 + (self.scale.numel() * scale_bits + 7) // 8 + gs
 
+    def to_saved(self) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], tuple]:
+        """The tensors for autograd's ``save_for_backward`` (data, scale, global scale or None) and the
+        metadata :meth:`from_saved` rebuilds the operand from: the one packing of a quantized tensor
+        kept from forward to backward."""
+        return (self.data, self.scale, self.global_scale), (self.fmt, self.granularity, self.shape, self.dtype)
+
+    @classmethod
+    def from_saved(cls, tensors: tuple, meta: tuple) -> QuantizedTensor:
+        """The tensor :meth:`to_saved` packed (``tensors`` as autograd gives them back)."""
+        fmt, granularity, shape, dtype = meta
+        return cls(tensors[0], tensors[1], fmt, granularity, shape, dtype, tensors[2])
+
     def __repr__(self) -> str:
         return (f"QuantizedTensor(shape={tuple(self.shape)}, fmt={self.fmt.name}, "
                 f"granularity={self.granularity}, dtype={self.dtype}, device={self.data.device})")
