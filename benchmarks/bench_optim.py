@@ -23,7 +23,8 @@ from _common import DEVICE, environment, print_table, sync, timed, write_json
 from _models import ADAMW, SIZES
 from torch import nn
 
-from lowprec.nn.fp8_weight import FP8Weight, requantize_all
+from lowprec.nn.fp8_requantize import requantize_all
+from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.optim import AdamWLP
 from lowprec.quant import tensorwise
 from lowprec.train.model import Transformer

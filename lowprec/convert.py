@@ -16,7 +16,7 @@ from lowprec.conversion_report import ConversionReport, Coverage, Kept, LayerRep
 from lowprec.kernels import capability, gemm_path
 from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
-from lowprec.nn.fp8_weight import check_fp8_weights, store_fp8
+from lowprec.nn.fp8_convert import check_fp8_weights, store_fp8
 from lowprec.nn.plan import fallback_reason, layer_plan
 from lowprec.policy import Policy, UnmatchedPatternWarning, find_blocks, policy_reason, share_groups, unmatched_patterns
 

@@ -59,13 +59,17 @@ class Cast:
     """``Rounding.NEAREST`` (half to even) or ``Rounding.STOCHASTIC`` (or their names)."""
     hadamard: bool = False
     """Apply the 16-point random Hadamard transform along the reduction dimension first (wgrad only)."""
+    fmt: F.Format | None = field(init=False, repr=False, compare=False)
+    """The element format ``format`` names, looked up once here (None with ``format``); code reads this,
+    never the name. Not compared or hashed: ``format`` decides it."""
 
     def __post_init__(self) -> None:
         if self.granularity is not None and not isinstance(self.granularity, Granularity):
             fail("granularity", "a lowprec.quant.Granularity (tensorwise(), mx(32), ...) or None",
                  describe(self.granularity), TypeError)
-        if self.format is not None:
-            f = F.get(self.format)
+        f = None if self.format is None else F.get(self.format)
+        object.__setattr__(self, "fmt", f)  # derived from a field, not a change of one
+        if f is not None:
             if f.kind is F.Kind.EXPONENT:
                 fail("format", "an element format (e8m0 is a scale format)", repr(self.format))
             if self.granularity is not None and self.granularity.rule is not ScaleRule.AMAX \
@@ -74,7 +78,7 @@ class Cast:
         F.as_rounding(self.rounding)
         if not isinstance(self.scaling, Scaling):
             fail("scaling", "a lowprec.recipes.Scaling", describe(self.scaling), TypeError)
-        if self.format is not None and self.granularity is None and F.get(self.format).bits <= 8:
+        if f is not None and self.granularity is None and f.bits <= 8:
             fail("granularity", f"a scaling granularity for the {self.format} format", "None")
         if self.hadamard and not self.quantized:
             fail("hadamard", "False for a cast that is not scaled (the transform must cancel in the GEMM)", True)
@@ -209,10 +213,10 @@ class Recipe:
     @property
     def hp_dtype(self) -> torch.dtype | None:
         """For unscaled recipes (bf16, fp16): the dtype every operand is cast to."""
-        fmts = {c.format for c in self.casts().values()}
+        fmts = {c.fmt for c in self.casts().values()}
         if self.low_precision or len(fmts) != 1 or None in fmts:
             return None
-        return F.get(fmts.pop()).torch_dtype
+        return fmts.pop().torch_dtype
 
     @property
     def uses_delayed_scaling(self) -> bool:

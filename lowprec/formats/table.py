@@ -89,6 +89,13 @@ class Format:
     def __str__(self) -> str:
         return self.name
 
+    def __reduce_ex__(self, protocol):
+        # A table format pickles (and deep-copies) as its name, so it comes back as the table's own
+        # object: code tells formats apart by identity (``fmt is E4M3``), as it does enum members.
+        if FORMATS.get(self.name) is self:
+            return get, (self.name,)
+        return object.__reduce_ex__(self, protocol)
+
 
 def _float(name, exp_bits, man_bits, bias, special, dtype=None, doc="", bits=None) -> Format:
     all_ones = 2**exp_bits - 1

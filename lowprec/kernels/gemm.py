@@ -102,7 +102,7 @@ def _exact_in_bf16(fmt: F.Format, gran: Granularity) -> bool:
         return False
     if gran.kind in (TENSOR, ROW):  # scales constant along K
         return fmt.man_bits <= 7
-    scale_bits = {"e8m0": 0, "e4m3": 3, "fp32": 99}[gran.scale_format]
+    scale_bits = gran.scale_format.man_bits  # E8M0 0, E4M3 3; FP32 23: never exact in BF16
     return fmt.man_bits + scale_bits <= 7
 
 

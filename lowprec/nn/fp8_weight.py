@@ -25,13 +25,13 @@ that one would take the delayed scale), as under FSDP2's FP8 all-gather.
 
 *How it trains.* The FP32 master of each FP8 weight lives only in ``lowprec.optim.Optimizer`` (see
 [Note: master weights] there); after every step the optimizer writes the master into the parameter
-with :meth:`FP8Weight.requantize_` (:func:`requantize_all`, for all of them at once). The master is
-first rounded to the parameter's dtype and then quantized, which is exactly the cast a layer with BF16
-weights and FP32 masters makes of its weight at each forward: the model computes bit for bit as that
-one, under ``fp8-current`` and ``fp8-blockwise``, while it stores 1 byte per weight instead of 2. Until
-an optimizer takes it, an :class:`FP8Weight` keeps the high-precision value it was made from
-(:meth:`FP8Weight.take_initial`), so that the master starts from the model's weights, not from their
-FP8 rounding; the optimizer then drops it.
+with :meth:`FP8Weight.requantize_` (``lowprec.nn.fp8_requantize.requantize_all``, for all of them at
+once). The master is first rounded to the parameter's dtype and then quantized, which is exactly the
+cast a layer with BF16 weights and FP32 masters makes of its weight at each forward: the model computes
+bit for bit as that one, under ``fp8-current`` and ``fp8-blockwise``, while it stores 1 byte per weight
+instead of 2. Until an optimizer takes it, an :class:`FP8Weight` keeps the high-precision value it was
+made from (:meth:`FP8Weight.take_initial`), so that the master starts from the model's weights, not
+from their FP8 rounding; the optimizer then drops it.
 
 *Everything else.* Any other op on the parameter (a high-precision layer, ``torch.norm``, a
 ``state_dict`` copy) sees the decoded weight, in the parameter's dtype. ``copy_`` into it quantizes
@@ -39,80 +39,25 @@ FP8 rounding; the optimizer then drops it.
 ``state_dict`` entry is the decoded weight, so a plain model loads it; a checkpoint's masters are in
 the optimizer's state.
 
-[Note: FP8 primary weights under torch.compile]
-Dynamo sees the parameter as a plain tensor: it can neither read the subclass's inner tensors nor call
-its methods (a method returning a non-tensor ends the graph). So nothing in a compiled forward asks the
-weight anything. The layer's :class:`~lowprec.nn.plan.LayerPlan` is made for the weight the layer holds
-(its ``weight_storage``) and says whether the codes serve the GEMMs (``stored_weight``); the layer keeps
-the codes, scales and amax as plain tensors (:class:`StoredCodes`, taken again when the weight moves or
-is replaced) and passes them to its autograd function beside the parameter, which receives the gradient.
-Backward keeps those codes (no copy: they are the parameter's) rather than the parameter. The optimizer
-writes the codes in place, so the compiled graph, whose inputs they are, reads each step's codes.
+*Where each piece is.* This file holds the parameter; ``lowprec.nn.fp8_convert`` the choice of
+storage (:func:`~lowprec.nn.fp8_convert.storage_for`) and the swap into converted layers;
+``lowprec.nn.fp8_requantize`` the optimizer's write of its masters; ``lowprec.nn.fp8_state_dict`` the
+decoded ``state_dict`` entry; ``lowprec.nn.stored_codes`` the codes as GEMM operands from plain tensors,
+which is how a compiled forward reads them (see [Note: FP8 primary weights under torch.compile] there).
 """
 from __future__ import annotations
-
-import math
-from typing import NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
 
-from lowprec import formats as F
 from lowprec import kernels as K
 from lowprec._checks import fail
 from lowprec.nn.casts import QuantizedWeight
 from lowprec.nn.plan import OperandPlan, codes_serve
-from lowprec.quant import Granularity, QuantizedTensor, blockwise, tensorwise
-from lowprec.quant.scales import amax_scale
+from lowprec.nn.stored_codes import E4M3, StoredCodes, stored_operand
+from lowprec.quant import Granularity, QuantizedTensor
 
 aten = torch.ops.aten
-E4M3 = F.get("e4m3")
-BLOCK = 128
-"""The side of the square blocks of the blockwise storage (DeepSeek-V3's weight blocks)."""
-
-
-def storage_for(op: OperandPlan) -> tuple[Granularity, bool]:
-    """``(granularity, direct)``: how a layer whose weight casts are ``op`` stores its FP8 weight, and
-    whether the GEMMs take the stored codes as they are (see [Note: FP8 primary weights])."""
-    if codes_serve(tensorwise(), op):
-        return tensorwise(), True
-    block = blockwise(BLOCK, BLOCK)
-    return block, codes_serve(block, op)
-
-
-def stored_operand(data: torch.Tensor, scale: torch.Tensor, granularity: Granularity, shape: torch.Size,
-                   dtype: torch.dtype, transposed: bool = False) -> QuantizedTensor:
-    """Stored codes and scales as the fprop operand of a weight of ``shape`` and ``dtype``, or transposed
-    as dgrad's (``weight.T``, (K, N)): plain tensors in, so a compiled graph builds it as eager code does."""
-    if transposed:
-        data, scale, shape = data.t().contiguous(), scale.t().contiguous(), torch.Size(reversed(shape))
-    return QuantizedTensor(data, scale, E4M3, granularity, shape, dtype)
-
-
-@torch.no_grad()
-def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None:
-    """``p.requantize_(src)`` for every pair, the same bits, with the amaxes of the per-tensor weights
-    taken together: one multi-tensor pass over their sources and one computation of their scales, so
-    that no weight needs an amax pass of its own, then their casts with the given scales (one launch for
-    all on the Triton route: ``lowprec.kernels.requantize_many``). The
-    amax of a tensor rounded to the parameter's dtype is the rounded amax of the tensor: rounding to
-    nearest is monotonic. Other weights (128x128 blocks, distributed shards) take ``requantize_``."""
-    groups: dict[tuple, list[tuple[FP8Weight, torch.Tensor]]] = {}
-    for p, src in zip(params, sources, strict=True):
-        if type(src) is torch.Tensor and type(p) is FP8Weight and p._granularity.per_tensor:
-            groups.setdefault((src.device, src.dtype, p.dtype), []).append((p, src.detach()))
-        else:
-            p.requantize_(src)
-    for (_, _, dtype), pairs in groups.items():
-        params, srcs = [p for p, _ in pairs], [src for _, src in pairs]
-        amaxes = torch.stack(torch._foreach_norm(srcs, ord=math.inf)).to(dtype).float()  # of the rounded sources
-        K.requantize_many(srcs, amax_scale(amaxes, E4M3), [p._data for p in params], [p._scale for p in params],
-                          dtype)
-        kept = [(p._amax, amax) for p, amax in zip(params, amaxes.unbind()) if p._amax is not None]
-        if kept:
-            torch._foreach_copy_([a for a, _ in kept], [b for _, b in kept])
-        for p in params:
-            p._stored()
 
 
 def _quantize(hp: torch.Tensor, granularity: Granularity, amax: bool) -> tuple[QuantizedTensor, torch.Tensor | None]:
@@ -261,54 +206,3 @@ def stored_codes(weight: torch.Tensor) -> StoredCodes | None:
     if not isinstance(weight, FP8Weight):
         return None
     return StoredCodes(weight._granularity, weight._data, weight._scale, weight._amax)
-
-
-class StoredCodes(NamedTuple):
-    """What a layer keeps of its :class:`FP8Weight` for compiled code: Dynamo cannot read the subclass's
-    inner tensors, and treats its methods as tensor ops (a graph break), so the layer hands these plain
-    tensors to its autograd function instead (see [Note: FP8 primary weights under torch.compile])."""
-
-    granularity: Granularity
-    data: torch.Tensor
-    scale: torch.Tensor
-    amax: torch.Tensor | None
-
-
-def fp8_weights(module: torch.nn.Module) -> list[FP8Weight]:
-    """The :class:`FP8Weight` parameters of ``module``, in order."""
-    return [p for p in module.parameters() if isinstance(p, FP8Weight)]
-
-
-def check_fp8_weights(recipe, model: torch.nn.Module) -> None:
-    """Refuse, before anything changes, a recipe that casts no weight or weights that have no master to drop."""
-    if not recipe.fprop.rhs.quantized:
-        fail("fp8_weights", "a recipe that casts weights to a scaled low-precision format (fp8-current, "
-             "fp8-delayed, fp8-blockwise store what the GEMMs read)", f"{recipe.name}, whose GEMMs read the "
-             "weights in high precision")
-    for name, m in model.named_modules():
-        p = m.weight if isinstance(m, torch.nn.Linear) else None
-        if p is not None and p.dtype not in (torch.bfloat16, torch.float16):
-            fail("fp8_weights", "bfloat16 or float16 parameters (their FP32 masters move into the optimizer; "
-                 "float32 ones have none to drop, and 1-byte codes beside a 4-byte master would add memory)",
-                 f"a {p.dtype} weight in {name!r}; cast the model first, e.g. model.to(torch.bfloat16)")
-
-
-def store_fp8(layer) -> bool:
-    """Replace ``layer``'s weight (a :class:`lowprec.nn.Linear` running its recipe) by an
-    :class:`FP8Weight` in the storage its plan takes; True when the GEMMs read the codes directly."""
-    plan = layer.plan()
-    granularity, direct = storage_for(plan.weight)
-    w = layer.weight
-    if not isinstance(w, FP8Weight):
-        fp8 = FP8Weight.of(w, granularity, amax=plan.weight.delayed)
-        layer.weight = torch.nn.Parameter(fp8, requires_grad=w.requires_grad)
-        layer.register_state_dict_post_hook(_decoded_state)
-        layer.hold_weight()
-    return direct
-
-
-def _decoded_state(module, state_dict, prefix, local_metadata) -> None:
-    # checkpoints and plain models take the decoded weight (the masters are in the optimizer's state)
-    key = prefix + "weight"
-    if isinstance(state_dict.get(key), FP8Weight):
-        state_dict[key] = state_dict[key].dequantize()

@@ -42,9 +42,9 @@ import torch
 
 from lowprec import kernels as K
 from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
-from lowprec.nn.fp8_weight import stored_operand
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan
 from lowprec.nn.probe import probe
+from lowprec.nn.stored_codes import stored_operand
 from lowprec.quant import QuantizedTensor
 
 

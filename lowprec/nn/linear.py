@@ -14,10 +14,11 @@ from lowprec._checks import describe, fail
 from lowprec.autocast import records_amax, resolve
 from lowprec.nn.casts import CastState, InputShare
 from lowprec.nn.delayed import DelayedState
-from lowprec.nn.fp8_weight import StoredCodes, stored_codes
+from lowprec.nn.fp8_weight import stored_codes
 from lowprec.nn.function import LinearFunction, fprop, output_dtype
 from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan
 from lowprec.nn.record import record_amaxes
+from lowprec.nn.stored_codes import StoredCodes
 
 
 class Linear(nn.Linear):

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.nn.fp8_weight import FP8Weight, requantize_all
+from lowprec.nn.fp8_requantize import requantize_all
+from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.optim.accumulate import is_low_precision
 from lowprec.ranks import local
 

@@ -54,7 +54,7 @@ def gemm_path_of(recipe: R.Recipe, gemm: str, cap: Capability) -> GemmPath:
     g: R.Gemm = getattr(recipe, gemm)
     if not g.low_precision:
         return GemmPath(gemm, Path.HP)
-    casts = (g.lhs.format, g.lhs.granularity, g.rhs.format, g.rhs.granularity)
+    casts = (g.lhs.fmt, g.lhs.granularity, g.rhs.fmt, g.rhs.granularity)
     if is_native(*casts, cap):
         return GemmPath(gemm, Path.NATIVE)
     return GemmPath(gemm, Path.EMULATED, _DTYPE_NAMES[emulation_dtype(*casts, cap.device_type)])

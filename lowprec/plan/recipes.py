@@ -34,8 +34,7 @@ ROW = "row"
 COLUMN = "column"
 """One scale per column: ``numel / K`` elements share it."""
 
-SCALE_BYTES = {"fp32": 4, "e8m0": 1, "e4m3": 1}
-"""Bytes of one scale, by ``Granularity.scale_format``."""
+_E4M3 = F.get("e4m3")
 
 HP_BYTES = 2
 """The model's own (BF16) weights and the activations that are not linear inputs."""
@@ -86,15 +85,20 @@ def _scale_every(g: Granularity) -> int | str:
     return r * c
 
 
+def _scale_bytes(g: Granularity) -> int:
+    """Bytes of one of ``g``'s scales, from its format's bits (FP32 4, E8M0 and E4M3 1)."""
+    return g.scale_format.bits // 8
+
+
 def storage_of(cast: R.Cast) -> Storage:
     """How the operand ``cast`` produces is stored; BF16 when the cast keeps high precision."""
-    if cast.format is None:
+    if cast.fmt is None:
         return BF16
-    elem = F.get(cast.format).bits / 8
+    elem = cast.fmt.bits / 8
     g = cast.granularity
     if g is None:  # unscaled bf16/fp16 cast
         return Storage(elem_bytes=elem)
-    return Storage(elem_bytes=elem, scale_bytes=SCALE_BYTES[g.scale_format], scale_every=_scale_every(g))
+    return Storage(elem_bytes=elem, scale_bytes=_scale_bytes(g), scale_every=_scale_every(g))
 
 
 def saved_storage(saved: SavedActivations | None) -> Storage:
@@ -102,7 +106,7 @@ def saved_storage(saved: SavedActivations | None) -> Storage:
     if saved is None:
         return BF16
     g = saved.granularity
-    return Storage(elem_bytes=F.get(saved.fmt).bits / 8, scale_bytes=SCALE_BYTES[g.scale_format],
+    return Storage(elem_bytes=F.get(saved.fmt).bits / 8, scale_bytes=_scale_bytes(g),
                    scale_every=_scale_every(g))
 
 
@@ -114,7 +118,7 @@ _GEMM_BITS = {"nvfp4": 4, "mxfp4": 4, "mxfp6": 6, "mxfp8": 8, "fp8": 8}
 
 def _operand_gemm(cast: R.Cast) -> str:
     """The GEMM format a quantized operand needs (keys of ``lowprec.plan.gpus.GEMM_FORMATS``)."""
-    f = F.get(cast.format)
+    f = cast.fmt
     rule = cast.granularity.rule
     if f.bits > 8:  # a wide format with scales still runs a high-precision GEMM
         return "fp16" if f.name == "fp16" else "bf16"
@@ -156,7 +160,7 @@ class RecipeCost:
     note: str
     fp8_weight: Storage | None = None
     """How ``convert(..., fp8_weights=True)`` stores a quantized weight: E4M3 per tensor or in 128x128
-    blocks (``lowprec.nn.fp8_weight.storage_for``); None when the recipe casts no weight."""
+    blocks (``lowprec.nn.fp8_convert.storage_for``); None when the recipe casts no weight."""
     fp8_weight_direct: bool = False
     """The GEMMs read the stored FP8 codes as they are (no weight casts); else they are decoded and cast."""
     recipe: R.Recipe | None = None
@@ -184,12 +188,12 @@ def _note(recipe: R.Recipe) -> str:
 
 
 def _fp8_weight(recipe: R.Recipe) -> tuple[Storage | None, bool]:
-    """(storage, direct) of FP8 primary weights, as ``lowprec.nn.fp8_weight.storage_for`` decides."""
+    """(storage, direct) of FP8 primary weights, as ``lowprec.nn.fp8_convert.storage_for`` decides."""
     w, w_t = recipe.fprop.rhs, recipe.dgrad.rhs
     if not (recipe.low_precision and w.quantized):
         return None, False
     g = w.granularity
-    direct = (w.format == w_t.format == "e4m3" and w_t.granularity == g and not w.stochastic and not w_t.stochastic
+    direct = (w.fmt is w_t.fmt is _E4M3 and w_t.granularity == g and not w.stochastic and not w_t.stochastic
               and not w.hadamard and not w_t.hadamard and (g.per_tensor or (g.block_rows, g.block_cols) == (128, 128)))
     return Storage(elem_bytes=1, scale_bytes=4, scale_every=TENSOR if direct and g.per_tensor else 128 * 128), direct
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from lowprec import formats as F
 from lowprec._checks import check_positive_int, describe, fail
 
 
@@ -47,8 +48,13 @@ class ScaleRule(enum.Enum):
     ``fp32(1 / (s * g))``. The FP32 steps follow TransformerEngine's (see ``lowprec.quant.scales``)."""
 
     @property
-    def scale_format(self) -> str:
-        return {"amax": "fp32", "floor": "e8m0", "ceil": "e8m0", "nvfp4": "e4m3"}[self.value]
+    def scale_format(self) -> F.Format:
+        """The format a block scale is exact in (NVFP4's FP32 global scale aside): its bits and codes."""
+        return _SCALE_FORMATS[self]
+
+
+_SCALE_FORMATS = {ScaleRule.AMAX: F.get("fp32"), ScaleRule.FLOOR: F.get("e8m0"), ScaleRule.CEIL: F.get("e8m0"),
+                  ScaleRule.NVFP4: F.get("e4m3")}
 
 
 class GranularityKind(enum.Enum):
@@ -92,7 +98,8 @@ class Granularity:
             fail("block_rows", "1 for MX scales (blocks run along the reduction dimension)", self.block_rows)
 
     @property
-    def scale_format(self) -> str:
+    def scale_format(self) -> F.Format:
+        """The format of the block scales (FP32, E8M0 or E4M3), from the format table."""
         return self.rule.scale_format
 
     @property

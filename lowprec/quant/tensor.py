@@ -80,12 +80,12 @@ class QuantizedTensor:
     def scale_codes(self) -> torch.Tensor:
         """The block scales as uint8 codes of their format (E8M0 or E4M3); for FP32 scales, the floats."""
         fmt = self.granularity.scale_format
-        return self.scale if fmt == "fp32" else F.encode(self.scale, fmt)
+        return self.scale if fmt.bits > 8 else F.encode(self.scale, fmt)  # FP32 scales have no byte codes
 
     @property
     def nbytes(self) -> int:
         """Bytes this tensor needs in its formats (FP4 two per byte, FP6 four per three bytes)."""
-        scale_bits = {"fp32": 32, "e8m0": 8, "e4m3": 8}[self.granularity.scale_format]
+        scale_bits = self.granularity.scale_format.bits
         gs = 4 if self.global_scale is not None else 0
         return (self.data.numel() * self.fmt.bits + 7) // 8 + (self.scale.numel() * scale_bits + 7) // 8 + gs
 

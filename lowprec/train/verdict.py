@@ -59,7 +59,6 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lowprec import formats as F
 from lowprec import recipes
 from lowprec._checks import describe, fail
 from lowprec.convert import Coverage, Kept
@@ -91,7 +90,7 @@ class Family(enum.Enum):
     def of(cls, recipe: str | recipes.Recipe) -> Family:
         """The family of a preset's name or a :class:`lowprec.recipes.Recipe`, from its narrowest operand."""
         casts = [c for c in recipes.get(recipe).casts().values() if c.quantized]
-        if any(F.get(c.format).bits < 8 for c in casts):
+        if any(c.fmt.bits < 8 for c in casts):
             return cls.FP4
         if any(c.granularity.kind is GranularityKind.MX for c in casts):
             return cls.MX8

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from lowprec.nn import plan as plan_module
-from lowprec.nn.fp8_weight import FP8Weight, requantize_all
+from lowprec.nn.fp8_requantize import requantize_all
+from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.quant import blockwise, tensorwise
 from tests.nn.common import randn
 

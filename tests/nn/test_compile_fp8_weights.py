@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowprec
-from lowprec.nn.fp8_weight import fp8_weights
+from lowprec.nn.fp8_convert import fp8_weights
 from lowprec.optim import Optimizer
 from lowprec.train.model import ModelConfig, build_model
 

@@ -1,0 +1,37 @@
+"""The optimizer's write of its FP32 masters into the FP8 weights, all of them at once."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowprec import kernels as K
+from lowprec.nn.fp8_weight import FP8Weight
+from lowprec.nn.stored_codes import E4M3
+from lowprec.quant.scales import amax_scale
+
+
+@torch.no_grad()
+def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None:
+    """``p.requantize_(src)`` for every pair, the same bits, with the amaxes of the per-tensor weights
+    taken together: one multi-tensor pass over their sources and one computation of their scales, so
+    that no weight needs an amax pass of its own, then their casts with the given scales (one launch for
+    all on the Triton route: ``lowprec.kernels.requantize_many``). The
+    amax of a tensor rounded to the parameter's dtype is the rounded amax of the tensor: rounding to
+    nearest is monotonic. Other weights (128x128 blocks, distributed shards) take ``requantize_``."""
+    groups: dict[tuple, list[tuple[FP8Weight, torch.Tensor]]] = {}
+    for p, src in zip(params, sources, strict=True):
+        if type(src) is torch.Tensor and type(p) is FP8Weight and p.granularity.per_tensor:
+            groups.setdefault((src.device, src.dtype, p.dtype), []).append((p, src.detach()))
+        else:
+            p.requantize_(src)
+    for (_, _, dtype), pairs in groups.items():
+        params, srcs = [p for p, _ in pairs], [src for _, src in pairs]
+        amaxes = torch.stack(torch._foreach_norm(srcs, ord=math.inf)).to(dtype).float()  # of the rounded sources
+        K.requantize_many(srcs, amax_scale(amaxes, E4M3), [p._data for p in params], [p._scale for p in params],
+                          dtype)
+        kept = [(p._amax, amax) for p, amax in zip(params, amaxes.unbind()) if p._amax is not None]
+        if kept:
+            torch._foreach_copy_([a for a, _ in kept], [b for _, b in kept])
+        for p in params:
+            p._stored()

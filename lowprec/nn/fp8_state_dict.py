@@ -1,0 +1,12 @@
+"""What a layer with an FP8 primary weight writes into its ``state_dict``: the decoded weight."""
+from __future__ import annotations
+
+from lowprec.nn.fp8_weight import FP8Weight
+
+
+def decoded_state(module, state_dict, prefix, local_metadata) -> None:
+    """A ``state_dict`` post-hook: the layer's FP8 weight as the decoded weight, in the parameter's dtype,
+    so that checkpoints and plain models take it (the masters are in the optimizer's state)."""
+    key = prefix + "weight"
+    if isinstance(state_dict.get(key), FP8Weight):
+        state_dict[key] = state_dict[key].dequantize()
