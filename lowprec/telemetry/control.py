@@ -4,7 +4,8 @@ numerics go wrong, and back when they settle; the last steps of a run in BF16 on
 [Note: how the controller decides]
 Each converted layer's three GEMMs (``fprop``, ``dgrad``, ``wgrad``) have a *level* on a ladder of
 recipes, 0 being the run's recipe and each level up a wider one (``nvfp4``/``mxfp4`` -> ``mxfp8`` ->
-``bf16``, ``fp8-*`` -> ``bf16``: :data:`LADDER`). A layer runs, for each GEMM, that GEMM's casts from the
+``bf16``, ``fp8-*`` -> ``bf16``; derived from the recipes' formats, so a user's recipe has one too: see
+[Note: the ladder] in ``lowprec.telemetry.ladder``). A layer runs, for each GEMM, that GEMM's casts from the
 recipe of its level (:func:`mixed_recipe`). At a sampled step the telemetry's records (one per layer,
 GEMM and operand: SQNR, saturated and flushed-to-zero fractions) are reduced to the worst figure per
 layer and GEMM, over operands and over ranks (one all-reduce, so every rank switches alike), then:
@@ -42,11 +43,9 @@ from lowprec import recipes as R
 from lowprec._checks import check_positive_int, describe, fail
 from lowprec.nn import Linear
 from lowprec.ranks import agree
+from lowprec.telemetry.ladder import ladder
 
 GEMMS = ("fprop", "dgrad", "wgrad")
-LADDER: dict[str, str] = {"nvfp4": "mxfp8", "mxfp4": "mxfp8", "mxfp8": "bf16", "fp8-delayed": "bf16",
-                          "fp8-current": "bf16", "fp8-rowwise": "bf16", "fp8-blockwise": "bf16"}
-"""Each preset's next wider recipe; a recipe not here (bf16, a user's) is the top of its ladder."""
 FINAL_RECIPE = "bf16"
 """What the last ``hp_final_fraction`` of the steps run in (the NVFP4 paper's appendix)."""
 SWITCH_FIELDS = ("step", "layer", "gemm", "from_recipe", "to_recipe", "reason")
@@ -134,7 +133,7 @@ class _Gemm:
 
 @dataclass
 class PrecisionController:
-    """Moves converted layers' GEMMs along :data:`LADDER`; see [Note: how the controller decides].
+    """Moves converted layers' GEMMs along the recipe's ladder; see [Note: how the controller decides].
 
     ``model``: the converted model (unwrapped); ``total_steps``: the run's last step (the schedule's end);
     ``group``: the data-parallel group the figures are reduced over (None: one process)."""
@@ -151,9 +150,7 @@ class PrecisionController:
                        if isinstance(m, Linear) and m.recipe is not None and m.plan() is not None
                        and m.plan().scaled}
         """The layers the controller may move: those running the run's scaled recipe."""
-        self.ladder = [self.recipe]
-        while self.ladder[-1].name in LADDER:
-            self.ladder.append(R.get(LADDER[self.ladder[-1].name]))
+        self.ladder = ladder(self.recipe)
         self.gemms = {(n, g): _Gemm() for n in self.layers for g in GEMMS}
         self.spike_steps: list[int] = []
         self.final = False
