@@ -31,6 +31,8 @@ ROUNDINGS = tuple(r.value for r in Rounding)
 
 def as_rounding(rounding: str | Rounding, name: str = "rounding") -> Rounding:
     """``rounding`` as a :class:`Rounding` member; an unknown name is an error naming ``name``."""
+    if isinstance(rounding, Rounding):  # a member: no string compare on the casts' path
+        return rounding
     check_choice(name, rounding, ROUNDINGS)
     return Rounding(rounding)
 
