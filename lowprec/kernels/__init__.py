@@ -8,8 +8,9 @@ GEMM a device lacks from the exact quantized values. A cast's backend is chosen 
 at first use, never at import, and cached per device). A layer takes both when its plan is made
 (``lowprec.nn.plan.layer_plan``, cached per recipe, device and shape, so layers alike share one; made
 again when the layer moves or changes recipe); a call of ``quantize`` or ``scaled_mm`` without
-``backend=`` chooses at the call. ``backend=`` forces one. Three Triton choices that are not casts are
-made elsewhere (see [Note: routes] in ``kernels.route``).
+``backend=`` chooses at the call. ``backend=`` forces one. The Triton-or-reference choices that are not
+casts (an emulated GEMM's block dequantize, saved activations, AdamWLP's step) are ``kernels.route``'s
+too, asked at each call (see [Note: routes] there).
 """
 from __future__ import annotations
 

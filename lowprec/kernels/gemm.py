@@ -19,6 +19,7 @@ import torch
 from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels.capability import Capability, capability
+from lowprec.kernels.route import Backend, emulated_operand_backend
 from lowprec.quant import Granularity, GranularityKind, QuantizedTensor
 
 E4M3, E5M2 = F.get("e4m3"), F.get("e5m2")
@@ -119,8 +120,8 @@ def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     if q.granularity.kind in (TENSOR, ROW):  # scales constant along K
         v = q.data.to(dtype) if q.fmt.torch_dtype is not None else q.values().to(dtype)  # exact
         return v, q.scale  # (1, 1) or (Mp, 1): broadcasts over the output's rows
-    if dtype == torch.bfloat16 and q.data.is_cuda:
-        from lowprec.kernels.triton_dequant import block_values_bf16  # Triton, imported on CUDA only
+    if emulated_operand_backend(q.data.device, dtype) is Backend.TRITON:
+        from lowprec.kernels.triton_dequant import block_values_bf16  # Triton: imported where it runs
 
         return block_values_bf16(q), None  # one fused pass: decode x block scale -> BF16
     v = q.values()  # (Mp, Kp) float32

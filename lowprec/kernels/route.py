@@ -1,4 +1,5 @@
-"""The one place where a cast's backend is chosen: from what to cast to how it runs.
+"""The one place where every Triton-or-reference choice is made: a cast's backend, from what to cast to how
+it runs, and the choices that are not casts (see [Note: routes]).
 
 [Note: routes]
 A linear layer casts each high-precision operand along K for one GEMM and, transposed, for another
@@ -18,11 +19,25 @@ SEPARATE       each side cast on its own backend                                
 Either side may be absent (inference needs no transposed side; backward recasts only weight.T).
 A backend is ``triton`` where the device runs Triton and the kernels cover the side
 (:func:`lowprec.kernels.triton_plan.covers`), else ``torch`` (the reference); both give the same bits.
-Every cast follows a route: ``kernels.cast`` runs the one it is given and ``kernels.quantize`` asks
-:func:`backend_for`. Three Triton-or-reference choices that are not casts are still made where they
-run, from the device: the fused BF16 dequantize of an emulated block-scaled GEMM's operands
-(``kernels.gemm._operand``, on any CUDA tensor), the fused dequantize of activations saved for backward
-(``nn.saved._fused_dequantize``) and AdamWLP's fused step (``optim.adamw_lp``).
+Every cast follows a route: ``kernels.cast`` runs the one it is given, and ``kernels.quantize`` and
+``kernels.requantize_many`` take :func:`quantize_backend` and :func:`requantize_backend`.
+
+The Triton-or-reference choices that are not casts are made here too, each by a function named for
+what it decides and called where the work runs, from what that place knows:
+
+=================================  ==========================================================================
+:func:`emulated_operand_backend`   an emulated GEMM's block-scaled operand decoded into BF16 in one Triton
+                                   pass (``kernels.gemm``), by its device and the GEMM's dtype
+:func:`saved_cast_backend`         an activation saved for backward cast on its route, or by the
+                                   reference's ops that compiled code traces (``nn.saved``)
+:func:`saved_dequantize_backend`   a saved activation dequantized by one Triton pass in an eager backward
+                                   (``nn.saved``), by device, dtype and granularity
+:func:`fused_adamw_step`           whether AdamWLP's step takes the fused Triton kernel (``optim.adamw_lp``)
+=================================  ==========================================================================
+
+A converted layer asks :func:`route` when its plan is made; the others are asked at each call, from
+the device's cached capability. Which CUDA parameters the fused AdamW step covers, and which tensors
+``requantize_many``'s one launch takes, are those kernels' own limits, checked where they run.
 """
 from __future__ import annotations
 
@@ -33,8 +48,8 @@ import torch
 
 from lowprec import formats as F
 from lowprec._checks import check_choice, fail
-from lowprec.kernels.capability import Capability, capability
-from lowprec.quant import Granularity
+from lowprec.kernels.capability import Capability, capability, triton_available
+from lowprec.quant import Granularity, GranularityKind, tensorwise
 
 
 class Backend(enum.Enum):
@@ -162,3 +177,71 @@ def route(along_k: CastSpec | None, transposed: CastSpec | None, device: torch.d
         delayed = any(s is not None and s.delayed for s in (along_k, transposed))
         templates = (template(along_k, transposed, False), template(along_k, transposed, True) if delayed else None)
     return CastRoute(along_k, transposed, bk or bt, bt or bk, pairing, device.type, templates)
+
+
+def quantize_backend(spec: CastSpec, device: torch.device | str, *, saturate: bool = True,
+                     backend: str | Backend | None = None) -> Backend:
+    """The backend of a direct quantize (``kernels.quantize``): :func:`backend_for`'s, but the reference
+    for a cast that does not saturate (the Triton kernels always do)."""
+    chosen = backend_for(spec, device, backend)
+    return chosen if saturate else Backend.TORCH
+
+
+_REQUANTIZE = CastSpec(F.get("e4m3"), tensorwise(), delayed=True)
+"""FP8 weights cast again after an optimizer step: E4M3 per tensor, with given scales."""
+
+
+def requantize_backend(device: torch.device | str, dtype: torch.dtype,
+                       backend: str | Backend | None = None) -> Backend:
+    """Whether ``kernels.requantize_many`` takes its one Triton launch for many weights (float32 masters
+    onto BF16 parameters) or casts them one by one, each on its own backend."""
+    chosen = backend_for(_REQUANTIZE, device, backend)
+    return chosen if dtype == torch.bfloat16 else Backend.TORCH
+
+
+def _triton_runs(device: torch.device | str) -> bool:
+    device = torch.device(device)
+    return device.type == "cuda" and capability(device).triton
+
+
+def emulated_operand_backend(device: torch.device | str, dtype: torch.dtype) -> Backend:
+    """How an emulated GEMM decodes a block-scaled operand into ``dtype`` (``kernels.gemm``): one fused
+    Triton pass (decode times block scale) for a BF16 GEMM on a CUDA device that runs Triton, else the
+    reference's ops. The same values: only BF16 GEMMs take block values that are exact in BF16."""
+    return Backend.TRITON if dtype == torch.bfloat16 and _triton_runs(device) else Backend.TORCH
+
+
+def saved_cast_backend(fmt: str | F.Format, granularity: Granularity, device: torch.device | str, *,
+                       compiling: bool, backend: str | Backend | None = None) -> Backend:
+    """How an activation saved for backward is cast (``nn.saved``): in compiled code (``compiling``) by
+    the reference's few elementwise ops and reductions, which the compiler fuses itself (tracing a
+    route's planning would only add compile time); eagerly on the route the device takes for it.
+    ``backend`` forces one (tests)."""
+    if compiling and backend is None:
+        return Backend.TORCH
+    return backend_for(CastSpec.of(fmt, granularity), device, backend)
+
+
+def saved_dequantize_backend(device: torch.device | str, dtype: torch.dtype, granularity: Granularity, *,
+                             compiling: bool, backend: str | Backend | None = None) -> Backend:
+    """How a saved activation is dequantized in backward (``nn.saved``): one Triton pass
+    (``kernels.triton_dequant``) for BF16 saved in ``1 x B`` blocks (B a power of two up to 128, as the
+    kernel tiles them) in eager code on a CUDA device that runs Triton; else the reference, whose ops
+    compiled code fuses. The same bits. ``backend`` forces one (tests, through Triton's interpreter)."""
+    if backend is not None:
+        return Backend(check_choice("backend", backend.value if isinstance(backend, Backend) else backend, BACKENDS))
+    g, b = granularity, granularity.block_cols
+    tiled = g.kind is GranularityKind.BLOCK and g.block_rows == 1 and b <= 128 and b & (b - 1) == 0
+    fused = dtype == torch.bfloat16 and tiled and not compiling and _triton_runs(device)
+    return Backend.TRITON if fused else Backend.TORCH
+
+
+def fused_adamw_step(requested: bool | None) -> bool:
+    """Whether AdamWLP steps the parameters its fused Triton kernel covers by that kernel
+    (``lowprec.optim.fused``): as ``requested``, or by default where a CUDA device runs Triton. True
+    where Triton is not installed is refused."""
+    if requested is None:
+        return torch.cuda.is_available() and capability(torch.device("cuda")).triton
+    if requested and not triton_available():
+        fail("fused", "False where Triton is not installed", "True")
+    return requested

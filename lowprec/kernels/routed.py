@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from lowprec._checks import check_tensor, describe, fail
-from lowprec.kernels.route import Backend, CastSpec, backend_for
+from lowprec.kernels.route import Backend, CastSpec, quantize_backend, requantize_backend
 from lowprec.quant import Granularity, QuantizedTensor, tensorwise
 from lowprec.quant import quantize as _reference_quantize
 
@@ -19,7 +19,7 @@ def quantize(
     """``lowprec.quant.quantize`` on the backend the route chooses for x's device (same values, bit for
     bit), or on ``backend``."""
     spec = CastSpec.of(fmt, granularity, rounding, delayed=scale is not None)
-    if backend_for(spec, x.device, backend) is Backend.TRITON and saturate:
+    if quantize_backend(spec, x.device, saturate=saturate, backend=backend) is Backend.TRITON:
         from lowprec.kernels import triton_quant
 
         return triton_quant.quantize(x, fmt, granularity, rounding=rounding, scale=scale, generator=generator)
@@ -37,8 +37,7 @@ def requantize_many(sources: list[torch.Tensor], scales: torch.Tensor, codes: li
     if not sources:
         return
     device = sources[0].device
-    spec = CastSpec.of(_E4M3, tensorwise(), delayed=True)
-    if dtype == torch.bfloat16 and backend_for(spec, device, backend) is Backend.TRITON:
+    if requantize_backend(device, dtype, backend) is Backend.TRITON:
         from lowprec.kernels import triton_multi as multi  # Triton: imported where it runs
 
         laid_out = scales.device == device and all(

@@ -15,11 +15,12 @@ at the dequantized inputs: each gradient is exact for inputs within E4M3's relat
 1 x 128 blocks, against 2 in BF16 and 4 in FP32. A last dimension that is not a multiple of the
 block is padded to one by the cast (dims of 128k lose nothing).
 
-The cast goes through ``lowprec.kernels.cast`` on the route the device takes: on CUDA one fused
-Triton pass (FP8 per tensor, per row and ``1 x B`` are all covered), elsewhere the reference; both give
-the same bits. In an eager backward on CUDA, BF16 inputs saved in ``1 x B`` blocks are dequantized by
-one Triton pass too (``lowprec.kernels.triton_dequant``), with the reference's bits. Compiled code keeps
-the reference's operations, which the compiler fuses itself.
+Where each runs is ``lowprec.kernels.route``'s to say (``saved_cast_backend``,
+``saved_dequantize_backend``): in eager code on CUDA the cast is one fused Triton pass through
+``lowprec.kernels.cast`` (FP8 per tensor, per row and ``1 x B`` are all covered), and BF16 inputs saved
+in ``1 x B`` blocks are dequantized by one Triton pass too (``lowprec.kernels.triton_dequant``);
+elsewhere, and in compiled code, the reference's operations, which the compiler fuses itself. Both give
+the same bits. What is kept is ``QuantizedTensor.to_saved``'s packing.
 
 The saved copy is the op's input, not its output, so it is a different tensor from the one the
 next converted Linear saves (the norm's output, SwiGLU's product): the two cannot share storage.
@@ -33,6 +34,7 @@ import torch
 
 from lowprec import kernels as K
 from lowprec._checks import describe, fail
+from lowprec.kernels.route import Backend, saved_cast_backend, saved_dequantize_backend
 from lowprec.quant import Granularity, GranularityKind, QuantizedTensor, ScaleRule, blockwise, quantize, tensorwise
 from lowprec.quant.quantize import as_2d
 
@@ -87,10 +89,11 @@ def check_saved(saved: object) -> SavedActivations | None:
 
 
 def _quantize(x: torch.Tensor, saved: SavedActivations, backend: str | None) -> QuantizedTensor:
-    """``lowprec.quant.quantize(x, saved.fmt, saved.granularity)``, bit for bit, on the device's route."""
-    if torch.compiler.is_compiling() and backend is None:
-        # the compiler fuses the reference's few elementwise ops and reductions; tracing a route's
-        # planning would only add compile time
+    """``lowprec.quant.quantize(x, saved.fmt, saved.granularity)``, bit for bit, on the backend
+    ``kernels.route.saved_cast_backend`` takes."""
+    backend = saved_cast_backend(saved.fmt, saved.granularity, x.device, compiling=torch.compiler.is_compiling(),
+                                 backend=backend)
+    if backend is Backend.TORCH:
         return quantize(x, saved.fmt, saved.granularity)
     spec = K.CastSpec.of(saved.fmt, saved.granularity)
     q = K.cast(as_2d(x), K.route(spec, None, x.device, backend)).along_k
@@ -99,36 +102,24 @@ def _quantize(x: torch.Tensor, saved: SavedActivations, backend: str | None) -> 
 
 def pack(x: torch.Tensor, saved: SavedActivations | None, *,
          backend: str | None = None) -> tuple[tuple, tuple | None]:
-    """Tensors for ``save_for_backward`` and the metadata to rebuild ``x``: ``x`` itself (no copy) when
-    ``saved`` is None, else its FP8 codes and scales, cast on the backend the device takes (or on
-    ``backend``: tests)."""
+    """Tensors for ``save_for_backward`` (always three) and the metadata to rebuild ``x``: ``x`` itself (no
+    copy) when ``saved`` is None, else its FP8 codes and scales (``QuantizedTensor.to_saved``), cast on the
+    backend the device takes (or on ``backend``: tests)."""
     if saved is None:
-        return (x, None), None
-    q = _quantize(x.detach(), saved, backend)
-    return (q.data, q.scale), (q.fmt, q.granularity, q.shape, q.dtype)
+        return (x, None, None), None
+    return _quantize(x.detach(), saved, backend).to_saved()
 
 
 def unpack(tensors: tuple, meta: tuple | None, *, backend: str | None = None) -> torch.Tensor:
-    """The saved input, dequantized to its original dtype where it was quantized: by the fused Triton
-    kernel for BF16 inputs saved in ``1 x B`` blocks on CUDA in eager code (or with ``backend="triton"``:
-    tests), else by the reference; both give the same bits (compiled code fuses the reference's ops)."""
+    """The saved input, dequantized to its original dtype where it was quantized, on the backend
+    ``kernels.route.saved_dequantize_backend`` takes (or on ``backend``: tests); the same bits either way."""
     if meta is None:
         return tensors[0]
-    fmt, granularity, shape, dtype = meta
-    q = QuantizedTensor(tensors[0], tensors[1], fmt, granularity, shape, dtype)
-    fused = backend == "triton" or (backend is None and _fused_dequantize(q))
-    if q.data.numel() and fused:
+    q = QuantizedTensor.from_saved(tensors, meta)
+    chosen = saved_dequantize_backend(q.data.device, q.dtype, q.granularity,
+                                      compiling=torch.compiler.is_compiling(), backend=backend)
+    if q.data.numel() and chosen is Backend.TRITON:
         from lowprec.kernels.triton_dequant import dequantize_blocks  # Triton: imported where it runs
 
         return q.crop(dequantize_blocks(q.data, q.scale, q.fmt.exp_bits, q.fmt.man_bits))
     return q.dequantize()
-
-
-def _fused_dequantize(q: QuantizedTensor) -> bool:
-    """Whether :func:`unpack` takes the fused kernel: eager, CUDA, BF16, ``1 x B`` blocks (B a power of two
-    up to 128, as the kernel tiles them)."""
-    g, b = q.granularity, q.granularity.block_cols
-    return (q.data.is_cuda and q.dtype == torch.bfloat16 and g.kind is GranularityKind.BLOCK and g.block_rows == 1
-            and b <= 128 and b & (b - 1) == 0 and not torch.compiler.is_compiling()
-            and K.capability(q.data.device).triton)
-

@@ -25,14 +25,14 @@ class SwiGLUFunction(torch.autograd.Function):
         g_tensors, g_meta = pack(gate, saved)
         u_tensors, u_meta = pack(up, saved)
         ctx.save_for_backward(*g_tensors, *u_tensors)
-        ctx.meta = (g_meta, u_meta)
+        ctx.meta, ctx.split = (g_meta, u_meta), len(g_tensors)
         return h
 
     @staticmethod
     def backward(ctx, dh):
         saved = ctx.saved_tensors
         g_meta, u_meta = ctx.meta
-        gate, up = unpack(saved[:2], g_meta), unpack(saved[2:], u_meta)
+        gate, up = unpack(saved[:ctx.split], g_meta), unpack(saved[ctx.split:], u_meta)
         with torch.autocast(dh.device.type, enabled=False):
             g, u, d = gate.float(), up.float(), dh.float()
             s = torch.sigmoid(g)

@@ -7,7 +7,8 @@ correction, ``eps`` added to the corrected root; see [Note: the AdamW update] in
 ``lowprec.optim.adamw_batch``), the parameter updated from them, and the moments encoded again, so
 only one bucket's float32 moments exist at a time. On CUDA, float32 parameters with FP32, BF16 or
 8-bit moments take the fused kernel instead (``lowprec.optim.fused``: one launch for all of them, the
-same bits); FP8 moments and other parameters take the batched torch step.
+same bits; ``lowprec.kernels.route.fused_adamw_step`` decides whether it runs); FP8 moments and other
+parameters take the batched torch step.
 Build it through :class:`lowprec.optim.Optimizer` (``Optimizer(params, AdamWLP, states="fp8", ...)``):
 with master weights it updates the float32 masters; without, BF16 parameters widened to float32 for
 the step and rounded back stochastically.
@@ -25,7 +26,7 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.kernels.capability import capability, triton_available
+from lowprec.kernels.route import fused_adamw_step
 from lowprec.optim import adamw_batch as batch
 from lowprec.optim.states import Moment, StateFormat, code_dtype, load, store
 from lowprec.ranks import is_dtensor
@@ -60,11 +61,7 @@ class AdamWLP(torch.optim.Optimizer):
         if fused not in (None, True, False):
             fail("fused", "None (on CUDA where Triton is installed), True or False", describe(fused))
         # True: CUDA parameters take the kernel (CPU ones too under Triton's interpreter, as in the tests)
-        if fused is None:
-            fused = capability(torch.device("cuda")).triton if torch.cuda.is_available() else False
-        elif fused and not triton_available():
-            fail("fused", "False where Triton is not installed", "True")
-        self.fused = fused
+        self.fused = fused_adamw_step(fused)
         """Whether CUDA parameters the kernel covers take the fused step (``lowprec.optim.fused``)."""
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
