@@ -2,7 +2,10 @@
 
 The function receives the layer's frozen :class:`~lowprec.nn.plan.LayerPlan` and its
 :class:`~lowprec.nn.casts.CastState`, never the module: what to cast, how, and on which backend was
-decided when the plan was built.
+decided when the plan was built, and so was what forward keeps for backward: the plan's
+:class:`~lowprec.nn.plan.SavePlan` for the kind of weight the layer holds (plain, FP8 primary,
+quantized by FSDP2's all-gather), inside ``cached_weight_casts`` or not, compiled or not. Forward
+and backward both follow it; the tensors travel as a named :class:`Saved`.
 
 [Note: what backward keeps]
 Forward casts the input twice from the one high-precision copy it reads: along K for fprop, and
@@ -38,11 +41,13 @@ time torchao's take for the same work (BENCHMARKS.md, run 15).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from lowprec import kernels as K
 from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
-from lowprec.nn.plan import HP, GemmPlan, LayerPlan
+from lowprec.nn.plan import HP, GemmPlan, LayerPlan, SavePlan, WeightKind, WeightT
 from lowprec.nn.probe import probe
 from lowprec.nn.stored_codes import stored_operand
 from lowprec.quant import QuantizedTensor
@@ -55,25 +60,11 @@ def _hp(op: Operand, dtype: torch.dtype) -> torch.Tensor:
 def gemm(a: Operand, b: Operand, g: GemmPlan, out_dtype: torch.dtype) -> torch.Tensor:
     """``a (M, K) @ b (N, K).T`` on the plan's path: the scaled GEMM when both operands are quantized,
     else in high precision (the wider of the operands' dtypes)."""
-    if g.path != HP:
+    if g.path is not HP:
         return K.scaled_mm(a, b, out_dtype, fast_accum=g.fast_accum, backend=g.path)
     dtypes = [op.dtype for op in (a, b) if isinstance(op, torch.Tensor)]
     dt = max(dtypes, key=lambda d: d.itemsize) if dtypes else out_dtype
     return (_hp(a, dt) @ _hp(b, dt).t()).to(out_dtype)
-
-
-def _save(op: Operand | None) -> tuple[tuple, object]:
-    """Tensors to ``save_for_backward`` and the metadata to rebuild the operand."""
-    if isinstance(op, QuantizedTensor):
-        return (op.data, op.scale, op.global_scale), (op.fmt, op.granularity, op.shape, op.dtype)
-    return (op, None, None), None
-
-
-def _restore(tensors, meta) -> Operand | None:
-    if meta is None:
-        return tensors[0]
-    fmt, gran, shape, dtype = meta
-    return QuantizedTensor(tensors[0], tensors[1], fmt, gran, shape, dtype, tensors[2])
 
 
 def output_dtype(x: torch.Tensor) -> torch.dtype:
@@ -81,40 +72,61 @@ def output_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+def save_plan(weight: torch.Tensor, codes: tuple, plan: LayerPlan, state: CastState) -> SavePlan:
+    """The layer plan's :class:`~lowprec.nn.plan.SavePlan` for this weight, here (cached casts or not,
+    compiled or not)."""
+    if codes:
+        kind, serves = WeightKind.STORED, plan.stored_weight
+    elif isinstance(weight, QuantizedWeight):
+        kind = WeightKind.RESIDENT if weight.resident else WeightKind.GATHERED
+        serves = weight.serves(plan.weight)
+    else:
+        kind, serves = WeightKind.PLAIN, False
+    return plan.save(kind, serves, state.caching, torch.compiler.is_compiling())
+
+
+class Forward(NamedTuple):
+    """What :func:`fprop` gives: the output, and what backward needs as its save plan says."""
+
+    y: torch.Tensor
+    save: SavePlan
+    x_t: Operand | None
+    """x.T's cast, kept; None where wgrad does not run or backward casts it again."""
+    w_t: Operand | None
+    """weight.T's cast, kept (``WeightT.KEPT``); None otherwise."""
+    scale_t: torch.Tensor | None
+    """The delayed scale backward casts weight.T with (``SavePlan.scale_t``), or None."""
+    x_scale: torch.Tensor | None
+    """The per-tensor scale backward casts x.T with (``SavePlan.input_scale``), or None."""
+
+
 def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, need_wgrad: bool,
-          record: bool = True, codes: tuple = (), recast_x: bool = False):
-    """The forward GEMM; also what backward needs: (y, x.T cast or None, w.T cast or None, the delayed
-    scale to cast w.T with in backward or None, the scale to cast x.T with in backward or None).
-    Where backward recasts weight.T the w.T cast is None (see [Note: what backward keeps]), and where
-    it recasts x.T (``recast_x``), x.T's (see [Note: recasting the input in backward]). ``record``: add
-    the amaxes to the delayed-scaling history (training, not evaluation). ``codes``: an FP8 primary
-    weight's (codes, scales, amax) as plain tensors, or () (see [Note: FP8 primary weights under
-    torch.compile] in ``lowprec.nn.fp8_weight``)."""
+          record: bool = True, codes: tuple = ()) -> Forward:
+    """The forward GEMM, and what backward needs as the layer's save plan says (see [Note: what backward
+    keeps] and [Note: recasting the input in backward]). ``record``: add the amaxes to the
+    delayed-scaling history (training, not evaluation). ``codes``: an FP8 primary weight's (codes,
+    scales, amax) as plain tensors, or () (see [Note: FP8 primary weights under torch.compile] in
+    ``lowprec.nn.stored_codes``)."""
     out_dtype = output_dtype(x)
     w_op = plan.weight
+    save = save_plan(weight, codes, plan, state)
     stored = _stored(codes, plan, weight.shape, weight.dtype)
-    direct = plan.stored_weight if stored is not None else isinstance(weight, QuantizedWeight) and weight.serves(w_op)
-    # an FP8 primary weight's transposed codes are taken from the parameter in backward, never kept
-    resident = stored is not None or (direct and weight.resident)
-    recast = need_dgrad and (resident if direct else plan.recast_weight_t and not state.caching)
+    keep_w_t = need_dgrad and save.weight_t is WeightT.KEPT
+    recast_x = need_wgrad and save.input_recast
     scale_t = None
-    delayed_t = w_op.transposed is not None and w_op.transposed.transposed.delayed
     with torch.autocast(x.device.type, enabled=False):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         qx, qx_t = input_casts(x, x2, plan.input, need_wgrad and not recast_x, state, record)
         # per tensor, backward's x.T cast takes forward's scale (see _recast_route in lowprec.nn.plan)
-        x_scale = qx.scale if recast_x and plan.input.recast.transposed.delayed else None
-        if direct and stored is not None:  # the codes are the operand (and in backward, transposed)
+        x_scale = qx.scale if recast_x and save.input_scale else None
+        if save.direct and stored is not None:  # the codes are the operand (and in backward, transposed)
             qw, qw_t = stored, None
             if record and w_op.delayed and state.delayed is not None:
                 state.delayed.record(w_op.role, codes[2])
         else:
-            qw, qw_t = weight_casts(weight, w_op, state, need_dgrad and not recast, record, stored)
-            if recast and not direct and state.delayed is not None and delayed_t:
-                # forward's own scale, taken before this forward recorded the weight's amax: the plan
-                # recasts a delayed weight.T only in forward's format (see [Note: delayed scaling
-                # under torch.compile] in lowprec.nn.delayed)
-                scale_t = qw.scale
+            qw, qw_t = weight_casts(weight, w_op, state, keep_w_t, record, stored)
+            if need_dgrad and save.scale_t and state.delayed is not None:
+                scale_t = qw.scale  # forward's own, taken before this forward recorded the weight's amax
         collector = probe()  # None but on a sampled step (see [Note: telemetry under torch.compile])
         if collector is not None:
             quantized = stored is not None or isinstance(weight, QuantizedWeight)
@@ -122,7 +134,7 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
         y = gemm(qx, qw, plan.fprop, out_dtype)  # (M, N)
         if bias is not None:
             y = y + bias.to(out_dtype)
-    return y.view(*x.shape[:-1], y.shape[-1]), qx_t, qw_t, scale_t, x_scale
+    return Forward(y.view(*x.shape[:-1], y.shape[-1]), save, qx_t, qw_t, scale_t, x_scale)
 
 
 def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,
@@ -162,59 +174,107 @@ def _stored_t(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dty
     return _weight_t(_stored(codes, plan, shape, dtype).dequantize(dtype), plan, scale_t, after)
 
 
+class Saved(NamedTuple):
+    """The tensors forward gives ``save_for_backward``, by name (autograd takes a flat sequence)."""
+
+    x_t: tuple = (None, None, None)
+    """x.T's cast (``QuantizedTensor.to_saved``), or the input itself and its scale to cast it again by."""
+    w_t: tuple = (None, None, None)
+    """weight.T's cast, where kept."""
+    scale_t: torch.Tensor | None = None
+    weight: torch.Tensor | None = None
+    """The parameter, where backward casts weight.T again from it (no copy, and a version check)."""
+    codes: tuple = (None, None)
+    """An FP8 primary weight's codes and scales, where backward takes weight.T from them: compiled
+    code cannot unwrap the parameter."""
+
+    def flat(self) -> tuple:
+        return (*self.x_t, *self.w_t, self.scale_t, self.weight, *self.codes)
+
+    @classmethod
+    def of(cls, tensors: tuple) -> Saved:
+        return cls(tuple(tensors[:3]), tuple(tensors[3:6]), tensors[6], tensors[7], tuple(tensors[8:10]))
+
+
+def _pack(op: Operand | None) -> tuple[tuple, tuple | None]:
+    """A kept cast for ``save_for_backward``, with the metadata to rebuild it (None: a plain tensor)."""
+    if isinstance(op, QuantizedTensor):
+        return op.to_saved()
+    return (op, None, None), None
+
+
+def _unpack(tensors: tuple, meta: tuple | None) -> Operand | None:
+    return QuantizedTensor.from_saved(tensors, meta) if meta is not None else tensors[0]
+
+
+class Meta(NamedTuple):
+    """What backward needs besides tensors."""
+
+    save: SavePlan
+    x_meta: tuple | None
+    w_meta: tuple | None
+    x_shape: torch.Size
+    x_dtype: torch.dtype
+    w_shape: torch.Size
+    w_dtype: torch.dtype
+    b_dtype: torch.dtype | None
+
+
 class LinearFunction(torch.autograd.Function):
     """``y = x @ w.T + b`` with every GEMM operand cast as ``plan`` says (see [Note: the three GEMMs]
     in ``lowprec.recipes``); ``state`` holds the weight cache and the delayed-scaling history."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, state: CastState, data=None, scale=None, amax=None):
-        # data, scale, amax: an FP8 primary weight's codes as plain tensors (see lowprec.nn.fp8_weight)
+        # data, scale, amax: an FP8 primary weight's codes as plain tensors (see lowprec.nn.stored_codes)
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
         codes = (data, scale, amax) if data is not None else ()
-        recast_x = need_wgrad and plan.recast_input and torch.compiler.is_compiling()
-        y, qx_t, qw_t, scale_t, x_scale = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad,
-                                                codes=codes, recast_x=recast_x)
+        f = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad, codes=codes)
+        recast_x = need_wgrad and f.save.input_recast
         # x itself, for the compiler to keep or rebuild, with the scale to cast it again by
-        x_saved, x_meta = _save(qx_t) if not recast_x else ((x, x_scale, None), "recast")
-        w_saved, w_meta = _save(qw_t)
-        recast = need_dgrad and qw_t is None  # the parameter itself: no copy, and a version check
-        # an FP8 weight's own codes are kept rather than the parameter, which compiled code cannot unwrap
-        kept = (None, data, scale) if recast and codes else (weight if recast else None, None, None)
-        ctx.save_for_backward(*x_saved, *w_saved, scale_t, *kept)
-        ctx.meta = (x_meta, w_meta, x.shape, x.dtype, weight.shape, weight.dtype,
-                    bias.dtype if bias is not None else None)
+        x_saved, x_meta = _pack(f.x_t) if not recast_x else ((x, f.x_scale, None), None)
+        w_saved, w_meta = _pack(f.w_t)
+        w_from = f.save.weight_t if need_dgrad else None
+        ctx.save_for_backward(*Saved(
+            x_saved, w_saved, f.scale_t,
+            weight=weight if w_from is WeightT.PARAMETER else None,
+            codes=(data, scale) if w_from is WeightT.CODES else (None, None)).flat())
+        ctx.meta = Meta(f.save, x_meta, w_meta, x.shape, x.dtype, weight.shape, weight.dtype,
+                        bias.dtype if bias is not None else None)
         ctx.plan, ctx.state = plan, state
-        return y
+        return f.y
 
     @staticmethod
     def backward(ctx, dy):
-        x_meta, w_meta, x_shape, x_dtype, w_shape, w_dtype, b_dtype = ctx.meta
-        saved = ctx.saved_tensors
-        recast_x = x_meta == "recast"
-        qx_t = _restore(saved[:3], x_meta) if not recast_x else None
-        qw_t = _restore(saved[3:6], w_meta)
-        scale_t, weight, data, scale = saved[6:10]
+        meta: Meta = ctx.meta
+        saved = Saved.of(ctx.saved_tensors)
         plan: LayerPlan = ctx.plan
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
+        recast_x = need_wgrad and meta.save.input_recast
+        qx_t = _unpack(saved.x_t, meta.x_meta) if not recast_x else None
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            if data is not None:
-                qw_t = _stored_t((data, scale), plan, w_shape, w_dtype, scale_t, dy)
-            elif weight is not None:
-                qw_t = _weight_t(weight.detach(), plan, scale_t, dy)
+            w_from = meta.save.weight_t if need_dgrad else None
+            if w_from is WeightT.CODES:
+                qw_t = _stored_t(saved.codes, plan, meta.w_shape, meta.w_dtype, saved.scale_t, dy)
+            elif w_from is WeightT.PARAMETER:
+                qw_t = _weight_t(saved.weight.detach(), plan, saved.scale_t, dy)
+            else:
+                qw_t = _unpack(saved.w_t, meta.w_meta)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
             if need_dgrad or need_wgrad:  # a frozen input (the first layer) needs only wgrad's operand
                 qdy, qdy_t = cast_operand(dy2, plan.grad_output, need_dgrad, need_wgrad, ctx.state.delayed, True)
                 collector = probe()
                 if collector is not None:
-                    collector.backward(ctx.state, plan, dy2, qdy, qdy_t, weight, qw_t if weight is not None else None)
+                    collector.backward(ctx.state, plan, dy2, qdy, qdy_t, saved.weight,
+                                       qw_t if saved.weight is not None else None)
             if need_dgrad:
-                dx = gemm(qdy, qw_t, plan.dgrad, x_dtype).view(x_shape)  # (M, K)
+                dx = gemm(qdy, qw_t, plan.dgrad, meta.x_dtype).view(meta.x_shape)  # (M, K)
             if need_wgrad:
                 if recast_x:
                     # compiled code only, where telemetry's sampled steps run eagerly and keep the cast
-                    qx_t = _input_t(saved[0], plan, saved[1], dy)
-                dw = gemm(qdy_t, qx_t, plan.wgrad, w_dtype)  # (N, K)
-            if b_dtype is not None and need_bias:
-                db = dy2.sum(0).to(b_dtype)
+                    qx_t = _input_t(saved.x_t[0], plan, saved.x_t[1], dy)
+                dw = gemm(qdy_t, qx_t, plan.wgrad, meta.w_dtype)  # (N, K)
+            if meta.b_dtype is not None and need_bias:
+                db = dy2.sum(0).to(meta.b_dtype)
         return dx, dw, db, None, None, None, None, None

@@ -11,6 +11,7 @@ function follows its plan and never looks at the module (see ``lowprec.nn.functi
 """
 from __future__ import annotations
 
+import enum
 import functools
 from dataclasses import dataclass, replace
 
@@ -18,12 +19,24 @@ import torch
 
 from lowprec import formats as F
 from lowprec import recipes as R
-from lowprec.kernels import Backend, CastRoute, CastSpec, capability, gemm_path, route
+from lowprec.kernels import Backend, CastRoute, CastSpec, GemmPath, capability, gemm_path, route
 from lowprec.quant import Granularity, GranularityKind
 from lowprec.quant.hadamard import RHT_SEED
 
-HP = "hp"
+E4M3 = F.get("e4m3")
+HP = GemmPath.HP
 """The path of a GEMM whose operands are not both quantized: a high-precision matmul."""
+
+
+class Kept(str, enum.Enum):
+    """Why a linear stays in high precision, by what would change it."""
+
+    POLICY = "policy"
+    """The policy keeps it (head, router, kept blocks, include/exclude, ``skip_small=True``)."""
+    SMALL = "small"
+    """Too small to gain where the recipe runs natively (``Policy.skip_small`` None)."""
+    SHAPE = "shape"
+    """A shape the recipe's GEMMs cannot take."""
 
 # [Note: evaluation is deterministic]
 # Stochastic rounding is for training: it keeps the expected value of small updates. A forward in
@@ -61,9 +74,73 @@ class OperandPlan:
 
 @dataclass(frozen=True, slots=True)
 class GemmPlan:
-    path: str
-    """``cublas`` (native), ``emulated`` (exact values, high-precision GEMM) or :data:`HP`."""
+    path: GemmPath
+    """``CUBLAS`` (native), ``EMULATED`` (exact values, high-precision GEMM) or ``HP``."""
     fast_accum: bool
+
+
+class WeightKind(enum.IntEnum):
+    """What a layer's weight parameter is, for what forward keeps of it for backward."""
+
+    PLAIN = 0
+    """A high-precision parameter, cast at every forward (or taken from ``cached_weight_casts``)."""
+    STORED = 1
+    """An FP8 primary weight held by its layer: its codes reach the function as plain tensors (see
+    [Note: FP8 primary weights under torch.compile] in ``lowprec.nn.fp8_weight``)."""
+    RESIDENT = 2
+    """A quantized parameter alive until backward: an FP8 primary weight not held by a layer."""
+    GATHERED = 3
+    """A quantized parameter freed between forward and backward: FSDP2's FP8 all-gather."""
+
+
+class WeightT(enum.Enum):
+    """Where backward takes dgrad's operand, weight.T's cast, from."""
+
+    KEPT = "kept"
+    """Forward's cast, kept from forward."""
+    PARAMETER = "parameter"
+    """Cast again from the parameter (a quantized parameter's own transposed codes where they serve)."""
+    CODES = "codes"
+    """From the FP8 primary weight's codes, kept: transposed where they serve, else decoded and cast."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """What a layer's forward keeps for backward, for one kind of weight (see [Note: what backward
+    keeps] and [Note: recasting the input in backward] in ``lowprec.nn.function``)."""
+
+    direct: bool
+    """The weight's own codes are the GEMM operands, as they are (no cast)."""
+    weight_t: WeightT
+    """Where dgrad's operand comes from (when dgrad runs)."""
+    scale_t: bool
+    """Backward casts weight.T again with forward's delayed scale, which forward keeps."""
+    input_recast: bool
+    """Forward keeps the input itself and backward casts x.T again (compiled code only), rather than
+    keep forward's x.T cast."""
+    input_scale: bool
+    """With ``input_recast``: backward's cast takes forward's per-tensor scale, which forward keeps."""
+
+
+def _save_plan(plan: LayerPlan, kind: WeightKind, serves: bool, caching: bool, compiled: bool) -> SavePlan:
+    """The rule behind :meth:`LayerPlan.save` (see [Note: what backward keeps] in ``lowprec.nn.function``):
+    weight.T is cast again in backward rather than kept where the weight stays alive and its own codes
+    serve (no copy), or where the plan says a cast made again has forward's bits (and no cache holds it)."""
+    direct = serves and kind is not WeightKind.PLAIN
+    resident = kind in (WeightKind.STORED, WeightKind.RESIDENT)
+    recast = resident if direct else plan.recast_weight_t and not caching
+    weight_t = WeightT.KEPT if not recast else WeightT.CODES if kind is WeightKind.STORED else WeightT.PARAMETER
+    w_t = plan.weight.transposed
+    # forward's own scale, taken before it recorded the weight's amax: the plan recasts a delayed
+    # weight.T only in forward's format (see [Note: delayed scaling under torch.compile] in lowprec.nn.delayed)
+    scale_t = recast and not direct and w_t is not None and w_t.transposed.delayed
+    input_recast = compiled and plan.recast_input
+    return SavePlan(direct, weight_t, scale_t, input_recast,
+                    input_recast and plan.input.recast.transposed.delayed)
+
+
+def _save_index(kind: WeightKind, serves: bool, caching: bool, compiled: bool) -> int:
+    return ((int(kind) * 2 + serves) * 2 + caching) * 2 + compiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +151,8 @@ class LayerPlan:
     device: torch.device
     hp_reason: str | None
     """Why the layer runs in high precision although it has a recipe; None when it runs the recipe."""
+    hp_kind: Kept | None
+    """The kind of ``hp_reason``, for code to act on (never its text)."""
     hp_dtype: torch.dtype | None
     """For unscaled recipes (bf16, fp16): the dtype every operand is cast to."""
     input: OperandPlan | None = None
@@ -94,6 +173,13 @@ class LayerPlan:
     stored_weight: bool = False
     """The GEMMs take the FP8 weight's stored codes as they are (:func:`codes_serve`), decided here and
     not at each forward, so that a compiled forward asks the weight subclass nothing."""
+    saves: tuple[SavePlan, ...] = ()
+    """Every :class:`SavePlan` of a scaled layer, made with the plan: read through :meth:`save`."""
+
+    def save(self, kind: WeightKind, serves: bool, caching: bool, compiled: bool) -> SavePlan:
+        """What forward keeps for backward with a weight of ``kind`` (``serves``: its codes are the
+        recipe's weight casts), inside ``cached_weight_casts`` or not, in compiled code or not."""
+        return self.saves[_save_index(kind, serves, caching, compiled)]
 
     @property
     def scaled(self) -> bool:
@@ -112,8 +198,7 @@ def codes_serve(granularity: Granularity, op: OperandPlan | None) -> bool:
         return False
     sides = (op.both.along_k, op.both.transposed)
     square = granularity.kind is GranularityKind.TENSOR or granularity.block_rows == granularity.block_cols
-    e4m3 = F.get("e4m3")
-    return square and all(s is not None and s.fmt is e4m3 and s.granularity == granularity and not s.stochastic
+    return square and all(s is not None and s.fmt is E4M3 and s.granularity == granularity and not s.stochastic
                           and s.hadamard_seed is None for s in sides)
 
 
@@ -121,7 +206,7 @@ def _spec(c: R.Cast, nearest: bool) -> CastSpec | None:
     if not c.quantized:
         return None
     rounding = F.Rounding.NEAREST if nearest else F.as_rounding(c.rounding)
-    return CastSpec(F.get(c.format), c.granularity, rounding, RHT_SEED if c.hadamard else None,
+    return CastSpec(c.fmt, c.granularity, rounding, RHT_SEED if c.hadamard else None,
                     c.scaling is R.Scaling.DELAYED)
 
 
@@ -158,10 +243,10 @@ def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torc
     )
 
 
-def _gemm(g: R.Gemm, device: torch.device) -> GemmPlan:
+def gemm_plan(g: R.Gemm, device: torch.device) -> GemmPlan:
     if not g.low_precision:
         return GemmPlan(HP, g.fast_accum)
-    return GemmPlan(gemm_path(g.lhs.format, g.lhs.granularity, g.rhs.format, g.rhs.granularity,
+    return GemmPlan(gemm_path(g.lhs.fmt, g.lhs.granularity, g.rhs.fmt, g.rhs.granularity,
                               capability(device)), g.fast_accum)
 
 
@@ -174,6 +259,12 @@ def fallback_reason(in_features: int, out_features: int, recipe: R.Recipe) -> st
     return None
 
 
+def too_small(in_features: int, out_features: int, min_features: int) -> bool:
+    """The small-layer rule, wherever it applies (the device's rule here, ``Policy(skip_small=True)``
+    everywhere, the conversion report's note on other devices): a dimension under ``min_features``."""
+    return min(in_features, out_features) < min_features
+
+
 def small_reason(in_features: int, out_features: int, min_features: int | None, device: torch.device,
                  recipe: R.Recipe) -> str | None:
     """Why a layer this small stays in high precision on ``device``: where the recipe's GEMMs run
@@ -181,20 +272,21 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
     (emulation) speed is not the question, and every layer takes the recipe. None: convert."""
     if min_features is None or not recipe.low_precision:
         return None
-    paths = [_gemm(getattr(recipe, g), device).path for g in ("fprop", "dgrad", "wgrad")]
-    if "cublas" not in paths or min(in_features, out_features) >= min_features:
+    paths = [gemm_plan(getattr(recipe, g), device).path for g in R.GEMMS]
+    if GemmPath.CUBLAS not in paths or not too_small(in_features, out_features, min_features):
         return None
     return (f"too small to gain on {device.type} ({in_features}x{out_features}: a dimension under "
             f"{min_features}; Policy(skip_small=False) converts it)")
 
 
-def _forward_scale(weight: OperandPlan) -> bool:
-    """weight.T's scale is one forward makes for its own cast: current, or delayed and forward's (the
-    sides scaled alike). Only then is weight.T cast again in backward, since compiled code must not
-    recompute a delayed scale there (see [Note: delayed scaling under torch.compile] in
-    ``lowprec.nn.delayed``)."""
-    a, b = weight.both.along_k, weight.both.transposed
-    return not b.delayed or (a is not None and a.scaled_like(b))
+def recasts_weight_t(recipe: R.Recipe, nearest: bool = False) -> bool:
+    """Backward casts weight.T again from the weight rather than keep forward's cast (see [Note: what
+    backward keeps] in ``lowprec.nn.function``): where a second cast gives the same bits, i.e. it rounds
+    to nearest, and its scale is one forward makes for its own cast: current, or delayed and forward's
+    (the sides scaled alike), since compiled code must not recompute a delayed scale in backward (see
+    [Note: delayed scaling under torch.compile] in ``lowprec.nn.delayed``). The planner reads this too."""
+    a, b = (_spec(c, nearest) for c in recipe.sides(R.Role.WEIGHT))
+    return b is not None and not b.stochastic and (not b.delayed or (a is not None and a.scaled_like(b)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -209,23 +301,27 @@ def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_fea
     ``recast_input``: backward under ``torch.compile`` makes the input's transposed cast again where it
     can (:attr:`LayerPlan.recast_input`)."""
     device = torch.device(device)
-    reason = (policy_reason or fallback_reason(in_features, out_features, recipe)
-              or small_reason(in_features, out_features, min_features, device, recipe))
+    kind, reason = Kept.POLICY, policy_reason
+    if reason is None:
+        kind, reason = Kept.SHAPE, fallback_reason(in_features, out_features, recipe)
+    if reason is None:
+        kind, reason = Kept.SMALL, small_reason(in_features, out_features, min_features, device, recipe)
     if reason is not None or recipe.hp_dtype is not None:
-        return LayerPlan(recipe, device, reason, recipe.hp_dtype if reason is None else None,
-                         weight_storage=weight_storage)
+        return LayerPlan(recipe, device, reason, kind if reason is not None else None,
+                         recipe.hp_dtype if reason is None else None, weight_storage=weight_storage)
     r = recipe
-    dgrad_w = r.dgrad.rhs
-    weight = operand_plan(R.Role.WEIGHT, r.fprop.rhs, r.dgrad.rhs, device, nearest)
-    inp = operand_plan(R.Role.INPUT, r.fprop.lhs, r.wgrad.rhs, device, nearest)
-    return LayerPlan(
-        recipe, device, None, None,
+    weight = operand_plan(R.Role.WEIGHT, *r.sides(R.Role.WEIGHT), device, nearest)
+    inp = operand_plan(R.Role.INPUT, *r.sides(R.Role.INPUT), device, nearest)
+    plan = LayerPlan(
+        recipe, device, None, None, None,
         input=inp,
         weight=weight,
-        grad_output=operand_plan(R.Role.GRAD_OUTPUT, r.dgrad.lhs, r.wgrad.lhs, device, nearest),
-        fprop=_gemm(r.fprop, device), dgrad=_gemm(r.dgrad, device), wgrad=_gemm(r.wgrad, device),
-        recast_weight_t=dgrad_w.quantized and (nearest or not dgrad_w.stochastic) and _forward_scale(weight),
+        grad_output=operand_plan(R.Role.GRAD_OUTPUT, *r.sides(R.Role.GRAD_OUTPUT), device, nearest),
+        fprop=gemm_plan(r.fprop, device), dgrad=gemm_plan(r.dgrad, device), wgrad=gemm_plan(r.wgrad, device),
+        recast_weight_t=recasts_weight_t(recipe, nearest),
         recast_input=recast_input and inp.recast is not None,
         weight_storage=weight_storage,
         stored_weight=weight_storage is not None and codes_serve(weight_storage, weight),
     )
+    keys = [(k, s, c, p) for k in WeightKind for s in (False, True) for c in (False, True) for p in (False, True)]
+    return replace(plan, saves=tuple(_save_plan(plan, *key) for key in keys))
