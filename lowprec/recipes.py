@@ -38,6 +38,18 @@ class Role(enum.IntEnum):
     GRAD_OUTPUT = 2
 
 
+GEMMS = ("fprop", "dgrad", "wgrad")
+"""The three GEMMs of a linear layer, in the order every table lists them (see [Note: the three GEMMs])."""
+
+SIDES: dict[Role, tuple[tuple[str, str], tuple[str, str]]] = {
+    Role.INPUT: (("fprop", "lhs"), ("wgrad", "rhs")),
+    Role.WEIGHT: (("fprop", "rhs"), ("dgrad", "rhs")),
+    Role.GRAD_OUTPUT: (("dgrad", "lhs"), ("wgrad", "lhs")),
+}
+"""Which GEMM reads each operand, and as which of its operands: first along K (as the tensor is),
+then transposed. The one table of [Note: the three GEMMs]; ``Recipe.sides`` and ``Recipe.casts`` read it."""
+
+
 class Scaling(enum.Enum):
     CURRENT = "current"
     """The scale is computed from the tensor being cast."""
@@ -184,7 +196,7 @@ class Recipe:
             fail("name", "a non-empty str", describe(self.name), TypeError)
         if not isinstance(self.delayed, DelayedScaling):
             fail("delayed", "a lowprec.recipes.DelayedScaling", describe(self.delayed), TypeError)
-        for name in ("fprop", "dgrad", "wgrad"):
+        for name in GEMMS:
             if not isinstance(getattr(self, name), Gemm):
                 fail(name, "a lowprec.recipes.Gemm", describe(getattr(self, name)), TypeError)
         for name, cast in self.casts().items():
@@ -196,14 +208,15 @@ class Recipe:
         if not 0.0 <= self.hp_last_fraction < 1.0:
             fail("hp_last_fraction", "a fraction in [0, 1)", self.hp_last_fraction)
 
+    def sides(self, role: Role) -> tuple[Cast, Cast]:
+        """``role``'s two casts: along K, for the GEMM that reads it as it is, and transposed (:data:`SIDES`)."""
+        (g_k, o_k), (g_t, o_t) = SIDES[role]
+        return getattr(getattr(self, g_k), o_k), getattr(getattr(self, g_t), o_t)
+
     def casts(self) -> dict[str, Cast]:
-        """The six casts by ``<gemm>.<role>`` name."""
-        roles = {"fprop": ("input", "weight"), "dgrad": ("grad_output", "weight"), "wgrad": ("grad_output", "input")}
-        out = {}
-        for gemm, (lhs, rhs) in roles.items():
-            g = getattr(self, gemm)
-            out[f"{gemm}.{lhs}"], out[f"{gemm}.{rhs}"] = g.lhs, g.rhs
-        return out
+        """The six casts by ``<gemm>.<role>`` name, GEMM by GEMM, each GEMM's lhs first."""
+        named = {(g, o): role.name.lower() for role, sides in SIDES.items() for g, o in sides}
+        return {f"{g}.{named[(g, o)]}": getattr(getattr(self, g), o) for g in GEMMS for o in ("lhs", "rhs")}
 
     @property
     def low_precision(self) -> bool:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import click
 import torch
 
+from lowprec import recipes as R
 from lowprec._table import format_table
 from lowprec.cli.app import main
 from lowprec.kernels.capability import Capability, capability
@@ -39,8 +40,6 @@ def devices_section() -> Section:
 
 def recipe_rows(device: str, cap: Capability) -> list[tuple[str, ...]]:
     """One row per preset recipe: how its fprop, dgrad and wgrad run on ``cap``'s device."""
-    from lowprec import recipes as R
-
     return [(device, name, *(path_word(p) for p in gemm_paths(R.get(name), cap))) for name in R.names()]
 
 
@@ -49,7 +48,7 @@ def recipe_paths_section() -> Section:
     values through a high-precision GEMM; hp = no low-precision operands)."""
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     rows = [row for dev in devices for row in recipe_rows(dev, capability(dev))]
-    return Section("recipe paths", ("device", "recipe", "fprop", "dgrad", "wgrad"), tuple(rows))
+    return Section("recipe paths", ("device", "recipe", *R.GEMMS), tuple(rows))
 
 
 def versions_section() -> Section:

@@ -12,6 +12,7 @@ Backends:
 """
 from __future__ import annotations
 
+import enum
 import math
 
 import torch
@@ -35,23 +36,37 @@ def _deepseek(lhs: Granularity, rhs: Granularity) -> bool:
     return _blocks(lhs) == (1, 128) and _blocks(rhs) in ((128, 128), (1, 128))
 
 
-def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, cap: Capability) -> str:
-    """``cublas`` where the device has a native GEMM for this pair of operand casts, else ``emulated``."""
+class GemmPath(str, enum.Enum):
+    """How a GEMM runs; its value is the word reports print (a str, so it compares equal to it)."""
+
+    CUBLAS = "cublas"
+    """Natively, on the tensor cores: ``torch._scaled_mm``."""
+    EMULATED = "emulated"
+    """The exact quantized values in a high-precision GEMM."""
+    HP = "hp"
+    """An operand is not quantized: a high-precision matmul (never :func:`scaled_mm`'s)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, cap: Capability) -> GemmPath:
+    """``CUBLAS`` where the device has a native GEMM for this pair of operand casts, else ``EMULATED``."""
     a, b = F.get(lhs_fmt), F.get(rhs_fmt)
     if not cap.fp8_gemm or a not in (E4M3, E5M2) or b not in (E4M3, E5M2):
-        return "emulated"
+        return GemmPath.EMULATED
     if a is E5M2 and b is E5M2:
-        return "emulated"  # FP8 tensor cores take at most one E5M2 operand
+        return GemmPath.EMULATED  # FP8 tensor cores take at most one E5M2 operand
     if (lhs_gran.kind, rhs_gran.kind) in ((TENSOR, TENSOR), (ROW, ROW)):
-        return "cublas"
+        return GemmPath.CUBLAS
     if cap.blockwise_fp8_gemm and _deepseek(lhs_gran, rhs_gran):
-        return "cublas"
-    return "emulated"
+        return GemmPath.CUBLAS
+    return GemmPath.EMULATED
 
 
-def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> str:
+def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> GemmPath:
     """The backend ``scaled_mm`` takes for these operands on ``cap``'s device."""
-    return gemm_path(a.fmt.name, a.granularity, b.fmt.name, b.granularity, cap)
+    return gemm_path(a.fmt, a.granularity, b.fmt, b.granularity, cap)
 
 
 def _pad(t: torch.Tensor, value: float, *, rows: int = 0, cols: int = 0) -> torch.Tensor:
@@ -149,16 +164,16 @@ def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) ->
 
 def scaled_mm(
     a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32, *,
-    fast_accum: bool = False, backend: str | None = None,
+    fast_accum: bool = False, backend: GemmPath | str | None = None,
 ) -> torch.Tensor:
     """``a (M, K) @ b (N, K).T`` with both operands quantized along K; returns ``(M, N)``
     in ``out_dtype`` (cropped to the operands' original row counts)."""
     if a.shape[-1] != b.shape[-1]:
         fail("a/b", "operands with the same reduction dimension K", f"{tuple(a.shape)} and {tuple(b.shape)}")
     backend = backend or gemm_backend(a, b, capability(a.data.device))
-    if backend == "cublas":
+    if backend is GemmPath.CUBLAS or backend == "cublas":
         out = _cublas(a, b, out_dtype, fast_accum)
-    elif backend == "emulated":
+    elif backend is GemmPath.EMULATED or backend == "emulated":
         out = _emulated(a, b, out_dtype)
     else:
         fail("backend", "'cublas' or 'emulated'", repr(backend))

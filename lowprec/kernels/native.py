@@ -14,16 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lowprec.kernels.capability import Capability
-from lowprec.kernels.gemm import gemm_path
+from lowprec.kernels.gemm import GemmPath, gemm_path
 from lowprec.quant import Granularity, blockwise, mx, nvfp4, rowwise, tensorwise
 
-NATIVE = "cublas"
+NATIVE = GemmPath.CUBLAS
 """The ``gemm_path`` of a native GEMM."""
 
 
 def is_native(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, cap: Capability) -> bool:
     """Whether ``cap``'s device runs the GEMM of these two casts natively (``gemm_path``'s word)."""
-    return gemm_path(lhs_fmt, lhs_gran, rhs_fmt, rhs_gran, cap) == NATIVE
+    return gemm_path(lhs_fmt, lhs_gran, rhs_fmt, rhs_gran, cap) is NATIVE
 
 
 @dataclass(frozen=True, slots=True)

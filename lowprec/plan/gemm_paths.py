@@ -18,7 +18,7 @@ from lowprec.kernels.capability import Capability, cuda_capability, host_capabil
 from lowprec.kernels.gemm import emulation_dtype
 from lowprec.kernels.native import is_native
 
-GEMMS = ("fprop", "dgrad", "wgrad")
+GEMMS = R.GEMMS
 
 DEVICES: dict[str, Capability] = {
     "sm80": cuda_capability((8, 0)), "sm89": cuda_capability((8, 9)), "sm90": cuda_capability((9, 0)),

@@ -1,6 +1,7 @@
 """A plan as JSON-ready data and as text tables."""
 from __future__ import annotations
 
+from lowprec import recipes as R
 from lowprec._table import format_table
 from lowprec.plan.gpus import GPUS
 from lowprec.plan.layers import count_params
@@ -22,7 +23,7 @@ def plan_to_dict(p: Plan) -> dict:
     return {
         "model": {"name": p.model.name, "params": p.params.total, "active_params": p.params.active,
                   "quantized_params": p.params.quantized, "layers": p.model.n_layers, "source": p.model.source},
-        "recipe": {"name": p.recipe.name, "gemms": dict(zip(("fprop", "dgrad", "wgrad"), p.recipe.gemms)),
+        "recipe": {"name": p.recipe.name, "gemms": dict(zip(R.GEMMS, p.recipe.gemms)),
                    "note": p.recipe.note},
         "gpu": {"name": p.gpu.key, "memory_gb": p.gpu.memory_gb, "source": p.gpu.source, "note": p.gpu.note},
         "parallel": {"gpus": par.gpus, "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "zero": par.zero},

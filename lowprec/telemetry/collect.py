@@ -22,17 +22,15 @@ from collections.abc import Iterator
 import torch
 
 from lowprec import formats as F
+from lowprec import recipes as R
 from lowprec.nn.probe import probe, reporting_to
 from lowprec.quant.hadamard import RHT_BLOCK, hadamard_padded
 from lowprec.telemetry.stats import OperandStats, cast_format, stats_tensor
 
 __all__ = ["Collector", "collecting", "probe"]
 
-_GEMM_OF_SIDE = {  # (role value, transposed side) -> the GEMM that reads it; see [Note: the three GEMMs]
-    (0, False): "fprop", (0, True): "wgrad",  # input
-    (1, False): "fprop", (1, True): "dgrad",  # weight
-    (2, False): "dgrad", (2, True): "wgrad",  # grad_output
-}
+_GEMM_OF_SIDE = {(int(role), transposed): sides[transposed][0]  # (role value, transposed side) -> its GEMM
+                 for role, sides in R.SIDES.items() for transposed in (False, True)}
 _OPERANDS = ("input", "weight", "grad_output")
 
 

@@ -45,7 +45,7 @@ from lowprec.nn import Linear
 from lowprec.ranks import agree
 from lowprec.telemetry.ladder import ladder
 
-GEMMS = ("fprop", "dgrad", "wgrad")
+GEMMS = R.GEMMS
 FINAL_RECIPE = "bf16"
 """What the last ``hp_final_fraction`` of the steps run in (the NVFP4 paper's appendix)."""
 SWITCH_FIELDS = ("step", "layer", "gemm", "from_recipe", "to_recipe", "reason")

@@ -34,8 +34,8 @@ from lowprec import formats as F
 from lowprec._checks import check_choice, check_tensor, describe, fail
 from lowprec.quant import QuantizedTensor
 from lowprec.quant.quantize import as_2d
+from lowprec.recipes import GEMMS
 
-GEMMS = ("fprop", "dgrad", "wgrad")
 OPERANDS = ("input", "weight", "grad_output")
 
 
