@@ -2,24 +2,13 @@
 (table, summary, notes, JSON)."""
 from __future__ import annotations
 
-import enum
 import json
 import math
 from dataclasses import asdict, dataclass, field
 
 from lowprec import recipes as R
 from lowprec._table import format_table
-
-
-class Kept(str, enum.Enum):
-    """Why a linear stays in high precision, by what would change it."""
-
-    POLICY = "policy"
-    """The policy keeps it (head, router, kept blocks, include/exclude, ``skip_small=True``)."""
-    SMALL = "small"
-    """Too small to gain where the recipe runs natively (``Policy.skip_small`` None)."""
-    SHAPE = "shape"
-    """A shape the recipe's GEMMs cannot take."""
+from lowprec.nn.plan import Kept
 
 
 @dataclass(frozen=True, slots=True)

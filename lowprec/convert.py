@@ -13,28 +13,23 @@ import torch.nn as nn
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.conversion_report import ConversionReport, Coverage, Kept, LayerReport
-from lowprec.kernels import capability, gemm_path
+from lowprec.kernels import GemmPath
 from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
 from lowprec.nn.fp8_convert import check_fp8_weights, store_fp8
-from lowprec.nn.plan import fallback_reason, layer_plan
-from lowprec.policy import Policy, UnmatchedPatternWarning, find_blocks, policy_reason, share_groups, unmatched_patterns
+from lowprec.nn.plan import gemm_plan, layer_plan, too_small
+from lowprec.policy import Policy, UnmatchedPatternWarning, find_blocks, policy_keeps, share_groups, unmatched_patterns
 
 __all__ = ["ConversionReport", "Coverage", "Kept", "LayerReport", "SmallLayersWarning", "convert", "recipe_paths"]
 
 
-def recipe_paths(recipe: R.Recipe, device: torch.device | str | None = None) -> dict[str, str]:
+def recipe_paths(recipe: R.Recipe, device: torch.device | str | None = None) -> dict[str, GemmPath]:
     """For each GEMM: ``cublas`` (native tensor cores), ``emulated`` (exact values, high-precision
-    GEMM) or ``hp`` (no low-precision operands), on ``device``."""
-    cap = capability(device)
-    out = {}
-    for name in ("fprop", "dgrad", "wgrad"):
-        g: R.Gemm = getattr(recipe, name)
-        if not g.low_precision:
-            out[name] = "hp"
-        else:
-            out[name] = gemm_path(g.lhs.format, g.lhs.granularity, g.rhs.format, g.rhs.granularity, cap)
-    return out
+    GEMM) or ``hp`` (no low-precision operands), on ``device`` (default: the current CUDA device if
+    there is one, else the CPU): the paths its layers' plans take."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {name: gemm_plan(getattr(recipe, name), torch.device(device)).path for name in R.GEMMS}
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -80,14 +75,17 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     if (unmatched := unmatched_patterns(policy, [n for n, _ in linears])) is not None:
         warnings.warn(UnmatchedPatternWarning(f"lowprec: {unmatched}"), stacklevel=2)  # a typo does less than asked
     converted: dict[str, Linear] = {}
+    small: set[str] = set()  # kept by the policy as too small
     for name, lin in linears:
-        reason = policy_reason(policy, name, lin, embeddings=embeddings, mha_children=mha, blocks=blocks,
-                               last_fraction=recipe.hp_last_fraction)
-        if reason is not None:
+        keep = policy_keeps(policy, name, lin, embeddings=embeddings, mha_children=mha, blocks=blocks,
+                            last_fraction=recipe.hp_last_fraction)
+        if keep is not None:
             if isinstance(lin, Linear):  # converted before: back to high precision
                 lin.set_recipe(None)
-            report.layers.append(LayerReport(name, lin.in_features, lin.out_features, False, reason,
+            report.layers.append(LayerReport(name, lin.in_features, lin.out_features, False, keep.reason,
                                              _params(lin), Kept.POLICY))
+            if keep.small:
+                small.add(name)
             continue
         new = lin if isinstance(lin, Linear) else Linear.from_linear(lin, None)
         new.set_recipe(recipe, min_features=policy.small_rule, recast_input=policy.recasts_inputs)
@@ -96,7 +94,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
         converted[name] = new
         report.layers.append(_layer_report(name, new, recipe, device, policy))
         if policy.small_rule is not None and recipe.low_precision and report.layers[-1].converted \
-                and min(new.in_features, new.out_features) < policy.small_rule:
+                and too_small(new.in_features, new.out_features, policy.small_rule):
             report.small_elsewhere.append(name)
     for group in share_groups(policy, list(converted)):
         report.shared_inputs.append(group)
@@ -106,7 +104,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     if fp8_weights:
         _store_fp8(converted, report)
     _bind_activations(model, policy, report)
-    _warn(report, converted)
+    _warn(report, converted, small)
     return report
 
 
@@ -144,9 +142,8 @@ def _layer_report(name: str, lin: Linear, recipe: R.Recipe, device: torch.device
     """What the layer does on ``device`` and, where the small-layer rule differs elsewhere, there."""
     plan = layer_plan(recipe, device, lin.in_features, lin.out_features, None, policy.small_rule)
     if plan.hp_reason is not None:
-        kept = Kept.SHAPE if fallback_reason(lin.in_features, lin.out_features, recipe) else Kept.SMALL
         return LayerReport(name, lin.in_features, lin.out_features, False, f"high precision: {plan.hp_reason}",
-                           _params(lin), kept)
+                           _params(lin), plan.hp_kind)
     return LayerReport(name, lin.in_features, lin.out_features, True, recipe.name, _params(lin))
 
 
@@ -166,13 +163,14 @@ class SmallLayersWarning(UserWarning):
             kept, linears, device, recipe, min_features)
 
 
-def _warn(report: ConversionReport, converted: dict[str, Linear]) -> None:
+def _warn(report: ConversionReport, converted: dict[str, Linear], policy_small: set[str]) -> None:
     def names(layers):
         return ", ".join(lr.name for lr in layers[:5]) + (" ..." if len(layers) > 5 else "")
 
-    hp = [lr for lr in report.kept if lr.reason.startswith("high precision")]
+    hp = [lr for lr in report.kept if lr.kept in (Kept.SHAPE, Kept.SMALL)]  # the layer's own plan keeps it
     # by the device's rule or the policy's; a bf16 or fp16 recipe has nothing to gain
-    small = [lr for lr in report.kept if "too small to gain" in lr.reason] if report.recipe.low_precision else []
+    small = [lr for lr in report.kept if lr.kept is Kept.SMALL or lr.name in policy_small] \
+        if report.recipe.low_precision else []
     shapes = [lr for lr in hp if lr not in small]
     if shapes:
         warnings.warn(f"lowprec: {len(shapes)} linear(s) run in high precision because the {report.recipe.name} "
@@ -187,7 +185,7 @@ def _warn(report: ConversionReport, converted: dict[str, Linear]) -> None:
         plan = converted[lr.name].plan()
         if plan is not None and plan.hp_reason is not None:
             converted[lr.name]._warned.add(plan.hp_reason)
-    emulated = [g for g, p in report.gemm_paths.items() if p == "emulated"]
+    emulated = [g for g, p in report.gemm_paths.items() if p == GemmPath.EMULATED]
     if emulated and report.converted:
         warnings.warn(f"lowprec: {report.recipe.name} {'/'.join(emulated)} GEMMs are emulated on {report.device} "
                       "(exact quantized values, high-precision GEMMs): the numerics of native hardware, not its speed",

@@ -29,10 +29,12 @@ import fnmatch
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch.nn as nn
 
 from lowprec._checks import describe, fail
+from lowprec.nn.plan import too_small
 from lowprec.nn.saved import SavedActivations
 
 Filter = Callable[[str, nn.Linear], bool] | tuple[str, ...] | None
@@ -173,31 +175,45 @@ def block_index(name: str, blocks: tuple[str, int] | None) -> int | None:
     return int(head) if head.isdigit() else None
 
 
-def policy_reason(policy: Policy, name: str, module: nn.Linear, *, embeddings: set[int],
-                  mha_children: set[int], blocks: tuple[str, int] | None, last_fraction: float) -> str | None:
+class PolicyKeep(NamedTuple):
+    """Why a policy keeps a layer in high precision."""
+
+    reason: str
+    small: bool = False
+    """By the small-layer rule (``skip_small=True``), not by name or place."""
+
+
+def policy_keeps(policy: Policy, name: str, module: nn.Linear, *, embeddings: set[int],
+                 mha_children: set[int], blocks: tuple[str, int] | None, last_fraction: float) -> PolicyKeep | None:
     """Why ``policy`` keeps this layer in high precision, or None to convert it."""
     leaf = name.rsplit(".", 1)[-1]
     if id(module) in mha_children:
-        return "inside nn.MultiheadAttention (reads the weight directly)"
+        return PolicyKeep("inside nn.MultiheadAttention (reads the weight directly)")
     if policy.include is not None and not _matches(policy.include, name, module):
-        return "not matched by policy.include"
+        return PolicyKeep("not matched by policy.include")
     if policy.exclude is not None and _matches(policy.exclude, name, module):
-        return "excluded by policy.exclude"
+        return PolicyKeep("excluded by policy.exclude")
     if policy.keep_head and (leaf in HEAD_NAMES or id(module.weight) in embeddings):
-        return "LM head / final projection (kept by policy)"
+        return PolicyKeep("LM head / final projection (kept by policy)")
     if policy.keep_routers and (leaf in ROUTER_NAMES or "router" in leaf):
-        return "MoE router / gate (kept by policy)"
+        return PolicyKeep("MoE router / gate (kept by policy)")
     idx = block_index(name, blocks)
     if idx is not None:
         n = blocks[1]
         last = policy.keep_last_blocks if policy.keep_last_blocks is not None else math.ceil(last_fraction * n)
         if idx < policy.keep_first_blocks:
-            return f"block {idx} of the first {policy.keep_first_blocks} (kept by policy)"
+            return PolicyKeep(f"block {idx} of the first {policy.keep_first_blocks} (kept by policy)")
         if idx >= n - last:
-            return f"block {idx} of the last {last} (kept by policy)"
-    if policy.skip_small and min(module.in_features, module.out_features) < policy.min_features:
-        return f"too small to gain ({module.in_features}x{module.out_features}: a dimension under policy.min_features)"
+            return PolicyKeep(f"block {idx} of the last {last} (kept by policy)")
+    if policy_small(policy, module):
+        return PolicyKeep(f"too small to gain ({module.in_features}x{module.out_features}: a dimension under "
+                          "policy.min_features)", small=True)
     return None
+
+
+def policy_small(policy: Policy, module: nn.Linear) -> bool:
+    """The policy keeps ``module`` as too small to gain on every device (``skip_small=True``)."""
+    return bool(policy.skip_small) and too_small(module.in_features, module.out_features, policy.min_features)
 
 
 def share_groups(policy: Policy, names: list[str]) -> list[tuple[str, ...]]:
