@@ -21,9 +21,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from lowprec import formats as F
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
+from lowprec.nn.fp8_convert import storage_for
+from lowprec.nn.plan import operand_plan, recasts_weight_t
 from lowprec.nn.saved import SavedActivations
 from lowprec.quant import Granularity, ScaleRule
 
@@ -33,8 +37,6 @@ ROW = "row"
 """One scale per row of the reduction dimension K (a linear's ``d_in``)."""
 COLUMN = "column"
 """One scale per column: ``numel / K`` elements share it."""
-
-_E4M3 = F.get("e4m3")
 
 HP_BYTES = 2
 """The model's own (BF16) weights and the activations that are not linear inputs."""
@@ -188,14 +190,13 @@ def _note(recipe: R.Recipe) -> str:
 
 
 def _fp8_weight(recipe: R.Recipe) -> tuple[Storage | None, bool]:
-    """(storage, direct) of FP8 primary weights, as ``lowprec.nn.fp8_convert.storage_for`` decides."""
-    w, w_t = recipe.fprop.rhs, recipe.dgrad.rhs
-    if not (recipe.low_precision and w.quantized):
+    """(storage, direct) of FP8 primary weights: what ``lowprec.nn.fp8_convert.storage_for`` decides for
+    the recipe's weight casts."""
+    if not (recipe.low_precision and recipe.fprop.rhs.quantized):
         return None, False
-    g = w.granularity
-    direct = (w.fmt is w_t.fmt is _E4M3 and w_t.granularity == g and not w.stochastic and not w_t.stochastic
-              and not w.hadamard and not w_t.hadamard and (g.per_tensor or (g.block_rows, g.block_cols) == (128, 128)))
-    return Storage(elem_bytes=1, scale_bytes=4, scale_every=TENSOR if direct and g.per_tensor else 128 * 128), direct
+    g, direct = storage_for(operand_plan(R.Role.WEIGHT, *recipe.sides(R.Role.WEIGHT), torch.device("cpu")))
+    return Storage(elem_bytes=1, scale_bytes=4, scale_every=TENSOR if g.per_tensor else g.block_rows * g.block_cols), \
+        direct
 
 
 def cost_of(recipe: R.Recipe) -> RecipeCost:
@@ -209,8 +210,8 @@ def cost_of(recipe: R.Recipe) -> RecipeCost:
         # a weight cast that is not quantized is the BF16 weight itself: no copy
         weight=storage_of(w) if recipe.low_precision and w.quantized else None,
         weight_t=storage_of(w_t) if t_quantized else None,
-        # as lowprec.nn.Linear.defers_weight_t decides: only a round-to-nearest cast can be made again
-        weight_t_saved=t_quantized and w_t.rounding != "nearest",
+        # as the layer plan decides (lowprec.nn.plan.recasts_weight_t): else backward casts weight.T again
+        weight_t_saved=t_quantized and not recasts_weight_t(recipe),
         saved_input=storage_of(recipe.wgrad.rhs),
         gemms=(gemm_format(recipe.fprop), gemm_format(recipe.dgrad), gemm_format(recipe.wgrad)),
         note=_note(recipe),
