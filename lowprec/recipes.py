@@ -137,16 +137,31 @@ class Gemm:
         return self.lhs.quantized and self.rhs.quantized
 
 
+class DelayedAlgo(str, enum.Enum):
+    """How a delayed scale reduces its amax history (see [Note: delayed scaling] in ``lowprec.nn.delayed``).
+    A ``str`` enum: it equals its name's string, and prints as it, so a recipe's repr evaluates back."""
+
+    MAX = "max"
+    """The largest amax of the history (Transformer Engine's default)."""
+    MOST_RECENT = "most_recent"
+    """The amax recorded last."""
+    EMA = "ema"
+    """The exponential moving average of the history, oldest to newest (see [Note: the EMA of a history])."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 @dataclass(frozen=True, slots=True)
 class DelayedScaling:
     """Settings of delayed scaling's amax history."""
 
     history_len: int = 1024
     """How many past amaxes are kept."""
-    algo: str = "max"
+    algo: DelayedAlgo | str = DelayedAlgo.MAX
     """``"max"`` of the history, the ``"most_recent"`` amax, or ``"ema"``: their exponential moving
     average, oldest to newest, with weight ``ema_coeff`` on each newer amax (see [Note: delayed scaling]
-    in ``lowprec.nn.delayed``)."""
+    in ``lowprec.nn.delayed``). A :class:`DelayedAlgo` or its name; always the enum once built."""
     ema_coeff: float = 0.1
     """With ``algo="ema"``: ``e = (1 - ema_coeff) * e + ema_coeff * amax`` per recorded amax, in (0, 1]
     (1 is ``most_recent``)."""
@@ -162,7 +177,9 @@ class DelayedScaling:
     def __post_init__(self) -> None:
         if isinstance(self.history_len, bool) or not isinstance(self.history_len, int) or self.history_len < 1:
             fail("history_len", "a positive int", describe(self.history_len))
-        check_choice("algo", self.algo, ("max", "most_recent", "ema"))
+        check_choice("algo", self.algo, tuple(a.value for a in DelayedAlgo))
+        # the name given becomes its enum, so that code compares members, never strings (equal either way)
+        object.__setattr__(self, "algo", DelayedAlgo(self.algo))
         c = self.ema_coeff
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
             fail("ema_coeff", "a number in (0, 1] (the weight of each newer amax)", describe(c))
