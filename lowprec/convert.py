@@ -16,6 +16,7 @@ from lowprec.conversion_report import ConversionReport, Coverage, Kept, LayerRep
 from lowprec.kernels import GemmPath
 from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
+from lowprec.nn.delayed_bank import bank_layers
 from lowprec.nn.fp8_convert import check_fp8_weights, store_fp8
 from lowprec.nn.plan import gemm_plan, layer_plan, too_small
 from lowprec.policy import Policy, UnmatchedPatternWarning, find_blocks, policy_keeps, share_groups, unmatched_patterns
@@ -96,6 +97,8 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
         if policy.small_rule is not None and recipe.low_precision and report.layers[-1].converted \
                 and too_small(new.in_features, new.out_features, policy.small_rule):
             report.small_elsewhere.append(name)
+    if recipe.uses_delayed_scaling:  # one bank per device, folded once per forward of the model
+        bank_layers(model, list(converted.values()))
     for group in share_groups(policy, list(converted)):
         report.shared_inputs.append(group)
         share = InputShare(group)

@@ -9,8 +9,9 @@ once per optimizer step, after the step's last backward (the train loop calls it
 ``optimizer.step``), so the next step's scales come from the same history on every rank: the max
 of everyone's amaxes, which is the amax the whole global batch would have recorded in one process.
 
-All layers go in one collective: their histories are concatenated into one flat tensor, reduced
-with MAX, and copied back. Reducing whole histories rather than the rows written since the last
+All layers go in one collective: their histories, already one tensor per device (the model's bank,
+``lowprec.nn.delayed_bank``), with the amaxes still pending folded in, are reduced with MAX and copied
+back, and the scales computed again from them. Reducing whole histories rather than the rows written since the last
 call is correct because max is idempotent: a row that already holds the group's max keeps it. It
 costs ``history_len * 3 * 4`` bytes per layer (12 KiB at the default length of 1024), small
 beside the gradients. The per-role ``count`` needs no reduction: every rank runs the same forwards
@@ -50,12 +51,16 @@ def reduce_amax_histories(model: nn.Module, group: dist.ProcessGroup | None = No
     states = delayed_states(model)
     if not states:
         return 0
-    device = states[0].device
-    histories = [h for s in states for h in s.histories]  # (L,) per layer and role
-    flat = torch.cat([h.to(device) for h in histories])  # (layers * 3 * L,), alike on every rank
+    banks = list({id(s.bank): s.bank for s in states}.values())  # one per device, in the layers' order
+    for bank in banks:
+        bank.fold()  # the amaxes still pending join the histories before they are reduced
+    device = banks[0].device
+    # every row of every bank, a layer's or a free one: the same shapes on every rank
+    flat = torch.cat([b.history.reshape(-1).to(device) for b in banks])  # (rows * 3 * L,)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    for h, reduced in zip(histories, flat.split([h.numel() for h in histories]), strict=True):
-        h.copy_(reduced)
+    for bank, reduced in zip(banks, flat.split([b.history.numel() for b in banks]), strict=True):
+        bank.history.copy_(reduced.view_as(bank.history))
+        bank.fold()  # nothing pending: the scales follow the reduced histories
     return len(states)
 
 

@@ -35,6 +35,17 @@ def _scale(spec: K.CastSpec | None, role: R.Role, state: DelayedState | None, x2
     return state.scale(role, spec.fmt, x2)
 
 
+def record_weight_amax(delayed: DelayedState | None, op: OperandPlan, amax: torch.Tensor | None,
+                       record: bool = True) -> None:
+    """The weight's amax into its delayed-scaling history, where ``op`` (the weight's plan) scales by
+    delay and the forward records (``record``: training, not evaluation). ``amax`` None: the amax it
+    recorded last again (a cast reused from the cache: every forward records the weight, cached or not,
+    and compiled code, which holds no cache, does the same, so the history spans the same steps either
+    way). Every record of a weight's amax goes through here: casts, FP8 weights, lazy initialisation."""
+    if record and op.delayed and delayed is not None:
+        delayed.record(op.role, amax if amax is not None else delayed.last(op.role))
+
+
 def cast_operand(x2: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, state: DelayedState | None,
                  record: bool) -> tuple[Operand | None, Operand | None]:
     """``(x2 cast along K or None, x2.T cast or None)``, the sides asked for, as ``op`` says. Delayed
@@ -180,8 +191,7 @@ def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t
     caching = state.caching
     if stored is None and isinstance(weight, QuantizedWeight):
         if weight.serves(op):
-            if record and op.delayed and state.delayed is not None:
-                state.delayed.record(op.role, weight.amax)
+            record_weight_amax(state.delayed, op, weight.amax, record)
             return weight.quantized(), weight.quantized(transposed=True) if need_t else None
         stored = weight.quantized()
     if stored is not None:
@@ -193,10 +203,7 @@ def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t
     cached = state.weight_cache
     if (caching and cached is not None and cached.key == key and (cached.dgrad is not None or not need_t)
             and (cached.recorded or not record)):  # a training forward needs a cast whose amax was recorded
-        if record and op.delayed and state.delayed is not None:
-            # every forward records the weight's amax, cached or not (and compiled code, which holds
-            # no cache, does the same): the history spans the same steps either way
-            state.delayed.record(op.role, state.delayed.last(op.role))
+        record_weight_amax(state.delayed, op, None, record)
         return cached.fprop, cached.dgrad
     qw, qw_t = cast_operand(weight.detach(), op, True, need_t, state.delayed, record)
     if caching:

@@ -3,18 +3,21 @@
 [Note: delayed scaling]
 A delayed scale is computed from amaxes seen before (``max`` of the history, or the most recent),
 times ``2^margin``, then the tensor is cast with it and its own amax is recorded. Until a role has a
-recorded amax it uses current scaling. The state is tensors only, recorded by tensor operations, so
-a compiled graph (forward and backward) holds it without a break or a recompilation per step.
+recorded amax it uses current scaling. A layer's state is its row of its model's bank on its device
+(``lowprec.nn.delayed_bank``): a cast reads the scale the last fold computed and leaves its amax
+pending; the fold, once per forward of the model, updates every layer's histories and scales in one
+batch (see [Note: the delayed-scaling bank]). The state is tensors only, written by tensor operations,
+so a compiled graph (forward and backward) holds it without a break or a recompilation per step.
 Non-finite amaxes are recorded as 0, so one bad step cannot poison the scales of the following
 ``history_len`` steps (the step itself is caught by the guard).
 
 [Note: delayed scaling under torch.compile]
-Dynamo lifts the state's tensors into the graph as inputs that the graph writes. Forward records the
+Dynamo lifts the bank's tensors into the graph as inputs that the graph writes. Forward records the
 input's and the weight's amaxes, backward the output gradient's; a graph input written in both halves
 cannot be split between them by the partitioner inductor uses ("was invalid, but is output"), while one
-written in backward alone is written by the backward graph. So each role has its own history, count
-and outlier count: grad_output's tensors are written in backward only, the others in forward only.
-``history``, ``count`` and ``outliers`` assemble them (copies) for readers and the checkpoint.
+written in backward alone is written by the backward graph. So grad_output's pending amax and its
+record count are written in backward only, everything else (the fold's histories, counts and scales,
+forward's pending amaxes) in forward only; forward reads what backward wrote, at its fold.
 
 A second hazard: the partitioner may recompute in backward, from a history, a scale forward computed,
 after forward has written the history: a version-counter error (met with weight.T's scale when only
@@ -27,7 +30,7 @@ forward needs. The copy is a guard: with forward's scales alone, no case tried h
 [Note: the EMA of a history]
 ``algo="ema"`` averages the amaxes the history holds, oldest first: ``e = a_1``, then
 ``e = (1 - c) * e + c * a_k`` for each newer ``a_k`` (``c`` = ``ema_coeff``). It is computed from the
-history at each cast (one weighted sum, in float64), so it needs no state beside the history and a
+history at each fold (one weighted sum per role, in float64), so it needs no state beside the history and a
 checkpoint of any version restores it; amaxes older than ``history_len`` have left the average, which
 with the default 1024 changes it by less than ``(1 - c)^1023`` of its value.
 
@@ -38,11 +41,11 @@ to zero -- the loss keeps falling, as the layer's output is then only its bias. 
 ``2^outlier_bits`` times the largest in the history (:class:`lowprec.recipes.DelayedScaling`) is
 recorded as that bound and counted in ``outliers``: a lone outlier costs at most ``outlier_bits``
 bits of headroom, and a real jump of the range is followed by ``outlier_bits`` per step. The batch
-holding it is cast with the scale from before it, so the outlier itself saturates. The check is
-tensor operations (no host sync, no graph break); the host reads the counts when it logs, through
-:func:`amax_outliers`, which warns once per layer. Under data parallelism each rank counts its own
-outliers (the capped histories are then reduced as any others). The first amax of a role has no
-history to be judged against.
+holding it is cast with the scale from before it, so the outlier itself saturates. The check is made
+by the fold, for all layers at once, in tensor operations (no host sync, no graph break); the host
+reads the counts when it logs, through :func:`amax_outliers`, which warns once per layer. Under data
+parallelism each rank counts its own outliers (the capped histories are then reduced as any others).
+The first amax of a role has no history to be judged against.
 
 The state travels in the module's ``state_dict`` as one float32 tensor (so that any checkpoint
 format holds it): row 0 is a header ``[version, history_len, 0]``, row 1 the number of amaxes
@@ -59,6 +62,7 @@ from torch import nn
 
 from lowprec import formats as F
 from lowprec.kernels.ops import keep
+from lowprec.nn.delayed_bank import DelayedBank, DelayedBanks, release_on_collect
 from lowprec.quant.scales import amax_scale
 from lowprec.recipes import DelayedScaling, Role
 
@@ -70,125 +74,110 @@ _HEADER_ROWS = {1: 2, 2: 3}
 
 
 class DelayedState:
-    """The amax histories of one layer, as tensors only (per role: ``histories``, ``counts`` and
-    ``outlier_counts``), so that compiled code records into them without leaving its graph; see
-    [Note: delayed scaling]."""
+    """The amax histories of one layer: its row of a :class:`~lowprec.nn.delayed_bank.DelayedBank`,
+    shared with the other layers of its model on its device (see [Note: the delayed-scaling bank]).
+    ``banks``: the model's banks; None gives the layer banks of its own, which its forward folds."""
 
-    def __init__(self, config: DelayedScaling, device: torch.device) -> None:
+    def __init__(self, config: DelayedScaling, device: torch.device, banks: DelayedBanks | None = None) -> None:
         self.config = config
-        # one tensor per role (see [Note: delayed scaling under torch.compile])
-        self.histories = [torch.zeros(config.history_len, device=device) for _ in ROLES]
-        """Each role's amax history, (L,); role ``i``'s next amax goes to row ``counts[i] % L``."""
-        self.counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ROLES]
-        """Amaxes recorded per role, one element each."""
-        self.outlier_counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in ROLES]
-        """Amaxes recorded capped per role (see [Note: amax outliers]), one element each."""
+        self.banks = banks if banks is not None else DelayedBanks()
+        self._take(torch.device(device))
         self._warned = [0] * len(ROLES)
         """Outliers per role that :func:`amax_outliers` has already warned about."""
         self._seen = [False] * len(ROLES)
-        """Host mirror of ``count > 0`` for eager code, which decides without reading the device."""
+        """Host mirror of ``ready`` for eager code, which decides without reading the device."""
+
+    def _take(self, device: torch.device) -> None:
+        self.bank = self.banks.bank(self.config, device)
+        self.row = self.bank.take_row()
+        release_on_collect(self, self.bank, self.row)
 
     @property
     def device(self) -> torch.device:
-        return self.histories[0].device
+        return self.bank.device
+
+    def _settled(self) -> DelayedBank:
+        """The bank with every pending amax folded in, for a reader on the host (eager code only)."""
+        self.bank.fold()
+        return self.bank
 
     @property
     def history(self) -> torch.Tensor:
         """The histories as one (L, roles) tensor, a copy: write through :meth:`record` or :meth:`load_history`."""
-        return torch.stack(self.histories, dim=1)
+        return self._settled().history[self.row].t().clone()
 
     @property
     def count(self) -> torch.Tensor:
         """Amaxes recorded per role, (roles,), a copy."""
-        return torch.cat(self.counts)
+        return self._settled().count[self.row].clone()
 
     @property
     def outliers(self) -> torch.Tensor:
         """Amaxes recorded capped per role, (roles,), a copy."""
-        return torch.cat(self.outlier_counts)
+        return self._settled().outliers[self.row].clone()
 
     def load_history(self, history: torch.Tensor) -> None:
         """Overwrite the histories with an (L, roles) tensor (a checkpoint's, or one reduced over ranks)."""
-        for i, h in enumerate(self.histories):
-            h.copy_(history[:, i])
+        bank = self._settled()
+        bank.history[self.row].copy_(history.t())
+        bank.fold()  # the scales follow the new history
 
     def to(self, device: torch.device) -> None:
-        if self.device.type == "meta":  # made on a meta model: nothing to copy, start afresh
-            self.__init__(self.config, device)
-        else:
-            for tensors in (self.histories, self.counts, self.outlier_counts):
-                tensors[:] = [t.to(device) for t in tensors]
+        """Move the row to the bank of ``device`` (a meta state, made on a meta model, starts afresh)."""
+        old, row = self.bank, self.row
+        self._take(torch.device(device))
+        if old.device.type != "meta":
+            old.fold()
+            for name in ("history", "count", "outliers"):
+                getattr(self.bank, name)[self.row].copy_(getattr(old, name)[row])
+            self.bank.fold()  # the row's scales, from what it brought
+        self.banks.drop_empty()
+
+    def rebank(self, banks: DelayedBanks) -> None:
+        """Move the row into ``banks`` (a model's, from ``lowprec.convert``), keeping what it holds."""
+        if banks is not self.banks:
+            old = self.banks
+            self.banks = banks
+            self.to(self.device)
+            old.drop_empty()
 
     @property
     def recorded(self) -> list[int]:
         """Amaxes recorded per role (reads the device)."""
         return [int(v) for v in self.count.tolist()]
 
-    def _history_amax(self, i: int) -> torch.Tensor:
-        """Role ``i``'s amax by the recipe's algorithm, with its margin."""
-        algo = self.config.algo
-        amax = self.histories[i].amax() if algo == "max" else self._ema(i) if algo == "ema" else self._last(i)
-        return amax * 2.0**self.config.margin
-
-    def _ema(self, i: int) -> torch.Tensor:
-        """The exponential moving average of role ``i``'s history, oldest to newest (see [Note: the EMA
-        of a history]); tensor operations only."""
-        c, n_rows = self.config.ema_coeff, self.config.history_len
-        rows = torch.arange(n_rows, device=self.device)  # (L,)
-        count = self.counts[i].reshape(())
-        age = (count - 1 - rows) % n_rows  # (L,) 0 for the newest
-        held = torch.clamp(count, max=n_rows)  # amaxes in the window
-        weight = c * (1.0 - c) ** age.double()
-        weight = torch.where(age == held - 1, (1.0 - c) ** age.double(), weight)  # the oldest starts the average
-        weight = torch.where(age < held, weight, 0.0)
-        return (self.histories[i].double() * weight).sum().float()
-
-    def _last(self, i: int) -> torch.Tensor:
-        row = (self.counts[i] - 1) % self.config.history_len
-        return self.histories[i].index_select(0, row).reshape(())  # a tensor index: no host sync
-
     def scale(self, role: Role, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The dequantizing scale for ``role`` from its history; before its first amax, None (the
-        cast then scales by its own amax). Compiled code cannot branch on the device's count: it
-        gets the history's scale, or before the first amax the current scale of ``x``, which the
-        compiler reduces inside the kernel that produced x."""
-        i = int(role)
+        """The dequantizing scale for ``role`` from its history, as the last fold left it; before its
+        first amax, None (the cast then scales by its own amax). Compiled code cannot branch on the
+        device's count: it gets the history's scale, or before the first amax the current scale of
+        ``x``, which the compiler reduces inside the kernel that produced x."""
+        i, bank = int(role), self.bank
         if torch.compiler.is_compiling() and x is not None:
             # the amax chosen, then one scale: amax_scale is elementwise, so this is the scale of either
             # case, in half the graph's operations
             current = x.detach().abs().amax().float()
-            amax = torch.where(self.counts[i].reshape(()) > 0, self._history_amax(i), current)
+            ready, history_amax = bank.read(self.row, role)
+            amax = torch.where(ready, history_amax, current)
             scale = amax_scale(amax, fmt).reshape(1, 1)
             # see [Note: delayed scaling under torch.compile]: forward's scales reach backward as saved
             return scale if role is Role.GRAD_OUTPUT else keep(scale)
         if not self._seen[i]:
-            # compiled code records without updating this mirror: ask the device, until it says yes
-            self._seen[i] = bool(self.counts[i] > 0)
+            # the host cannot tell when a fold made the role ready: ask the device, until it says yes
+            self._seen[i] = bool(bank.read(self.row, role)[0])
             if not self._seen[i]:
                 return None
-        return amax_scale(self._history_amax(i), fmt).reshape(1, 1)
+        return amax_scale(bank.read(self.row, role)[1], fmt).reshape(1, 1)
 
     def last(self, role: Role) -> torch.Tensor:
-        """The amax ``role`` recorded last (0 before any)."""
-        return self._last(int(role))
+        """The amax ``role`` recorded last (0 before any), with every pending amax folded (eager code)."""
+        bank = self._settled()
+        row = (bank.count[self.row, int(role)] - 1) % self.config.history_len
+        return bank.history[self.row, int(role)].index_select(0, row.reshape(1)).reshape(())  # no host sync
 
     def record(self, role: Role, amax: torch.Tensor) -> None:
-        """Add ``amax`` (non-finite: 0; an outlier: capped, see [Note: amax outliers]) to ``role``'s
-        history, with tensor operations only."""
-        i = int(role)
-        history, count = self.histories[i], self.counts[i]
-        amax = amax.detach().float().reshape(()).to(history.device)
-        amax = torch.where(torch.isfinite(amax), amax, 0.0)
-        if self.config.outlier_bits is not None:
-            # an empty history has max 0 and no bound: the first amax is taken as it is
-            bound = history.amax() * 2.0**self.config.outlier_bits
-            outlier = (bound > 0) & (amax > bound)
-            amax = torch.where(outlier, bound, amax)
-            self.outlier_counts[i].add_(outlier.reshape(1).long())
-        history[count % self.config.history_len] = amax.reshape(1)
-        count.add_(1)
-        if not torch.compiler.is_compiling():
-            self._seen[i] = True
+        """``amax`` pending for ``role``: the next fold adds it to the history (non-finite: 0; an outlier:
+        capped, see [Note: amax outliers]); tensor operations only."""
+        self.bank.record(self.row, role, amax)
 
     def to_tensor(self) -> torch.Tensor:
         header = torch.zeros(_HEADER_ROWS[_VERSION], len(ROLES))
@@ -207,12 +196,12 @@ class DelayedState:
             warnings.warn(f"lowprec: {where}: delayed-scaling state does not match this recipe "
                           f"(history_len {self.config.history_len}); starting from current scaling", stacklevel=3)
             return
-        self.load_history(t[rows:].to(self.device))
         counts = [int(v) for v in t[1].tolist()]
         outliers = [int(v) for v in t[2].tolist()] if rows > 2 else [0] * len(ROLES)
-        for i in range(len(ROLES)):
-            self.counts[i].fill_(counts[i])
-            self.outlier_counts[i].fill_(outliers[i])
+        bank = self._settled()
+        bank.count[self.row].copy_(torch.tensor(counts))
+        bank.outliers[self.row].copy_(torch.tensor(outliers))
+        self.load_history(t[rows:].to(self.device))
         self._seen = [n > 0 for n in counts]
         self._warned = outliers  # warned about in the run that saved them
 

@@ -46,7 +46,15 @@ from typing import NamedTuple
 import torch
 
 from lowprec import kernels as K
-from lowprec.nn.casts import CastState, Operand, QuantizedWeight, cast_operand, input_casts, weight_casts
+from lowprec.nn.casts import (
+    CastState,
+    Operand,
+    QuantizedWeight,
+    cast_operand,
+    input_casts,
+    record_weight_amax,
+    weight_casts,
+)
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan, SavePlan, WeightKind, WeightT
 from lowprec.nn.probe import probe
 from lowprec.nn.stored_codes import stored_operand
@@ -121,8 +129,7 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
         x_scale = qx.scale if recast_x and save.input_scale else None
         if save.direct and stored is not None:  # the codes are the operand (and in backward, transposed)
             qw, qw_t = stored, None
-            if record and w_op.delayed and state.delayed is not None:
-                state.delayed.record(w_op.role, codes[2])
+            record_weight_amax(state.delayed, w_op, codes[2], record)
         else:
             qw, qw_t = weight_casts(weight, w_op, state, keep_w_t, record, stored)
             if need_dgrad and save.scale_t and state.delayed is not None:

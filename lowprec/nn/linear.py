@@ -14,6 +14,7 @@ from lowprec._checks import describe, fail
 from lowprec.autocast import records_amax, resolve
 from lowprec.nn.casts import CastState, InputShare
 from lowprec.nn.delayed import DelayedState
+from lowprec.nn.delayed_bank import DelayedBanks
 from lowprec.nn.fp8_weight import stored_codes
 from lowprec.nn.function import LinearFunction, fprop, output_dtype
 from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan
@@ -41,6 +42,9 @@ class Linear(nn.Linear):
 
     def _init_lowprec(self, recipe) -> None:
         self.state = CastState()
+        self._banks: DelayedBanks | None = None
+        """The banks of the converted model holding the layer (see [Note: the delayed-scaling bank] in
+        ``lowprec.nn.delayed_bank``); None: the layer's delayed state has banks of its own."""
         self._codes: StoredCodes | None = stored_codes(self.weight)
         """An FP8 primary weight's codes as plain tensors, for the autograd function (None: a plain weight)."""
         self._plans: tuple[LayerPlan | None, LayerPlan | None] = (None, None)
@@ -120,10 +124,23 @@ class Linear(nn.Linear):
         if plan.delayed:
             state = self.state.delayed
             if state is None or state.config != recipe.delayed:
-                self.state.delayed = DelayedState(recipe.delayed, self.weight.device)
+                self.state.delayed = DelayedState(recipe.delayed, self.weight.device, self._banks)
             elif state.device != self.weight.device:  # the module moved since
                 state.to(self.weight.device)
         return plan
+
+    def use_banks(self, banks: DelayedBanks) -> None:
+        """Keep the delayed-scaling state in ``banks``, a converted model's, folded by its forward's
+        pre-hook (``lowprec.nn.delayed_bank.bank_layers``), now and for every state made later."""
+        self._banks = banks
+        if self.state.delayed is not None:
+            self.state.delayed.rebank(banks)
+
+    def _fold_own(self) -> None:
+        # a layer outside a converted model folds its own bank, before it reads a scale
+        state = self.state.delayed
+        if state is not None and not state.banks.by_hook:
+            state.banks.fold()
 
     def _apply(self, fn, recurse: bool = True):
         # .to(), .cuda(), .half(), to_empty(): the plan and the delayed state follow the weight, now
@@ -165,6 +182,7 @@ class Linear(nn.Linear):
             return nnf.linear(x, self.weight, self.bias)
         if plan.delayed:
             self._prepare(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
+            self._fold_own()
         # Compiled code without delayed scaling needs none of the layer's state (no cache, no sharing):
         # one stateless object for every layer, so that blocks compiled one by one (FSDP2) share one
         # graph instead of recompiling per layer on the identity of its state
@@ -210,6 +228,7 @@ class Linear(nn.Linear):
             return y  # inference: a delayed layer records nothing either
         plan = self._prepare(bound)  # its history exists unless an override replaced it since
         if plan.delayed:  # not a layer the policy or its shape keeps in high precision
+            self._fold_own()
             record_amaxes(x, self.weight, y, plan, self.state.delayed)
         return y
 
@@ -236,7 +255,7 @@ class Linear(nn.Linear):
         recipe = self.recipe
         if recipe is None or not recipe.uses_delayed_scaling:
             return  # saved under a delayed recipe, loaded under another: nothing to restore
-        self.state.delayed = DelayedState(recipe.delayed, self.weight.device)
+        self.state.delayed = DelayedState(recipe.delayed, self.weight.device, self._banks)
         self.state.delayed.load_tensor(state, f"Linear({self.in_features}, {self.out_features})")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

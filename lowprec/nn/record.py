@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from lowprec.nn.casts import QuantizedWeight
+from lowprec.nn.casts import QuantizedWeight, record_weight_amax
 from lowprec.nn.delayed import DelayedState
 from lowprec.nn.plan import LayerPlan
 
@@ -43,7 +43,7 @@ def record_amaxes(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, plan: 
         state.record(plan.input.role, _amax(x))
     if plan.weight.delayed:
         # an FP8-all-gathered weight arrives quantized and carries its high-precision amax
-        state.record(plan.weight.role, weight.amax if isinstance(weight, QuantizedWeight) else _amax(weight))
+        record_weight_amax(state, plan.weight, weight.amax if isinstance(weight, QuantizedWeight) else _amax(weight))
     if plan.grad_output.delayed and (x.requires_grad or weight.requires_grad):
         role = plan.grad_output.role
         y.register_hook(lambda dy: state.record(role, _amax(dy)))  # returns None: the gradient is unchanged
