@@ -58,7 +58,7 @@ DOT_K = tl.constexpr(32)
 _FP8_CHUNK, _BF16_CHUNK = 32, 16
 _ELEMENTS = tuple(F.get(n) for n in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
 """The element formats the kernels read: FP8 as float8 dtypes, the narrower ones as E4M3 (FP8 path)."""
-_GROUP_M = 8  # output tiles walked in groups of 8 tile rows, so neighbouring programs share operand tiles in L2
+_GROUP_M = tl.constexpr(8)  # tiles walked 8 tile rows at a time: neighbouring programs share operands in L2
 CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
            for bm, bn, bk, w, s in ((128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 4),
                                     (128, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 64, 128, 4, 4))]
