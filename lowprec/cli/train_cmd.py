@@ -275,6 +275,7 @@ def small_layers_line(dtype: str, said: list[SmallLayersWarning]) -> Iterator[No
     that converts them; each such warning is kept in ``said`` for the run's summary. Other warnings pass on to
     the display in force (:func:`one_line_warnings`)."""
     with warnings.catch_warnings():
+        warnings.simplefilter("always", SmallLayersWarning)  # every run says it, not only a process's first
         shown = warnings.showwarning
 
         def show(message, category, *args, **kw):
