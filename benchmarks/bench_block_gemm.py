@@ -1,7 +1,7 @@
 """The Triton block-scaled GEMM (``kernels.triton_block_gemm.block_scaled_mm``) on the GPU: checked against the
 emulated ``scaled_mm`` and timed beside it and a BF16 ``torch.mm``.
 
-    python benchmarks/bench_block_gemm.py [--out results/]
+    python benchmarks/bench_block_gemm.py [--variants] [--out results/]
 
 For each shape ``(M, N, K)`` and each of mxfp8, mxfp4 and nvfp4, quantizes random operands as the recipe's
 fprop casts them (outside the timing), then:
@@ -14,7 +14,11 @@ fprop casts them (outside the timing), then:
 * times (CUDA events, median of 20 after 5 warm-up calls) ``block_scaled_mm``, the emulated ``scaled_mm``
   and ``torch.mm`` in BF16, all with BF16 output.
 
-Under 3 minutes on an H200, autotuning included.
+With ``--variants``: every kernel variant (``BlockGemmVariant``) of mxfp8 and mxfp4 (nvfp4: ``dequant``, its
+only one) at the first two shapes, each checked as above (the bit-exactness on operands of the timed shape)
+and timed, with the tile the autotuner chose; one progress line each.
+
+Under 3 minutes on an H200, autotuning included (``--variants``: under 4).
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from _common import environment, print_table, sqnr, write_json
 from lowprec import formats as F
 from lowprec import recipes as R
 from lowprec.kernels.gemm import scaled_mm
-from lowprec.kernels.triton_block_gemm import block_scaled_mm
+from lowprec.kernels.triton_block_gemm import BlockGemmVariant, _chunk_tuned, _dequant_tuned, block_scaled_mm
 from lowprec.quant import QuantizedTensor, nvfp4, quantize
 
 SHAPES = [(8192, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336)]
@@ -56,9 +60,9 @@ def operands(recipe: str, m: int, n: int, k: int, gen: torch.Generator) -> tuple
             quantize(w, spec.rhs.format, spec.rhs.granularity, rounding=spec.rhs.rounding))
 
 
-def check(a: QuantizedTensor, b: QuantizedTensor) -> dict:
+def check(a: QuantizedTensor, b: QuantizedTensor, variant: BlockGemmVariant | None = None) -> dict:
     ref = scaled_mm(a, b, torch.float32, backend="emulated")
-    got = block_scaled_mm(a, b, torch.float32)
+    got = block_scaled_mm(a, b, torch.float32, variant=variant)
     err = (got - ref).abs()
     mag = a.dequantize(torch.float32).abs() @ b.dequantize(torch.float32).abs().t()  # (M, N): sum |a_k b_k|
     per_unit = (err / mag.clamp_min(torch.finfo(torch.float32).tiny)).max().item()
@@ -102,13 +106,62 @@ def run(m: int, n: int, k: int, recipe: str, bf16_ms: float, gen: torch.Generato
     return row
 
 
+def run_variant(m: int, n: int, k: int, recipe: str, variant: BlockGemmVariant, ops: tuple, exact: tuple,
+                base: dict) -> dict:
+    """One variant on prepared operands: timed first (the autotuning happens there), then checked."""
+    a, b = ops
+    ms = median_ms(lambda: block_scaled_mm(a, b, torch.bfloat16, variant=variant))
+    tuner = _dequant_tuned if variant is BlockGemmVariant.DEQUANT else _chunk_tuned
+    row = {**base, "variant": variant.value, "kernel_ms": ms, "kernel_tflops": 2 * m * n * k / ms / 1e9,
+           "kernel_vs_bf16": base["bf16_ms"] / ms, "tile": str(tuner.best_config).split(", num_ctas")[0]}
+    row.update(check(a, b, variant))
+    row["bit_exact"] = torch.equal(block_scaled_mm(*exact, variant=variant),
+                                   scaled_mm(*exact, torch.float32, backend="emulated"))
+    print({c: (f"{v:.4g}" if isinstance(v, float) else v) for c, v in row.items()}, flush=True)
+    return row
+
+
+def variants_main(gen: torch.Generator) -> list[dict]:
+    rows = []
+    for m, n, k in SHAPES[:2]:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bf16_ms = median_ms(lambda x=x, w=w: torch.mm(x, w.t()))
+        del x, w
+        for recipe in RECIPES:
+            ops, exact = operands(recipe, m, n, k, gen), exact_operands(recipe, m, n, k, gen)
+            emulated_ms = median_ms(lambda ops=ops: scaled_mm(*ops, torch.bfloat16, backend="emulated"))
+            base = {"shape": f"{m}x{n}x{k}", "recipe": recipe, "bf16_ms": bf16_ms,
+                    "emulated_vs_bf16": bf16_ms / emulated_ms}
+            print(f"{base['shape']} {recipe}: BF16 {bf16_ms:.3f} ms, emulated {emulated_ms:.3f} ms", flush=True)
+            for v in [BlockGemmVariant.DEQUANT] if recipe == "nvfp4" else list(BlockGemmVariant):
+                if v is BlockGemmVariant.CHUNK_INLINE and recipe == "mxfp8":
+                    continue  # FP8 codes: the same kernel as chunk
+                rows.append(run_variant(m, n, k, recipe, v, ops, exact, base))
+            del ops, exact
+            torch.cuda.empty_cache()
+    headers = ["shape", "recipe", "variant", "tile", "err / bound", "SQNR dB", "bit-exact", "ms", "TFLOP/s",
+               "/ BF16", "emul / BF16"]
+    keys = ["shape", "recipe", "variant", "tile", "bound", "sqnr_db", "bit_exact", "kernel_ms", "kernel_tflops",
+            "kernel_vs_bf16", "emulated_vs_bf16"]
+    print_table("block_scaled_mm variants (speed ratios: BF16 time / time)", headers,
+                [[f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in keys] for r in rows])
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="a folder for the JSON result (none: print only)")
+    p.add_argument("--variants", action="store_true", help="every kernel variant at the first two shapes")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_block_gemm: expected a CUDA device, got none")
     gen = torch.Generator(device="cuda").manual_seed(0)
+    if args.variants:
+        rows = variants_main(gen)
+        if args.out:
+            write_json(args.out, "bench_block_gemm_variants.json", {"environment": environment(), "rows": rows})
+        return
     rows = []
     for m, n, k in SHAPES:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

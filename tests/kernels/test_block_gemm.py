@@ -19,11 +19,18 @@ tl = pytest.importorskip("triton.language")
 from lowprec import formats as F  # noqa: E402
 from lowprec import recipes as R  # noqa: E402
 from lowprec.kernels.gemm import _emulated  # noqa: E402
-from lowprec.kernels.triton_block_gemm import _e4m3_codes, block_scaled_mm  # noqa: E402
+from lowprec.kernels.triton_block_gemm import BlockGemmVariant, block_scaled_mm  # noqa: E402
+from lowprec.kernels.triton_block_mx import _e4m3_codes  # noqa: E402
 from lowprec.quant import QuantizedTensor, blockwise, mx, nvfp4, quantize  # noqa: E402
 
 TILES = [(64, 64, 64), (32, 64, 128)]  # BLOCK_K 64 and 128: the padded K (96, 48, 64 below) is no multiple of 128
 TOKENS, D_IN, D_OUT = 40, 80, 56  # no dimension a multiple of a tile; K = 80, 56, 40 pad to whole blocks
+MX_VARIANTS = list(BlockGemmVariant)  # two MX operands: every kernel
+NVFP4_VARIANTS = [BlockGemmVariant.DEQUANT]  # blocks of 16: no FP8 MMA step
+
+
+def _variants(g) -> list[BlockGemmVariant]:
+    return NVFP4_VARIANTS if g.kind.name == "NVFP4" else MX_VARIANTS
 
 
 def _within_bound(got: torch.Tensor, ref: torch.Tensor, a: QuantizedTensor, b: QuantizedTensor) -> None:
@@ -56,15 +63,16 @@ def _recipe_operands(recipe: R.Recipe, gemm: str, gen: torch.Generator) -> tuple
 
 @pytest.mark.parametrize("tile", TILES, ids=str)
 @pytest.mark.parametrize("gemm", R.GEMMS)
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4"])
-def test_recipe_gemms_equal_the_emulation_within_the_bound(recipe, gemm, tile):
+@pytest.mark.parametrize("recipe,variant", [(r, v) for r in ("mxfp8", "mxfp4") for v in MX_VARIANTS]
+                         + [("nvfp4", v) for v in NVFP4_VARIANTS], ids=str)
+def test_recipe_gemms_equal_the_emulation_within_the_bound(recipe, variant, gemm, tile):
     a, b = _recipe_operands(R.get(recipe), gemm, torch.Generator().manual_seed(len(recipe) + len(gemm)))
     ref = _emulated(a, b, torch.float32)[: a.shape[0], : b.shape[0]]
-    got = block_scaled_mm(a, b, torch.float32, tile=tile)
+    got = block_scaled_mm(a, b, torch.float32, tile=tile, variant=variant)
     assert got.shape == ref.shape
     _within_bound(got, ref, a, b)
     # BF16 output: the FP32 result rounded to nearest even, as torch rounds it
-    assert torch.equal(block_scaled_mm(a, b, torch.bfloat16, tile=tile), got.to(torch.bfloat16))
+    assert torch.equal(block_scaled_mm(a, b, torch.bfloat16, tile=tile, variant=variant), got.to(torch.bfloat16))
 
 
 def _exact_mx(fmt: str, rows: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -89,9 +97,10 @@ def test_mx_gemms_are_bit_exact_where_every_partial_sum_is_representable(fa, fb)
     a, b = quantize(x, fa, mx(32, "ceil")), quantize(w, fb, mx(32, "ceil"))
     assert torch.equal(a.dequantize(), x) and torch.equal(b.dequantize(), w)  # the inputs are the operands
     for tile in TILES:
-        got = block_scaled_mm(a, b, tile=tile)
-        assert torch.equal(got, _emulated(a, b, torch.float32)[:TOKENS, :D_OUT])
-        assert torch.equal(got, x @ w.t())  # exact
+        for variant in MX_VARIANTS:
+            got = block_scaled_mm(a, b, tile=tile, variant=variant)
+            assert torch.equal(got, _emulated(a, b, torch.float32)[:TOKENS, :D_OUT])
+            assert torch.equal(got, x @ w.t())  # exact
 
 
 def _nvfp4_operand(rows: int, k: int, two_d: bool, global_scale: float, gen: torch.Generator) -> QuantizedTensor:
@@ -139,9 +148,10 @@ def test_zero_subnormal_maximal_and_nan_blocks(fmt, g):
     w = torch.randn(D_OUT, D_IN, generator=gen) * 2.0**-60
     a, b = quantize(x, fmt, g), quantize(w, fmt, g)
     ref = _emulated(a, b, torch.float32)[:TOKENS, :D_OUT]
-    got = block_scaled_mm(a, b, tile=TILES[0])
-    _within_bound(got, ref, a, b)
-    assert (got[0::5] == 0).all() and torch.isnan(got[4]).all()
+    for variant in _variants(g):
+        got = block_scaled_mm(a, b, tile=TILES[0], variant=variant)
+        _within_bound(got, ref, a, b)
+        assert (got[0::5] == 0).all() and torch.isnan(got[4]).all()
 
 
 @pytest.mark.parametrize("fmt", ["e2m1", "e3m2", "e2m3"])
@@ -167,5 +177,11 @@ def test_operands_the_kernels_do_not_cover_are_refused():
         block_scaled_mm(quantize(x, "e4m3", blockwise(1, 128)), quantize(x, "e4m3", mx(32)))
     with pytest.raises(ValueError, match=r"^a/b: expected MX or NVFP4 block scales with one block size"):
         block_scaled_mm(quantize(x, "e2m1", mx(32)), quantize(x, "e2m1", nvfp4(16)))
+    with pytest.raises(ValueError, match=r"^variant: expected dequant for operands other than two MX ones"):
+        block_scaled_mm(quantize(x, "e2m1", nvfp4(16)), quantize(x, "e2m1", nvfp4(16)), variant="chunk")
+    with pytest.raises(ValueError, match=r"^variant: expected dequant for operands other than two MX ones"):
+        block_scaled_mm(quantize(x, "e2m1", mx(16)), quantize(x, "e2m1", mx(16)), variant="chunk-inline")
+    with pytest.raises(ValueError, match=r"^variant: expected one of chunk, chunk-inline, dequant"):
+        block_scaled_mm(quantize(x, "e4m3", mx(32)), quantize(x, "e4m3", mx(32)), variant="fastest")
     with pytest.raises(ValueError, match=r"^a/b: expected operands with the same reduction dimension K"):
         block_scaled_mm(quantize(x, "e4m3", mx(32)), quantize(torch.randn(32, 96), "e4m3", mx(32)))
