@@ -1,0 +1,229 @@
+"""``lowprec.nn.GroupedLinear``: the experts of a mixture-of-experts layer, each a linear layer whose
+GEMMs run as a recipe says.
+
+[Note: grouped expert GEMMs]
+Expert ``e`` holds ``weight[e]`` (out, in) and owns the rows ``offsets[e-1]:offsets[e]`` of the input
+(the tokens routed to it, grouped by expert; ``offsets`` are cumulative counts, the convention of
+``torch._grouped_mm`` and ``torch._scaled_grouped_mm``). Each expert computes exactly what a
+``lowprec.nn.Linear`` with weight ``weight[e]`` and the same recipe computes on its rows, forward and
+backward: every operand is cast along its own K with scales of its own (per tensor, per row, blocks, MX,
+NVFP4 are all per expert), and each expert's weight gradient runs over its own tokens only. An expert
+that received no token casts nothing (the casts take no empty tensor) and its gradient is zero.
+
+Today every expert is its own GEMM: the function below loops over the experts and calls the same plan,
+casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``, ``gemm``), so each runs on the
+layer plan's path (emulated on the CPU, cuBLAS per expert for FP8 on a GPU that has it). Later, where
+PyTorch supports the recipe's scaling on the device, the E GEMMs of each of fprop, dgrad and wgrad become
+one ``torch._scaled_grouped_mm`` on the concatenated casts with the same ``offsets`` (wgrad grouped along
+the tokens, its K); the casts stay per expert, so the values do not change, only the launch count.
+Not wired yet. The host reads ``offsets`` once per forward (the loop needs the counts).
+
+Delayed scaling is refused: it keeps an amax history per layer, and experts would need one each (E rows
+of the delayed-scaling bank, saved and moved with the layer). Current scaling per expert (``fp8-current``,
+``fp8-rowwise``, ``fp8-blockwise``, MX, NVFP4) needs no state and is what MoE FP8 training uses.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as nnf
+
+from lowprec import recipes as R
+from lowprec._checks import describe, fail
+from lowprec.autocast import resolve
+from lowprec.nn.casts import CastState, cast_operand
+from lowprec.nn.function import Forward, Saved, _pack, _unpack, _weight_t, fprop, gemm, output_dtype
+from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
+
+_SAVED = len(Saved().flat())
+"""Tensors each expert with tokens gives ``save_for_backward``."""
+
+
+def _no_delay(recipe: R.Recipe | None, where: str) -> R.Recipe | None:
+    if recipe is not None and recipe.uses_delayed_scaling:
+        fail(where, "a recipe with current scaling (GroupedLinear keeps no amax history per expert; "
+                    "fp8-current scales each expert by its own amax)", recipe.name)
+    return recipe
+
+
+def _experts_forward(x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, state: CastState,
+                     need_dgrad: bool, need_wgrad: bool, record: bool) -> list[Forward | None]:
+    """Each expert's :func:`~lowprec.nn.function.fprop` on its rows (None for an expert without tokens)."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        b = bias[e] if bias is not None else None
+        out.append(fprop(x[start:start + n], weight[e], b, plan, state, need_dgrad, need_wgrad, record)
+                   if n else None)
+        start += n
+    return out
+
+
+def _expert_backward(dy, saved: Saved, save: SavePlan, metas: tuple, plan: LayerPlan, x_dtype: torch.dtype,
+                     w_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
+    """One expert's dgrad and wgrad, as ``LinearFunction.backward`` makes them (None where not needed)."""
+    x_meta, w_meta = metas
+    qw_t = None
+    if need_dgrad:
+        qw_t = (_weight_t(saved.weight.detach(), plan, saved.scale_t, dy) if save.weight_t is WeightT.PARAMETER
+                else _unpack(saved.w_t, w_meta))
+    if not (need_dgrad or need_wgrad):  # the bias alone
+        return None, None
+    qdy, qdy_t = cast_operand(dy, plan.grad_output, need_dgrad, need_wgrad, None, True)
+    dx = gemm(qdy, qw_t, plan.dgrad, x_dtype) if need_dgrad else None  # (n, in)
+    dw = gemm(qdy_t, _unpack(saved.x_t, x_meta), plan.wgrad, w_dtype) if need_wgrad else None  # (out, in)
+    return dx, dw
+
+
+class GroupedFunction(torch.autograd.Function):
+    """``y[rows of e] = x[rows of e] @ weight[e].T + bias[e]`` for every expert ``e``, each GEMM operand
+    cast as ``plan`` (the plan of one expert's shape) says; see [Note: grouped expert GEMMs]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, state: CastState):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+        fwds = _experts_forward(x, weight, bias, counts, plan, state, need_dgrad, need_wgrad, True)
+        tensors, metas, saves = [], [], []
+        for e, f in enumerate(fwds):
+            if f is None:
+                continue
+            if f.save.input_recast or f.save.scale_t or f.save.direct:  # compiled recasts, delayed, FP8 weights
+                raise NotImplementedError(f"GroupedLinear: a save plan it does not follow: {f.save}")
+            (x_saved, x_meta), (w_saved, w_meta) = _pack(f.x_t), _pack(f.w_t)
+            w_param = weight[e] if need_dgrad and f.save.weight_t is WeightT.PARAMETER else None
+            tensors += Saved(x_saved, w_saved, weight=w_param).flat()
+            metas.append((x_meta, w_meta))
+            saves.append(f.save)
+        ctx.save_for_backward(*tensors)
+        ctx.counts, ctx.plan, ctx.metas, ctx.saves = counts, plan, metas, saves
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.w_shape = weight.shape[1:]
+        return torch.cat([f.y for f in fwds if f is not None])  # (T, out)
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        tensors, plan = ctx.saved_tensors, ctx.plan
+        dxs, dws, dbs, k = [], [], [], 0
+        with torch.autocast(dy.device.type, enabled=False):
+            for dy_e in dy.split(ctx.counts):  # (n, out) each
+                if dy_e.shape[0] == 0:  # no tokens: nothing was cast, and nothing moves the weight
+                    dws.append(torch.zeros(ctx.w_shape, dtype=w_dtype, device=dy.device))
+                    dbs.append(torch.zeros(ctx.w_shape[0], dtype=b_dtype or w_dtype, device=dy.device))
+                    continue
+                saved = Saved.of(tensors[k * _SAVED:(k + 1) * _SAVED])
+                dx, dw = _expert_backward(dy_e, saved, ctx.saves[k], ctx.metas[k], plan, x_dtype, w_dtype,
+                                          need_dgrad, need_wgrad)
+                dxs.append(dx)
+                dws.append(dw)
+                dbs.append(dy_e.sum(0).to(b_dtype) if b_dtype is not None and need_bias else None)
+                k += 1
+        dx = torch.cat(dxs) if need_dgrad else None  # (T, in)
+        dw = torch.stack(dws) if need_wgrad else None  # (E, out, in)
+        db = torch.stack(dbs) if b_dtype is not None and need_bias else None  # (E, out)
+        return dx, dw, db, None, None, None
+
+
+class GroupedLinear(nn.Module):
+    """``num_experts`` linear layers of one shape, their weights one (E, out, in) parameter (and the
+    biases one (E, out)), applied to tokens grouped by expert: ``forward(x, offsets)`` with ``x`` (T, in)
+    and ``offsets`` (E,) the cumulative token counts. Every expert runs the recipe (None: high precision)
+    as a ``lowprec.nn.Linear`` would on its rows; see [Note: grouped expert GEMMs]."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
+                 recipe: str | R.Recipe | None = None, device=None, dtype=None) -> None:
+        super().__init__()
+        for name, v in (("num_experts", num_experts), ("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                fail(name, "a positive int", describe(v))
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features, **kw)) if bias else None
+        self.reset_parameters()
+        self.state = CastState()
+        """Never holds a delayed history or a weight cache: one stateless object the experts share."""
+        self._warned: set[str] = set()
+        self.set_recipe(recipe)
+
+    def reset_parameters(self) -> None:
+        # what torch.nn.Linear draws for each expert: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias
+        bound = 1 / math.sqrt(self.in_features)
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def set_recipe(self, recipe: str | R.Recipe | None) -> None:
+        """Bind ``recipe`` (None: high precision); delayed scaling is refused (see [Note: grouped expert GEMMs])."""
+        self.recipe: R.Recipe | None = _no_delay(R.get(recipe) if recipe is not None else None, "recipe")
+
+    def plan(self, recipe: R.Recipe | None = None, nearest: bool = False) -> LayerPlan | None:
+        """The plan of one expert's shape (in, out) for ``recipe`` (default: the bound one) on the weight's
+        device; ``nearest``: the evaluation plan, every cast rounded to nearest."""
+        recipe = recipe if recipe is not None else self.recipe
+        if recipe is None:
+            return None
+        return layer_plan(recipe, self.weight.device, self.in_features, self.out_features, nearest=nearest)
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        counts = self._counts(x, offsets)
+        recipe = _no_delay(resolve(self.recipe), "autocast recipe")
+        training = self.training and torch.is_grad_enabled()
+        plan = self.plan(recipe, nearest=not training) if recipe is not None else None
+        if plan is None or not plan.scaled or x.shape[0] == 0:
+            if plan is not None and plan.hp_reason is not None:
+                self._warn_once(plan.hp_reason)
+            return self._high_precision(x, counts, plan.hp_dtype if plan is not None else None)
+        params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return GroupedFunction.apply(x, self.weight, self.bias, counts, plan, self.state)
+        fwds = _experts_forward(x, self.weight, self.bias, counts, plan, self.state, False, False, False)
+        return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
+
+    def _counts(self, x, offsets) -> tuple[int, ...]:
+        """Each expert's token count, from ``offsets``, with ``x`` and ``offsets`` checked."""
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
+            fail("x", "a float32, bfloat16 or float16 tensor", describe(x), TypeError)
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            fail("x", f"a 2-D tensor (tokens, in_features={self.in_features})", describe(x))
+        if not isinstance(offsets, torch.Tensor) or offsets.dtype.is_floating_point or offsets.dtype.is_complex \
+                or offsets.dtype == torch.bool:
+            fail("offsets", "an integer tensor of cumulative token counts", describe(offsets), TypeError)
+        if offsets.shape != (self.num_experts,):
+            fail("offsets", f"shape ({self.num_experts},) (one per expert)", describe(offsets))
+        ends = offsets.tolist()
+        counts = tuple(b - a for a, b in zip([0, *ends[:-1]], ends))
+        if any(n < 0 for n in counts):
+            fail("offsets", "non-decreasing cumulative token counts from 0", ends)
+        if ends[-1] != x.shape[0]:
+            fail("offsets", f"a last value equal to the number of tokens in x ({x.shape[0]})", ends[-1])
+        return counts
+
+    def _high_precision(self, x: torch.Tensor, counts: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """One ``linear`` per expert in high precision, as ``lowprec.nn.Linear`` runs without a recipe,
+        or (``dtype``: bf16, fp16 recipes) with every operand cast to ``dtype``."""
+        weights = self.weight.unbind(0)
+        biases = self.bias.unbind(0) if self.bias is not None else (None,) * self.num_experts
+        if dtype is None:
+            return torch.cat([nnf.linear(x_e, w, b) for x_e, w, b in zip(x.split(counts), weights, biases)])
+        out = output_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return torch.cat([nnf.linear(x_e.to(dtype), w.to(dtype), b.to(dtype) if b is not None else None).to(out)
+                              for x_e, w, b in zip(x.split(counts), weights, biases)])  # (T, out)
+
+    def _warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"lowprec: a GroupedLinear({self.num_experts}, {self.in_features}, {self.out_features}) "
+                          f"runs in high precision: {reason}", stacklevel=3)
+
+    def extra_repr(self) -> str:
+        r = self.recipe.name if self.recipe is not None else None
+        return (f"num_experts={self.num_experts}, in_features={self.in_features}, "
+                f"out_features={self.out_features}, bias={self.bias is not None}, recipe={r}")
+
+
+__all__ = ["GroupedFunction", "GroupedLinear"]

@@ -1,0 +1,216 @@
+"""``lowprec.nn.GroupedLinear`` against a loop of ``lowprec.nn.Linear``s, one per expert, bit for bit.
+
+Each expert of a grouped layer must compute exactly what a Linear with its weight and the same recipe
+computes on its rows: the same casts (per expert scales, wgrad over the expert's tokens) and the same
+GEMMs, so the outputs and every gradient are equal, not close, on any CPU. The one recipe that draws
+random bits (nvfp4: stochastic rounding of grad_output, in backward only) draws them from the global
+generator; both sides are seeded alike and cast the experts in the same order (0 to E-1), so it is
+compared bit for bit too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowprec
+from lowprec import recipes as R
+from lowprec.nn import GroupedLinear, Linear
+from tests.nn.common import bits, randn
+
+E, IN, OUT = 4, 128, 256
+COUNTS = (5, 0, 40, 19)
+"""Unbalanced experts, one without tokens, counts not multiples of any block."""
+DELAYED = tuple(n for n in R.names() if R.get(n).uses_delayed_scaling)
+
+
+def offsets_of(counts) -> torch.Tensor:
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+def make(recipe, counts=COUNTS, bias=True, dtype=torch.float32):
+    """A grouped layer with random weights, a Linear per expert holding copies of them, and the input and
+    output gradient for ``counts``."""
+    g = GroupedLinear(len(counts), IN, OUT, bias=bias, recipe=recipe, dtype=dtype)
+    with torch.no_grad():
+        g.weight.copy_(randn(len(counts), OUT, IN, seed=1, scale=IN**-0.5))
+        if bias:
+            g.bias.copy_(randn(len(counts), OUT, seed=2, scale=0.1))
+    lins = []
+    for e in range(len(counts)):
+        lin = Linear(IN, OUT, bias=bias, recipe=recipe, dtype=dtype)
+        with torch.no_grad():
+            lin.weight.copy_(g.weight[e])
+            if bias:
+                lin.bias.copy_(g.bias[e])
+        lins.append(lin)
+    t = sum(counts)
+    return g, lins, randn(t, IN, seed=3, dtype=dtype), randn(t, OUT, seed=4, scale=0.01, dtype=dtype)
+
+
+def grouped_step(g, x, dy, counts):
+    x = x.clone().requires_grad_()
+    torch.manual_seed(7)
+    y = g(x, offsets_of(counts))
+    y.backward(dy)
+    return y, x.grad, g.weight.grad, g.bias.grad if g.bias is not None else None
+
+
+def loop_step(lins, x, dy, counts):
+    """Each expert's forward and backward on its rows, expert 0 first (the order the grouped backward
+    casts them in, which matters where rounding is stochastic)."""
+    torch.manual_seed(7)
+    ys, dxs, dws, dbs = [], [], [], []
+    for lin, x_e, dy_e in zip(lins, x.split(counts), dy.split(counts)):
+        x_e = x_e.clone().requires_grad_()
+        y_e = lin(x_e)
+        y_e.backward(dy_e)
+        ys.append(y_e)
+        dxs.append(x_e.grad)
+        dws.append(lin.weight.grad if lin.weight.grad is not None else torch.zeros_like(lin.weight))
+        if lin.bias is not None:
+            dbs.append(lin.bias.grad if lin.bias.grad is not None else torch.zeros_like(lin.bias))
+    return torch.cat(ys), torch.cat(dxs), torch.stack(dws), torch.stack(dbs) if dbs else None
+
+
+def assert_bits(got, want, what):
+    assert got.dtype == want.dtype and got.shape == want.shape, f"{what}: {got.dtype}{tuple(got.shape)}"
+    assert torch.equal(bits(got), bits(want)), f"{what} differs; max |diff| {(got - want).abs().max()}"
+
+
+def assert_like_loop(recipe, counts=COUNTS, bias=True, dtype=torch.float32):
+    g, lins, x, dy = make(recipe, counts, bias, dtype)
+    got, want = grouped_step(g, x, dy, counts), loop_step(lins, x, dy, counts)
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), got, want):
+        if b is None:
+            assert a is None, name
+        else:
+            assert_bits(a, b, name)
+    return got
+
+
+@pytest.mark.parametrize("recipe", [None, *R.names()])
+def test_equals_a_loop_of_linears(recipe):
+    if recipe in DELAYED:
+        with pytest.raises(ValueError, match=r"^recipe: expected a recipe with current scaling .*, got fp8-delayed$"):
+            GroupedLinear(E, IN, OUT, recipe=recipe)
+        return
+    _, _, dw, db = assert_like_loop(recipe)
+    assert torch.count_nonzero(dw[1]) == 0 and torch.count_nonzero(db[1]) == 0  # the expert without tokens
+    assert torch.count_nonzero(dw[0]) > 0
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-blockwise", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("counts", [(64, 0, 0, 0), (0, 0, 0, 1), (1, 2, 3, 130), (3, 3)])
+def test_groups_of_any_size(recipe, counts):
+    assert_like_loop(recipe, counts, bias=False)
+
+
+@pytest.mark.parametrize("recipe", ["fp16", "fp8-current", "mxfp8", "nvfp4"])
+def test_bfloat16_layer(recipe):
+    y = assert_like_loop(recipe, dtype=torch.bfloat16)[0]
+    assert y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("recipe", [None, *(n for n in R.names() if n not in DELAYED)])
+def test_inference_equals_a_loop_of_linears(recipe):
+    g, lins, x, _ = make(recipe)
+    g.eval()
+    with torch.no_grad():
+        got = g(x, offsets_of(COUNTS))
+        want = torch.cat([lin.eval()(x_e) for lin, x_e in zip(lins, x.split(COUNTS))])
+    assert_bits(got, want, "y")
+
+
+def test_no_tokens_at_all():
+    g, _, _, _ = make("fp8-current", (0, 0, 0, 0))
+    x = torch.zeros(0, IN, requires_grad=True)
+    y = g(x, offsets_of((0, 0, 0, 0)))
+    y.sum().backward()
+    assert y.shape == (0, OUT) and torch.count_nonzero(g.weight.grad) == 0
+
+
+@pytest.mark.parametrize("frozen", ["input", "weight"])
+def test_frozen_input_or_weight(frozen):
+    """Backward runs only the GEMMs whose gradients are asked for, and casts (and draws) as Linear's does."""
+    g, lins, x, dy = make("nvfp4")
+    if frozen == "weight":
+        for w in (g.weight, *(lin.weight for lin in lins)):
+            w.requires_grad_(False)
+    torch.manual_seed(7)
+    xg = x.clone().requires_grad_(frozen != "input")
+    g(xg, offsets_of(COUNTS)).backward(dy)
+    torch.manual_seed(7)
+    dxs = []
+    for lin, x_e, dy_e in zip(lins, x.split(COUNTS), dy.split(COUNTS)):
+        x_e = x_e.clone().requires_grad_(frozen != "input")
+        lin(x_e).backward(dy_e)
+        dxs.append(x_e.grad)
+    assert_bits(g.bias.grad, torch.stack([lin.bias.grad for lin in lins]), "dbias")
+    if frozen == "weight":
+        assert g.weight.grad is None
+        assert_bits(xg.grad, torch.cat(dxs), "dx")
+    else:
+        assert xg.grad is None
+        assert_bits(g.weight.grad, torch.stack([lin.weight.grad for lin in lins]), "dweight")
+
+
+def test_shape_the_recipe_cannot_take_runs_in_high_precision():
+    g = GroupedLinear(2, 40, 24, recipe="fp8-current")
+    x = randn(6, 40, seed=5)
+    with pytest.warns(UserWarning, match="GroupedLinear.*runs in high precision: in_features=40"):
+        y = g(x, offsets_of((2, 4)))
+    want = torch.cat([x_e @ w.t() for x_e, w in zip(x.split((2, 4)), g.weight)])
+    assert_bits(y, want, "y")
+
+
+def test_autocast_to_delayed_scaling_is_refused():
+    g, _, x, _ = make("fp8-current")
+    with lowprec.autocast("fp8-delayed"), pytest.raises(ValueError, match="^autocast recipe: expected"):
+        g(x, offsets_of(COUNTS))
+
+
+@pytest.mark.parametrize("x, offsets, exc, message", [
+    (torch.ones(6, IN, dtype=torch.int32), [2, 2, 2, 6], TypeError, "x: expected a float32"),
+    (torch.ones(6, IN, dtype=torch.float8_e4m3fn), [2, 2, 2, 6], TypeError, "x: expected a float32"),
+    (torch.ones(2, 3, IN), [2, 2, 2, 6], ValueError, r"x: expected a 2-D tensor \(tokens, in_features=128\)"),
+    (torch.ones(6, IN + 1), [2, 2, 2, 6], ValueError, "x: expected a 2-D tensor"),
+    (torch.ones(6, IN), torch.tensor([2.0, 2, 2, 6]), TypeError, "offsets: expected an integer tensor"),
+    (torch.ones(6, IN), [2, 2, 6], ValueError, r"offsets: expected shape \(4,\) \(one per expert\)"),
+    (torch.ones(6, IN), [2, 1, 2, 6], ValueError, r"offsets: expected non-decreasing .*, got \[2, 1, 2, 6\]"),
+    (torch.ones(6, IN), [-1, 2, 2, 6], ValueError, "offsets: expected non-decreasing"),
+    (torch.ones(6, IN), [2, 2, 2, 5], ValueError, r"offsets: expected a last value equal to .* \(6\), got 5"),
+])
+def test_bad_input_is_refused(x, offsets, exc, message):
+    g = GroupedLinear(E, IN, OUT, recipe="fp8-current")
+    offsets = torch.tensor(offsets) if isinstance(offsets, list) else offsets
+    with pytest.raises(exc, match="^" + message):
+        g(x, offsets)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"num_experts": 0}, "num_experts: expected a positive int, got 0"),
+    ({"in_features": 2.0}, "in_features: expected a positive int"),
+    ({"recipe": "fp9"}, "recipe: expected one of"),
+])
+def test_bad_arguments_are_refused(kw, message):
+    args = {"num_experts": E, "in_features": IN, "out_features": OUT, **kw}
+    with pytest.raises((ValueError, TypeError), match="^" + message):
+        GroupedLinear(**args)
+
+
+def test_trains_in_fp8_current():
+    """A few SGD steps on a regression onto another set of experts lower the loss."""
+    counts = (30, 10, 0, 24)
+    g = GroupedLinear(4, IN, 64, bias=True, recipe="fp8-current")
+    teacher = randn(4, 64, IN, seed=11, scale=IN**-0.5)
+    x = randn(sum(counts), IN, seed=12)
+    target = torch.cat([x_e @ w.t() for x_e, w in zip(x.split(counts), teacher)])
+    opt = torch.optim.SGD(g.parameters(), lr=4.0)
+    losses = []
+    for _ in range(10):
+        loss = (g(x, offsets_of(counts)) - target).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.5 * losses[0], losses
