@@ -20,7 +20,7 @@ Not wired yet. The host reads ``offsets`` once per forward (the loop needs the c
 
 Delayed scaling is refused: it keeps an amax history per layer, and experts would need one each (E rows
 of the delayed-scaling bank, saved and moved with the layer). Current scaling per expert (``fp8-current``,
-``fp8-rowwise``, ``fp8-blockwise``, MX, NVFP4) needs no state and is what MoE FP8 training uses.
+``fp8-rowwise``, ``fp8-blockwise``, MX, NVFP4) needs no state; DeepSeek-V3's FP8 experts scale so too.
 """
 from __future__ import annotations
 
