@@ -85,19 +85,20 @@ class GroupedFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, state: CastState):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
         fwds = _experts_forward(x, weight, bias, counts, plan, state, need_dgrad, need_wgrad, True)
-        tensors, metas, saves = [], [], []
+        tensors, metas = [], []
         for e, f in enumerate(fwds):
             if f is None:
                 continue
             if f.save.input_recast or f.save.scale_t or f.save.direct:  # compiled recasts, delayed, FP8 weights
-                raise NotImplementedError(f"GroupedLinear: a save plan it does not follow: {f.save}")
+                fail("weight", "a plain weight under current scaling (GroupedLinear follows no other save plan)",
+                     f.save, NotImplementedError)
             (x_saved, x_meta), (w_saved, w_meta) = _pack(f.x_t), _pack(f.w_t)
             w_param = weight[e] if need_dgrad and f.save.weight_t is WeightT.PARAMETER else None
             tensors += Saved(x_saved, w_saved, weight=w_param).flat()
             metas.append((x_meta, w_meta))
-            saves.append(f.save)
+            ctx.save = f.save  # every expert's: one plan, one kind of weight
         ctx.save_for_backward(*tensors)
-        ctx.counts, ctx.plan, ctx.metas, ctx.saves = counts, plan, metas, saves
+        ctx.counts, ctx.plan, ctx.metas = counts, plan, metas
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.w_shape = weight.shape[1:]
         return torch.cat([f.y for f in fwds if f is not None])  # (T, out)
@@ -115,7 +116,7 @@ class GroupedFunction(torch.autograd.Function):
                     dbs.append(torch.zeros(ctx.w_shape[0], dtype=b_dtype or w_dtype, device=dy.device))
                     continue
                 saved = Saved.of(tensors[k * _SAVED:(k + 1) * _SAVED])
-                dx, dw = _expert_backward(dy_e, saved, ctx.saves[k], ctx.metas[k], plan, x_dtype, w_dtype,
+                dx, dw = _expert_backward(dy_e, saved, ctx.save, ctx.metas[k], plan, x_dtype, w_dtype,
                                           need_dgrad, need_wgrad)
                 dxs.append(dx)
                 dws.append(dw)

@@ -111,6 +111,17 @@ def test_bfloat16_layer(recipe):
     assert y.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("recipe", [None, "bf16", "fp8-current", "mxfp8"])
+def test_under_torch_autocast(recipe):
+    """Outputs in the autocast dtype, gradients in the parameters' and input's, as Linear's."""
+    g, lins, x, dy = make(recipe)
+    with torch.autocast("cpu", torch.bfloat16):
+        got, want = grouped_step(g, x, dy.bfloat16(), COUNTS), loop_step(lins, x, dy.bfloat16(), COUNTS)
+    assert got[0].dtype == torch.bfloat16
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), got, want):
+        assert_bits(a, b, name)
+
+
 @pytest.mark.parametrize("recipe", [None, *(n for n in R.names() if n not in DELAYED)])
 def test_inference_equals_a_loop_of_linears(recipe):
     g, lins, x, _ = make(recipe)
