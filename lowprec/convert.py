@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
-from lowprec.conversion_report import ConversionReport, Coverage, Kept, LayerReport
+from lowprec.conversion_report import ConversionReport, Coverage, Kept, LayerReport, UnseenWeight
 from lowprec.kernels import GemmPath
 from lowprec.nn import Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
@@ -20,8 +20,10 @@ from lowprec.nn.delayed_bank import bank_layers
 from lowprec.nn.fp8_convert import check_fp8_weights, store_fp8
 from lowprec.nn.plan import gemm_plan, layer_plan, too_small
 from lowprec.policy import Policy, UnmatchedPatternWarning, find_blocks, policy_keeps, share_groups, unmatched_patterns
+from lowprec.unseen import UnseenWeightsWarning, find_unseen, warn_unseen
 
-__all__ = ["ConversionReport", "Coverage", "Kept", "LayerReport", "SmallLayersWarning", "convert", "recipe_paths"]
+__all__ = ["ConversionReport", "Coverage", "Kept", "LayerReport", "SmallLayersWarning", "UnseenWeight",
+           "UnseenWeightsWarning", "convert", "recipe_paths"]
 
 
 def recipe_paths(recipe: R.Recipe, device: torch.device | str | None = None) -> dict[str, GemmPath]:
@@ -51,6 +53,9 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     (sharing its parameters), except those ``policy`` keeps in high precision, and return a report of
     every linear. Layers whose shape the recipe's GEMMs cannot take are converted but run in high
     precision; the report and a warning say so, as they say when GEMMs are emulated on this device.
+    Matrices used other than through an ``nn.Linear`` (fused 3-D expert weights, a module's own
+    ``F.linear``) are not converted: the report names them, one warning says so, and its coverage counts
+    them (see [Note: weights lowprec cannot see into] in ``lowprec.unseen``).
 
     ``fp8_weights``: the weights of the layers that run the recipe are stored as E4M3 codes with FP32
     scales and no high-precision copy, their FP32 masters kept by ``lowprec.optim.Optimizer`` alone
@@ -107,7 +112,9 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     if fp8_weights:
         _store_fp8(converted, report)
     _bind_activations(model, policy, report)
+    report.unseen = find_unseen(model, mha)
     _warn(report, converted, small)
+    warn_unseen(report.unseen, report.coverage(), stacklevel=2)
     return report
 
 

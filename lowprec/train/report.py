@@ -338,7 +338,9 @@ def _abs(x: float) -> str:
 
 
 def _converted(c: Coverage | None) -> str:
-    return "n/a" if c is None else f"{c.converted}/{c.linears} ({c.share})"
+    if c is None:
+        return "n/a"
+    return f"{c.converted}/{c.linears} ({c.share}" + (f", {c.unseen} unseen)" if c.unseen else ")")
 
 
 def _mem(x: int | None) -> str:

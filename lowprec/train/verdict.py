@@ -290,8 +290,9 @@ def judge(gap: float, noise: float, tolerance: float, thresholds: Thresholds,
 
 
 MIN_COVERAGE = 0.5
-"""A recipe whose converted linears hold under this share of the linear parameters is not tested: the
-gap would mostly measure the baseline against itself."""
+"""A recipe whose converted linears hold under this share of the linear parameters (and of the weights
+lowprec cannot see into, such as fused experts: never converted) is not tested: the gap would mostly
+measure the baseline against itself."""
 
 _KEPT_HINTS = {
     Kept.POLICY: "the policy keeps them (--policy: its include, exclude, keep_* and skip_small fields)",
@@ -302,15 +303,21 @@ _KEPT_HINTS = {
 }
 
 
+_UNSEEN_HINT = ("weights lowprec cannot see into (fused 3-D experts, modules it does not know) run in the model's "
+                "precision whatever the recipe (the conversion report names them)")
+
+
 def untested(coverage: Coverage | None) -> str | None:
     """Why a recipe's runs cannot earn a verdict: it converted no linear, or linears holding under
-    :data:`MIN_COVERAGE` of the linear parameters; with what kept the others and the option that changes
-    it. None where they can, or where the coverage is unknown."""
+    :data:`MIN_COVERAGE` of the linear parameters and the weights lowprec cannot see into; with what kept
+    the others and the option that changes it. None where they can, or where the coverage is unknown."""
     if coverage is None or (coverage.converted and coverage.fraction >= MIN_COVERAGE):
         return None
-    kept = "; ".join(f"{n} kept: {_KEPT_HINTS[k]}" for k, n in coverage.kept)
+    kept = "; ".join([f"{n} kept: {_KEPT_HINTS[k]}" for k, n in coverage.kept]
+                     + ([f"{coverage.unseen} not converted: {_UNSEEN_HINT}"] if coverage.unseen else []))
+    matrices = "matrix" if coverage.unseen else "linear"
     what = ("no linear ran it, so the gap compares the baseline with itself" if not coverage.converted else
-            f"under {MIN_COVERAGE:.0%} of the linear parameters, so the gap mostly measures the baseline")
+            f"under {MIN_COVERAGE:.0%} of the {matrices} parameters, so the gap mostly measures the baseline")
     return f"{coverage}: {what}" + (f"; {kept}" if kept else "")
 
 

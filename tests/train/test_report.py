@@ -198,6 +198,20 @@ def test_under_half_of_the_linear_parameters_is_not_tested(coverage, verdict):
                                         "linear parameters, so the gap mostly measures the baseline")
 
 
+def test_every_linear_converted_is_not_tested_while_fused_experts_ran_in_high_precision(tmp_path):
+    # a mixture of experts whose 3-D expert weights lowprec cannot see into: 83% of the matrices stayed BF16
+    experts = Coverage(8, 8, 17_000, 100_000, unseen=2, unseen_params=83_000)
+    runs = (RecipeRuns.of(_result("bf16", 2.0)),
+            RecipeRuns("fp8-current", Family.FP8, (0,), (_result("fp8-current", 2.0, coverage=experts),)))
+    report = CompareReport(runs=runs, baseline="bf16", context=CONTEXT)
+    row = report.rows()[1]
+    assert row["verdict"] == "NOT TESTED"
+    assert row["reason"].startswith("8 of 8 linears converted (17% of matrix parameters; 83% in 2 weights lowprec "
+                                    "cannot see into): under 50% of the matrix parameters")
+    assert row["coverage"]["unseen_params"] == 83_000
+    assert re.search(r"\| fp8-current +\| 8/8 \(17%, 2 unseen\) +\|", report.write(tmp_path)["markdown"].read_text())
+
+
 def test_a_failed_run_fails_even_where_nothing_was_converted():
     none = _covered(0, 4, 0, 100, ((Kept.SHAPE, 4),))
     row = _one("fp8-current", 2.0, diverged=True, coverage=none)
