@@ -42,13 +42,13 @@ def _amax_unless_ready(x_ptr, sxm, sxk, M, K, ready_ptr, r, amax_ptr, BM: tl.con
 
 
 @triton.jit
-def _pick(ready_ptr, r, scales_ptr, k, out_ptr, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr):
+def _pick(ready_ptr, r, scales_ptr, k, out_ptr, FMAX: tl.constexpr, EMAX: tl.constexpr):
     """Over the amax bits the first pass left in ``out_ptr``: ``scales[k]`` where ``ready[r]`` is set,
     else the scale of that amax."""
     if tl.load(ready_ptr + r) != 0:
         tl.store(out_ptr, tl.load(scales_ptr + k).to(tl.int32, bitcast=True))
     else:
-        s = scale_from_amax(tl.load(out_ptr), 1.0, RULE, FMAX, EMAX)  # compiled Triton takes no plain global
+        s = scale_from_amax(tl.load(out_ptr), 1.0, RULE_AMAX, FMAX, EMAX)
         tl.store(out_ptr, s.to(tl.int32, bitcast=True))
 
 
@@ -64,7 +64,7 @@ def delayed_scale(x2: torch.Tensor, scales: torch.Tensor, ready: torch.Tensor, k
         grid = (triton.cdiv(m, _BM), triton.cdiv(n, _BK))
         _launch(_amax_unless_ready, grid, (x2, x2.stride(0), x2.stride(1), m, n, flags, r, out),
                 dict(BM=_BM, BK=_BK, num_warps=_WARPS), x2.is_cuda)
-    _launch(_pick, (1,), (flags, r, scales, k, out), dict(RULE=RULE_AMAX, FMAX=fmt.max, EMAX=fmt.emax, num_warps=1), x2.is_cuda)
+    _launch(_pick, (1,), (flags, r, scales, k, out), dict(FMAX=fmt.max, EMAX=fmt.emax, num_warps=1), x2.is_cuda)
     return out.view(torch.float32)
 
 
