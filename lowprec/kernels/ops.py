@@ -6,11 +6,9 @@ dtypes only), and calls it once per use in every training step: hundreds of call
 casts of a converted model. ``torch.library.custom_op`` wraps each call in Python layers (autograd
 and mutation checks, argument re-parsing) that cost about 30 microseconds per call on a CPU core,
 against about 6 for an operator defined from its schema and implemented directly (``define``
-below). The operators never see autograd (their callers detach their inputs), and are functional
-(fresh outputs, no input written) except where the schema says what one writes (``Tensor(a!)``: the
-delayed-scaling records of ``lowprec.nn.delayed_bank``), which functionalization then writes as one node
-(``auto_functionalized``), as it would a ``custom_op`` with ``mutates_args``; so the direct form loses
-nothing. Eager code skips them and calls the implementations.
+below). The operators here are functional (fresh outputs, no input written) and never see autograd
+(their callers detach their inputs), so the direct form loses nothing. Eager code skips them and
+calls the implementations.
 """
 from __future__ import annotations
 
@@ -30,3 +28,18 @@ def define(schema: str, impl: Callable, fake: Callable) -> Callable:
     torch.library.register_fake(f"lowprec::{name}", fake, lib=_LIB)
     return getattr(torch.ops.lowprec, name).default
 
+
+def _copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+def _copy_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+keep = define("keep(Tensor x) -> Tensor", _copy, _copy_fake)
+"""A copy of ``x`` that a compiled backward reads as forward made it: the partitioner never recomputes
+an opaque operator that forward needs, so backward takes this output (or what forward made from it)
+rather than recompute ``x`` from the graph's inputs, which forward may have written meanwhile (a
+delayed-scaling history: see [Note: delayed scaling under torch.compile] in ``lowprec.nn.delayed``).
+Compiled code only; one small tensor per use."""

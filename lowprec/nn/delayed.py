@@ -23,12 +23,9 @@ A second hazard: the partitioner may recompute in backward, from a history, a sc
 after forward has written the history: a version-counter error (met with weight.T's scale when only
 backward read it, at ``history_len=4``) or a stale scale. So backward reads only the scales of
 forward's own casts (a delayed weight.T is cast again in backward only in forward's format:
-``lowprec.nn.plan.layer_plan``), and compiled code takes every delayed scale through
-``lowprec::delayed_scale`` (``lowprec.kernels.delayed_scale``), an opaque operator: the partitioner never
-recomputes an opaque operator that forward needs, so backward takes the input's and the weight's scales
-as forward's casts read them. (It was a guard: with forward's scales alone, no case tried here failed
-without an opaque copy.) Each cast records its amax through one mutating operator, which
-functionalization writes as one node.
+``lowprec.nn.plan.layer_plan``), and compiled code takes the input's and the weight's delayed scales
+through ``lowprec::keep``, an opaque copy: the partitioner never recomputes an opaque operator that
+forward needs. The copy is a guard: with forward's scales alone, no case tried here failed without it.
 
 [Note: the EMA of a history]
 ``algo="ema"`` averages the amaxes the history holds, oldest first: ``e = a_1``, then
@@ -59,18 +56,15 @@ missing or mismatched entry starts again from current scaling.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lowprec import formats as F
-from lowprec.kernels.delayed_scale import delayed_scale
-from lowprec.nn.delayed_bank import N_ROLES, DelayedBank, DelayedBanks, release_on_collect
+from lowprec.kernels.ops import keep
+from lowprec.nn.delayed_bank import DelayedBank, DelayedBanks, release_on_collect
+from lowprec.quant.scales import amax_scale
 from lowprec.recipes import DelayedScaling, Role
-
-if TYPE_CHECKING:
-    from lowprec.nn.plan import LayerPlan
 
 ROLES = tuple(r.name.lower() for r in Role)
 """The history's columns, in :class:`lowprec.recipes.Role` order."""
@@ -87,8 +81,6 @@ class DelayedState:
     def __init__(self, config: DelayedScaling, device: torch.device, banks: DelayedBanks | None = None) -> None:
         self.config = config
         self.banks = banks if banks is not None else DelayedBanks()
-        self._learned: LayerPlan | None = None
-        """The plan whose formats the bank was told of last (:meth:`learn`)."""
         self._take(torch.device(device))
         self._warned = [0] * len(ROLES)
         """Outliers per role that :func:`amax_outliers` has already warned about."""
@@ -99,9 +91,6 @@ class DelayedState:
         self.bank = self.banks.bank(self.config, device)
         self.row = self.bank.take_row()
         release_on_collect(self, self.bank, self.row)
-        plan, self._learned = self._learned, None
-        if plan is not None:  # a new bank learns the formats the old one knew this layer by
-            self.learn(plan)
 
     @property
     def device(self) -> torch.device:
@@ -157,38 +146,27 @@ class DelayedState:
         """Amaxes recorded per role (reads the device)."""
         return [int(v) for v in self.count.tolist()]
 
-    def learn(self, plan: LayerPlan) -> None:
-        """The formats ``plan`` (the layer's) casts in by delay, for the fold to compute every scale in
-        them. Outside compiled graphs (which take the bank as it is: a format not learned, compiled code
-        computes its scales itself); once per plan."""
-        if torch.compiler.is_compiling() or plan is self._learned:
-            return
-        for op in (plan.input, plan.weight, plan.grad_output):
-            for route in (op.both, op.along_k, op.transposed, op.recast):
-                for spec in (route.along_k, route.transposed) if route is not None else ():
-                    if spec is not None and spec.delayed:
-                        self.bank.learn(spec.fmt)
-        self._learned = plan
-
     def scale(self, role: Role, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The dequantizing scale for ``role`` from its history, as the last fold computed it; before
-        its first amax, None (the cast then scales by its own amax). Compiled code cannot branch on the
-        device's flag: it takes one opaque operator (``lowprec.kernels.delayed_scale``) whose value is
-        the history's scale, or before the first amax the current scale of ``x``, which it reads only
-        then (on CUDA)."""
+        """The dequantizing scale for ``role`` from its history, as the last fold left it; before its
+        first amax, None (the cast then scales by its own amax). Compiled code cannot branch on the
+        device's count: it gets the history's scale, or before the first amax the current scale of
+        ``x``, which the compiler reduces inside the kernel that produced x."""
         i, bank = int(role), self.bank
         if torch.compiler.is_compiling() and x is not None:
-            scales, k = bank.scale_at(self.row, role, fmt)
-            # opaque: the partitioner never recomputes it, so a backward takes forward's scale as forward
-            # read it (see [Note: delayed scaling under torch.compile])
-            return delayed_scale(x, scales, bank.ready, k, self.row * N_ROLES + i, fmt.name)
+            # the amax chosen, then one scale: amax_scale is elementwise, so this is the scale of either
+            # case, in half the graph's operations
+            current = x.detach().abs().amax().float()
+            ready, history_amax = bank.read(self.row, role)
+            amax = torch.where(ready, history_amax, current)
+            scale = amax_scale(amax, fmt).reshape(1, 1)
+            # see [Note: delayed scaling under torch.compile]: forward's scales reach backward as saved
+            return scale if role is Role.GRAD_OUTPUT else keep(scale)
         if not self._seen[i]:
             # the host cannot tell when a fold made the role ready: ask the device, until it says yes
             self._seen[i] = bool(bank.read(self.row, role)[0])
             if not self._seen[i]:
                 return None
-        scales, k = bank.scale_at(self.row, role, fmt)
-        return scales[k].reshape(1, 1).clone()  # a copy: the next fold writes the bank's in place
+        return amax_scale(bank.read(self.row, role)[1], fmt).reshape(1, 1)
 
     def last(self, role: Role) -> torch.Tensor:
         """The amax ``role`` recorded last (0 before any), with every pending amax folded (eager code)."""

@@ -3,21 +3,14 @@
 [Note: the delayed-scaling bank]
 Every layer of a converted model that scales by delay keeps its amax histories as one row of a
 :class:`DelayedBank` (one per device and :class:`~lowprec.recipes.DelayedScaling` setting, in practice
-one per device): ``history`` (layers, roles, L), the ``count`` and ``outliers`` per layer and role, the
-``amax`` behind each role's delayed scale (the algorithm's reduction of its history, times ``2^margin``),
-and what a cast reads: ``ready`` (a role with an amax recorded) and ``scales``, each role's delayed
-scale (``lowprec.quant.scales.amax_scale`` of its ``amax``) in each element format the bank has
-learned (:meth:`DelayedBank.learn`: a layer's plan tells its bank the formats it casts in by delay
-when it is made). A cast does not write the history: it writes its amax into a PENDING slot of its
-row, and the fold (:meth:`DelayedBank.fold`) moves every pending amax into its history (non-finite as
-0, an outlier capped and counted: [Note: amax outliers] in ``lowprec.nn.delayed``), advances the
-counts, and computes every layer's ``amax`` and ``scales`` again: one batch of tensor operations for
-all layers, where each cast used to update its own history with some hundred scalar operations traced
-into every layer's forward and backward. Compiled code reads a scale through one opaque operator
-(``lowprec.kernels.delayed_scale``) and leaves its amax pending through one mutating operator
-(:data:`record_forward`, :data:`record_grad_output`), so a delayed cast adds two operators to a graph
-where current scaling's reduction and scale arithmetic would be; eager code runs the same arithmetic
-directly.
+one per device): ``history`` (layers, roles, L), the ``count`` and ``outliers`` per layer and role, and
+what a cast reads, the ``amax`` behind each role's delayed scale (the algorithm's reduction of its
+history, times ``2^margin``) with ``ready`` (a role with an amax recorded). A cast does not write the
+history: it writes its amax into a PENDING slot of its row, and the fold (:meth:`DelayedBank.fold`)
+moves every pending amax into its history (non-finite as 0, an outlier capped and counted: [Note: amax
+outliers] in ``lowprec.nn.delayed``), advances the counts, and computes every layer's ``amax`` again:
+one batch of tensor operations for all layers, where each cast used to update its own history with
+some hundred scalar operations traced into every layer's forward and backward.
 
 The fold runs once per forward of the model, before any layer reads a scale: a forward pre-hook on the
 module ``lowprec.convert`` was given (:func:`bank_layers`), or, for a layer not in a converted model, its
@@ -47,9 +40,6 @@ import weakref
 import torch
 from torch import nn
 
-from lowprec import formats as F
-from lowprec.kernels.ops import define
-from lowprec.quant.scales import amax_scale
 from lowprec.recipes import DelayedAlgo, DelayedScaling, Role
 
 N_ROLES = len(Role)
@@ -65,11 +55,6 @@ class DelayedBank:
 
     def __init__(self, config: DelayedScaling, device: torch.device) -> None:
         self.config, self.device = config, torch.device(device)
-        self.formats: list[F.Format] = []
-        """The element formats the layers' delayed casts take (:meth:`learn`): the fold computes each
-        role's scale in each."""
-        self._slot: dict[str, int] = {}
-        """Each learned format's place in ``formats``, by name (compiled code looks it up by name)."""
         self._free: list[int] = []
         """Rows no layer holds (their layer's state was dropped); zeroed when taken again."""
         self._live = 0
@@ -91,8 +76,6 @@ class DelayedBank:
             "dy_pending": torch.zeros(n, device=dev),  # backward's (grad_output) amax, not yet folded
             "dy_records": torch.zeros(n, dtype=torch.int64, device=dev),  # written by backward only
             "dy_folded": torch.zeros(n, dtype=torch.int64, device=dev),  # dy_records at the last fold
-            # (layers * roles * formats,) amax_scale(amax, format), of the roles with an amax (else 1)
-            "scales": torch.ones(n * N_ROLES * len(self.formats), device=dev),
         }
         for name, t in tensors.items():
             if old is not None:
@@ -121,11 +104,10 @@ class DelayedBank:
             n_fwd = len(_FORWARD_ROLES)
             self.pending[row * n_fwd:(row + 1) * n_fwd].fill_(_NONE)
             self.dy_folded[row] = self.dy_records[row]
-            self._rescale()
             return row
         row = self.rows
         grown = DelayedBank.__new__(DelayedBank)
-        grown.config, grown.device, grown.formats = self.config, self.device, self.formats
+        grown.config, grown.device = self.config, self.device
         grown._alloc(max(2 * row, 1), old=self)  # doubling: adding n layers copies O(n) rows
         for name in vars(grown):
             if isinstance(getattr(grown, name), torch.Tensor):
@@ -142,50 +124,20 @@ class DelayedBank:
 
     def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
         """``amax`` pending for ``role`` of layer ``row`` (the largest, where the row has one pending;
-        a non-finite one stays so, for the fold to record as 0). Compiled code writes it through one
-        opaque operator (:data:`record_forward`, :data:`record_grad_output`): one node of its graph."""
-        if amax.requires_grad:
-            amax = amax.detach()
-        if amax.device != self.device:
-            amax = amax.to(self.device)
-        compiled = torch.compiler.is_compiling()
+        a non-finite one stays so, for the fold to record as 0)."""
+        amax = amax.detach().float().reshape(()).to(self.device)
         if role is Role.GRAD_OUTPUT:
-            (record_grad_output if compiled else _record_grad_output)(
-                self.dy_pending, self.dy_records, self.dy_folded, row, amax)
+            pending = self.dy_records[row] != self.dy_folded[row]
+            self.dy_pending[row] = torch.where(pending, torch.maximum(self.dy_pending[row], amax), amax)
+            self.dy_records[row] += 1
         else:
             k = row * len(_FORWARD_ROLES) + _FORWARD_ROLES.index(int(role))
-            (record_forward if compiled else _record_forward)(self.pending, k, amax)
+            self.pending[k] = torch.maximum(self.pending[k], amax)  # NaN stays NaN
 
     def read(self, row: int, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
         """(ready, amax times 2^margin) of ``role`` of layer ``row``, as the last fold left them, () each."""
         k = row * N_ROLES + int(role)
         return self.ready[k], self.amax[k]
-
-    def learn(self, fmt: F.Format) -> None:
-        """Compute every role's scale in ``fmt`` from now on (a layer's plan casts in it by delay);
-        outside compiled graphs: the scales are reallocated."""
-        if fmt.name not in self._slot:
-            self._slot = {**self._slot, fmt.name: len(self.formats)}
-            self.formats = [*self.formats, fmt]
-            self.scales = torch.ones(self.rows * N_ROLES * len(self.formats), device=self.device)
-            self._rescale()
-
-    def scale_at(self, row: int, role: Role, fmt: F.Format) -> tuple[torch.Tensor, int]:
-        """(scales, k): ``scales[k]`` is ``role``'s delayed scale in ``fmt``, as the last fold left it
-        (meaningful where the role is ready). A format not learned (:meth:`learn`) is learned in eager
-        code; compiled code computes its scales in its graph."""
-        if fmt.name not in self._slot:
-            if torch.compiler.is_compiling():
-                return amax_scale(self.amax, fmt), row * N_ROLES + int(role)
-            self.learn(fmt)
-        return self.scales, (row * N_ROLES + int(role)) * len(self.formats) + self._slot[fmt.name]
-
-    def _rescale(self) -> None:
-        """Every role's scale in every learned format, from ``amax`` (``lowprec.quant.scales.amax_scale``)."""
-        if self.formats:
-            # (layers * roles, formats)
-            scales = torch.stack([amax_scale(self.amax, fmt) for fmt in self.formats], dim=1)
-            self.scales.copy_(scales.view(-1))
 
     @torch.no_grad()
     def fold(self) -> None:
@@ -211,7 +163,6 @@ class DelayedBank:
         self.amax.copy_((self._reduce() * 2.0**cfg.margin).view(-1))
         self.pending.fill_(_NONE)
         self.dy_folded.copy_(self.dy_records)
-        self._rescale()
 
     def _reduce(self) -> torch.Tensor:
         """Each role's history reduced by the recipe's algorithm, (layers, roles)."""
@@ -234,31 +185,6 @@ class DelayedBank:
         weight = torch.where(age == held - 1, (1.0 - c) ** age.double(), weight)  # the oldest starts the average
         weight = torch.where(age < held, weight, 0.0)
         return (self.history.double() * weight).sum(dim=2).float()
-
-
-def _record_forward(pending: torch.Tensor, k: int, amax: torch.Tensor) -> None:
-    pending[k] = torch.maximum(pending[k], amax.float().reshape(()))  # NaN stays NaN
-
-
-def _record_grad_output(dy_pending: torch.Tensor, dy_records: torch.Tensor, dy_folded: torch.Tensor, row: int,
-                        amax: torch.Tensor) -> None:
-    amax = amax.float().reshape(())
-    pending = dy_records[row] != dy_folded[row]
-    dy_pending[row] = torch.where(pending, torch.maximum(dy_pending[row], amax), amax)
-    dy_records[row] += 1
-
-
-def _nothing(*args) -> None:
-    return None
-
-
-record_forward = define("delayed_record(Tensor(a!) pending, int k, Tensor amax) -> ()", _record_forward, _nothing)
-"""A forward role's amax pending (:meth:`DelayedBank.record`), one mutating operator for compiled code:
-functionalization makes it one node where the index, maximum and index_put were several."""
-record_grad_output = define(
-    "delayed_record_grad_output(Tensor(a!) dy_pending, Tensor(b!) dy_records, Tensor dy_folded, int row, "
-    "Tensor amax) -> ()", _record_grad_output, _nothing)
-"""grad_output's amax pending and its record counted (:meth:`DelayedBank.record`), one mutating operator."""
 
 
 class DelayedBanks:

@@ -127,7 +127,6 @@ class Linear(nn.Linear):
                 self.state.delayed = DelayedState(recipe.delayed, self.weight.device, self._banks)
             elif state.device != self.weight.device:  # the module moved since
                 state.to(self.weight.device)
-            self.state.delayed.learn(plan)  # the formats its scales are folded in
         return plan
 
     def use_banks(self, banks: DelayedBanks) -> None:
@@ -257,7 +256,6 @@ class Linear(nn.Linear):
         if recipe is None or not recipe.uses_delayed_scaling:
             return  # saved under a delayed recipe, loaded under another: nothing to restore
         self.state.delayed = DelayedState(recipe.delayed, self.weight.device, self._banks)
-        self.state.delayed.learn(self.plan(recipe))
         self.state.delayed.load_tensor(state, f"Linear({self.in_features}, {self.out_features})")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

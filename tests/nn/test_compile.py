@@ -122,28 +122,26 @@ def test_recorded_high_precision_steps_compile_into_one_graph_and_follow_eager(b
         assert comp.delayed_state.recorded == eager.delayed_state.recorded == [step + 1] * 3
 
 
-def test_forward_takes_its_delayed_scales_through_an_opaque_operator():
+def test_forward_takes_its_delayed_scales_through_an_opaque_copy():
     """[Note: delayed scaling under torch.compile]: the input's and the weight's delayed scales are
-    ``lowprec::delayed_scale`` outputs that forward's casts read, which the partitioner must not recompute
-    in backward from the state forward writes; grad_output's scale is the one such operator of backward."""
+    ``lowprec::keep`` outputs that forward's casts read, which the partitioner must not recompute in
+    backward from the histories forward writes; grad_output's scale, made in backward, is not kept."""
     lin = make_linear(_delayed("most_recent"), 64, 32)
     graphs = partitioned_graphs(lin, randn(16, 64, seed=1).requires_grad_())
     forward = graphs["forward"]
-    scales = [n for n in forward.graph.nodes if n.target is torch.ops.lowprec.delayed_scale.default]
-    assert len(scales) == 2
+    kept = [n for n in forward.graph.nodes if n.target is torch.ops.lowprec.keep.default]
+    assert len(kept) == 2
     # each feeds forward's own computation, not only what it hands backward
     outputs = set(next(n for n in forward.graph.nodes if n.op == "output").args[0])
-    assert all(any(u not in outputs for u in k.users) for k in scales)
+    assert all(any(u not in outputs for u in k.users) for k in kept)
     backward = graphs["backward"]
-    assert calls(backward, torch.ops.lowprec.delayed_scale.default) == 1
-    # of the state, backward takes grad_output's pending amax and record counts (it writes the pending amax
-    # and dy_records; dy_folded as forward's fold left it) and the scales, never a history nor a forward
-    # role's pending amax (see [Note: the delayed-scaling bank] in lowprec.nn.delayed_bank)
+    assert calls(backward, torch.ops.lowprec.keep.default) == 0
+    # of the state, backward takes grad_output's pending amax and record count (it writes both), never a
+    # history nor a forward role's (see [Note: the delayed-scaling bank] in lowprec.nn.delayed_bank)
     bank = lin.delayed_state.bank
     placeholders = [n.meta["val"] for n in backward.graph.nodes if n.op == "placeholder"]
-    assert sum(v.dtype == torch.int64 for v in placeholders) == 2
+    assert sum(v.dtype == torch.int64 for v in placeholders) == 1
     assert not any(v.shape == bank.history.shape for v in placeholders)
-    assert not any(v.shape == bank.pending.shape and v.dtype == bank.pending.dtype for v in placeholders)
 
 
 def test_a_delayed_weight_transposed_in_another_format_is_cast_in_forward():
