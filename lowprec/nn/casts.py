@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from lowprec import formats as F
 from lowprec import kernels as K
 from lowprec import recipes as R
 from lowprec.nn.delayed import DelayedState
@@ -26,7 +25,7 @@ Operand = QuantizedTensor | torch.Tensor
 
 def _hp_side(x2: torch.Tensor, c: R.Cast) -> torch.Tensor:
     """A side the recipe does not quantize: kept, or cast to its 16-bit format (bf16, fp16)."""
-    return x2 if c.format is None else x2.to(F.get(c.format).torch_dtype)
+    return x2 if c.format is None else x2.to(c.fmt.torch_dtype)
 
 
 def _scale(spec: K.CastSpec | None, role: R.Role, state: DelayedState | None, x2: torch.Tensor):
