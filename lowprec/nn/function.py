@@ -152,7 +152,7 @@ def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype
     return stored_operand(codes[0], codes[1], plan.weight_storage, shape, dtype, transposed)
 
 
-def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None,
+def weight_t_again(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None,
               after: torch.Tensor | None = None) -> Operand:
     """weight.T's cast made again in backward, with forward's delayed scale and no amax recorded: the
     same bits as forward would have made (every backend equals the reference). ``after``: backward's
@@ -167,7 +167,7 @@ def _weight_t(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | Non
 
 def _input_t(x: torch.Tensor, plan: LayerPlan, x_scale: torch.Tensor | None, after: torch.Tensor) -> Operand:
     """x.T's cast made again in backward (see [Note: recasting the input in backward]); ``after`` as
-    for :func:`_weight_t`."""
+    for :func:`weight_t_again`."""
     x2 = x.detach().reshape(-1, x.shape[-1])
     return K.cast(x2, plan.input.recast, scale_t=x_scale, after=after).transposed
 
@@ -175,10 +175,10 @@ def _input_t(x: torch.Tensor, plan: LayerPlan, x_scale: torch.Tensor | None, aft
 def _stored_t(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype,
               scale_t: torch.Tensor | None, after: torch.Tensor | None = None) -> Operand:
     """weight.T's operand from an FP8 primary weight's codes: the codes transposed where they serve the
-    recipe, else the decoded weight cast as :func:`_weight_t` casts it."""
+    recipe, else the decoded weight cast as :func:`weight_t_again` casts it."""
     if plan.stored_weight:
         return _stored(codes, plan, shape, dtype, transposed=True)
-    return _weight_t(_stored(codes, plan, shape, dtype).dequantize(dtype), plan, scale_t, after)
+    return weight_t_again(_stored(codes, plan, shape, dtype).dequantize(dtype), plan, scale_t, after)
 
 
 class Saved(NamedTuple):
@@ -203,14 +203,14 @@ class Saved(NamedTuple):
         return cls(tuple(tensors[:3]), tuple(tensors[3:6]), tensors[6], tensors[7], tuple(tensors[8:10]))
 
 
-def _pack(op: Operand | None) -> tuple[tuple, tuple | None]:
+def pack_operand(op: Operand | None) -> tuple[tuple, tuple | None]:
     """A kept cast for ``save_for_backward``, with the metadata to rebuild it (None: a plain tensor)."""
     if isinstance(op, QuantizedTensor):
         return op.to_saved()
     return (op, None, None), None
 
 
-def _unpack(tensors: tuple, meta: tuple | None) -> Operand | None:
+def unpack_operand(tensors: tuple, meta: tuple | None) -> Operand | None:
     return QuantizedTensor.from_saved(tensors, meta) if meta is not None else tensors[0]
 
 
@@ -239,8 +239,8 @@ class LinearFunction(torch.autograd.Function):
         f = fprop(x, weight, bias, plan, state, need_dgrad, need_wgrad, codes=codes)
         recast_x = need_wgrad and f.save.input_recast
         # x itself, for the compiler to keep or rebuild, with the scale to cast it again by
-        x_saved, x_meta = _pack(f.x_t) if not recast_x else ((x, f.x_scale, None), None)
-        w_saved, w_meta = _pack(f.w_t)
+        x_saved, x_meta = pack_operand(f.x_t) if not recast_x else ((x, f.x_scale, None), None)
+        w_saved, w_meta = pack_operand(f.w_t)
         w_from = f.save.weight_t if need_dgrad else None
         ctx.save_for_backward(*Saved(
             x_saved, w_saved, f.scale_t,
@@ -258,16 +258,16 @@ class LinearFunction(torch.autograd.Function):
         plan: LayerPlan = ctx.plan
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
         recast_x = need_wgrad and meta.save.input_recast
-        qx_t = _unpack(saved.x_t, meta.x_meta) if not recast_x else None
+        qx_t = unpack_operand(saved.x_t, meta.x_meta) if not recast_x else None
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
             w_from = meta.save.weight_t if need_dgrad else None
             if w_from is WeightT.CODES:
                 qw_t = _stored_t(saved.codes, plan, meta.w_shape, meta.w_dtype, saved.scale_t, dy)
             elif w_from is WeightT.PARAMETER:
-                qw_t = _weight_t(saved.weight.detach(), plan, saved.scale_t, dy)
+                qw_t = weight_t_again(saved.weight.detach(), plan, saved.scale_t, dy)
             else:
-                qw_t = _unpack(saved.w_t, meta.w_meta)
+                qw_t = unpack_operand(saved.w_t, meta.w_meta)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
             if need_dgrad or need_wgrad:  # a frozen input (the first layer) needs only wgrad's operand
                 qdy, qdy_t = cast_operand(dy2, plan.grad_output, need_dgrad, need_wgrad, ctx.state.delayed, True)

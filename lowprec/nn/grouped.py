@@ -35,7 +35,7 @@ from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.autocast import resolve
 from lowprec.nn.casts import CastState, cast_operand
-from lowprec.nn.function import Forward, Saved, _pack, _unpack, _weight_t, fprop, gemm, output_dtype
+from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
 
 _SAVED = len(Saved().flat())
@@ -67,13 +67,13 @@ def _expert_backward(dy, saved: Saved, save: SavePlan, metas: tuple, plan: Layer
     x_meta, w_meta = metas
     qw_t = None
     if need_dgrad:
-        qw_t = (_weight_t(saved.weight.detach(), plan, saved.scale_t, dy) if save.weight_t is WeightT.PARAMETER
-                else _unpack(saved.w_t, w_meta))
+        qw_t = (weight_t_again(saved.weight.detach(), plan, saved.scale_t, dy) if save.weight_t is WeightT.PARAMETER
+                else unpack_operand(saved.w_t, w_meta))
     if not (need_dgrad or need_wgrad):  # the bias alone
         return None, None
     qdy, qdy_t = cast_operand(dy, plan.grad_output, need_dgrad, need_wgrad, None, True)
     dx = gemm(qdy, qw_t, plan.dgrad, x_dtype) if need_dgrad else None  # (n, in)
-    dw = gemm(qdy_t, _unpack(saved.x_t, x_meta), plan.wgrad, w_dtype) if need_wgrad else None  # (out, in)
+    dw = gemm(qdy_t, unpack_operand(saved.x_t, x_meta), plan.wgrad, w_dtype) if need_wgrad else None  # (out, in)
     return dx, dw
 
 
@@ -92,7 +92,7 @@ class GroupedFunction(torch.autograd.Function):
             if f.save.input_recast or f.save.scale_t or f.save.direct:  # compiled recasts, delayed, FP8 weights
                 fail("weight", "a plain weight under current scaling (GroupedLinear follows no other save plan)",
                      f.save, NotImplementedError)
-            (x_saved, x_meta), (w_saved, w_meta) = _pack(f.x_t), _pack(f.w_t)
+            (x_saved, x_meta), (w_saved, w_meta) = pack_operand(f.x_t), pack_operand(f.w_t)
             w_param = weight[e] if need_dgrad and f.save.weight_t is WeightT.PARAMETER else None
             tensors += Saved(x_saved, w_saved, weight=w_param).flat()
             metas.append((x_meta, w_meta))
