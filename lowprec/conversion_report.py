@@ -25,6 +25,22 @@ class LayerReport:
     """The layer's parameters (weight and bias)."""
     kept: Kept | None = None
     """Why it stays in high precision; None when converted."""
+    experts: int | None = None
+    """A ``GroupedLinear``'s number of experts, each ``in_features`` -> ``out_features``; None for a linear."""
+
+    @property
+    def shape_text(self) -> str:
+        """``in x out`` for a linear; ``E experts x out x in`` for experts (their weight's shape)."""
+        if self.experts is None:
+            return f"{self.in_features}x{self.out_features}"
+        return f"{self.experts} experts x {self.out_features} x {self.in_features}"
+
+    def to_dict(self) -> dict:
+        """Plain JSON; ``experts`` only for experts, so that a linear's row reads as it always has."""
+        out = asdict(self)
+        if self.experts is None:
+            del out["experts"]
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +171,7 @@ class ConversionReport:
                         tuple(sorted(kept.items(), key=lambda kv: -kv[1])), len(self.unseen), unseen)
 
     def to_table(self, markdown: bool = False) -> str:
-        rows = [(lr.name, f"{lr.in_features}x{lr.out_features}", "yes" if lr.converted else "no", lr.reason)
+        rows = [(lr.name, lr.shape_text, "yes" if lr.converted else "no", lr.reason)
                 for lr in self.layers]
         rows += [(u.name, u.shape_text, "no", u.reason) for u in self.unseen]
         return format_table(["layer", "shape", "low precision", "reason"], rows, markdown=markdown)
@@ -191,7 +207,7 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return {"recipe": self.recipe.name, "device": self.device, "gemm_paths": self.gemm_paths,
-                "layers": [asdict(lr) for lr in self.layers], "coverage": self.coverage().to_dict(),
+                "layers": [lr.to_dict() for lr in self.layers], "coverage": self.coverage().to_dict(),
                 "small_elsewhere": self.small_elsewhere,
                 "shared_inputs": [list(g) for g in self.shared_inputs],
                 "fp8_weights": self.fp8_weights, "fp8_decoded": self.fp8_decoded,

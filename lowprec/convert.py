@@ -13,8 +13,9 @@ import torch.nn as nn
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.conversion_report import ConversionReport, Coverage, Kept, LayerReport, UnseenWeight
+from lowprec.convert_grouped import convert_grouped, grouped_layers
 from lowprec.kernels import GemmPath
-from lowprec.nn import Linear, RMSNorm, SwiGLU
+from lowprec.nn import GroupedLinear, Linear, RMSNorm, SwiGLU
 from lowprec.nn.casts import InputShare
 from lowprec.nn.delayed_bank import bank_layers
 from lowprec.nn.fp8_convert import check_fp8_weights, store_fp8
@@ -50,9 +51,11 @@ def _set_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = None, *,
             fp8_weights: bool = False) -> ConversionReport:
     """Swap every ``nn.Linear`` of ``model`` in place for a ``lowprec.nn.Linear`` bound to ``recipe``
-    (sharing its parameters), except those ``policy`` keeps in high precision, and return a report of
-    every linear. Layers whose shape the recipe's GEMMs cannot take are converted but run in high
-    precision; the report and a warning say so, as they say when GEMMs are emulated on this device.
+    (sharing its parameters), except those ``policy`` keeps in high precision, bind ``recipe`` to every
+    ``lowprec.nn.GroupedLinear`` (experts) likewise (see [Note: converting experts] in
+    ``lowprec.convert_grouped``), and return a report of every linear and every group of experts.
+    Layers whose shape the recipe's GEMMs cannot take are converted but run in high precision; the
+    report and a warning say so, as they say when GEMMs are emulated on this device.
     Matrices used other than through an ``nn.Linear`` (fused 3-D expert weights, a module's own
     ``F.linear``) are not converted: the report names them, one warning says so, and its coverage counts
     them (see [Note: weights lowprec cannot see into] in ``lowprec.unseen``).
@@ -78,7 +81,8 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     mha = {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.modules()}
     blocks = find_blocks(model)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if (unmatched := unmatched_patterns(policy, [n for n, _ in linears])) is not None:
+    grouped = grouped_layers(model)
+    if (unmatched := unmatched_patterns(policy, [n for n, _ in linears + grouped])) is not None:
         warnings.warn(UnmatchedPatternWarning(f"lowprec: {unmatched}"), stacklevel=2)  # a typo does less than asked
     converted: dict[str, Linear] = {}
     small: set[str] = set()  # kept by the policy as too small
@@ -102,6 +106,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
         if policy.small_rule is not None and recipe.low_precision and report.layers[-1].converted \
                 and too_small(new.in_features, new.out_features, policy.small_rule):
             report.small_elsewhere.append(name)
+    experts = convert_grouped(model, recipe, policy, blocks, report, device)
     if recipe.uses_delayed_scaling:  # one bank per device, folded once per forward of the model
         bank_layers(model, list(converted.values()))
     for group in share_groups(policy, list(converted)):
@@ -112,8 +117,8 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     if fp8_weights:
         _store_fp8(converted, report)
     _bind_activations(model, policy, report)
-    report.unseen = find_unseen(model, mha)
-    _warn(report, converted, small)
+    report.unseen = find_unseen(model, mha | {id(g) for _, g in grouped})
+    _warn(report, {**converted, **experts}, small)
     warn_unseen(report.unseen, report.coverage(), stacklevel=2)
     return report
 
@@ -173,7 +178,7 @@ class SmallLayersWarning(UserWarning):
             kept, linears, device, recipe, min_features)
 
 
-def _warn(report: ConversionReport, converted: dict[str, Linear], policy_small: set[str]) -> None:
+def _warn(report: ConversionReport, converted: dict[str, Linear | GroupedLinear], policy_small: set[str]) -> None:
     def names(layers):
         return ", ".join(lr.name for lr in layers[:5]) + (" ..." if len(layers) > 5 else "")
 

@@ -13,8 +13,8 @@ parameters as not converted.
 Which parameters are named, conservatively, from what the module is and the parameter's shape alone
 (nothing runs):
 * none of a module the report already has: every ``nn.Linear`` (converted or kept) and what the
-  policy keeps whole (``nn.MultiheadAttention``), nor of a ``lowprec.nn.GroupedLinear`` bound to a
-  recipe of its own;
+  policy keeps whole (``nn.MultiheadAttention``), nor of a ``lowprec.nn.GroupedLinear`` (``convert``
+  binds the recipe to it and gives it a row; outside ``convert``, one bound to a recipe of its own);
 * none of a module that holds no token matrix: embeddings (``nn.Embedding``, or a type whose name
   says ``Embed``), norms (a type whose name says ``Norm``) and convolutions, nor a parameter such a
   module shares (a tied head);

@@ -136,11 +136,13 @@ def test_a_llama_style_model_norms_embeddings_and_tied_heads_have_nothing_unseen
     assert convert_recording(tied)[0].unseen == []
 
 
-def test_a_grouped_linear_is_named_only_while_no_recipe_is_bound_to_it():
+def test_a_grouped_linear_is_converted_never_named_as_unseen():
+    from lowprec.unseen import find_unseen
+
     model = nn.ModuleDict({"experts": GroupedLinear(E, H, D), "proj": nn.Linear(D, H)})
-    assert [u.name for u in convert_recording(model)[0].unseen] == ["experts.weight"]
-    model["experts"].set_recipe("fp8-current")
-    assert convert_recording(model)[0].unseen == []
+    assert [u.name for u in find_unseen(model, set())] == ["experts.weight"]  # no recipe: a weight unseen
+    report, said = convert_recording(model)
+    assert report.unseen == [] and said == [] and model["experts"].recipe is not None
 
 
 def test_a_verdict_on_a_model_whose_experts_never_ran_the_recipe_is_not_earned():

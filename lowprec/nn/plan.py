@@ -37,6 +37,8 @@ class Kept(str, enum.Enum):
     """Too small to gain where the recipe runs natively (``Policy.skip_small`` None)."""
     SHAPE = "shape"
     """A shape the recipe's GEMMs cannot take."""
+    REFUSED = "refused"
+    """The layer refuses the recipe (a ``GroupedLinear`` under delayed scaling: no amax history per expert)."""
 
 # [Note: evaluation is deterministic]
 # Stochastic rounding is for training: it keeps the expected value of small updates. A forward in

@@ -300,6 +300,8 @@ _KEPT_HINTS = {
                 "converts them)",
     Kept.SHAPE: "shapes the recipe's GEMMs cannot take (a --model whose widths are multiples of what the "
                 "conversion report names)",
+    Kept.REFUSED: "layers that refuse the recipe (grouped experts under delayed scaling: a recipe with current "
+                  "scaling converts them)",
 }
 
 
