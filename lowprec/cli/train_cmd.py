@@ -59,7 +59,8 @@ FAILED_RUN_STATUS = 3
 def _options(d: Defaults) -> list[Callable]:
     return [
         click.option("--model", default="tiny", show_default=True,
-                     help="A preset (tiny, small, 125m, 350m, 1b) or a Hugging Face config file or directory."),
+                     help="A preset (tiny, small, 125m, 350m, 1b, moe-tiny) or a Hugging Face config file or "
+                          "directory."),
         click.option("--steps", type=int, default=d.steps, show_default=True, help="Optimizer steps."),
         click.option("--data", default=None,
                      help="A text file or directory, or a .npy/.bin token file. Default: the embedded corpus."),

@@ -49,6 +49,14 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
 )}
 
 
+def _moe(moe, width: int) -> MoESpec | None:
+    """A reference preset's experts (``lowprec.train.moe_model.MoEConfig``, each expert ``width`` wide)."""
+    if moe is None:
+        return None
+    return MoESpec(n_experts=moe.n_experts, top_k=moe.top_k, expert_ffn=width, n_shared=moe.n_shared,
+                   shared_ffn=width if moe.n_shared else 0)
+
+
 def reference_presets() -> dict[str, ModelSpec]:
     """The reference trainer's model presets (``lowprec.train.model.PRESETS``) as ``ref-<name>``,
     with the vocabulary they are built with."""
@@ -57,7 +65,7 @@ def reference_presets() -> dict[str, ModelSpec]:
     return {
         f"ref-{key}": ModelSpec(
             name=f"ref-{key}", vocab=c.vocab_size, d_model=c.dim, n_layers=c.n_layers, n_heads=c.n_heads,
-            n_kv_heads=c.n_kv_heads, head_dim=c.dim // c.n_heads, ffn=c.ffn_dim,
+            n_kv_heads=c.n_kv_heads, head_dim=c.dim // c.n_heads, ffn=c.ffn_dim, moe=_moe(c.moe, c.ffn_dim),
             source=f"lowprec.train.model preset {key!r}")
         for key, c in TRAIN_PRESETS.items()
     }

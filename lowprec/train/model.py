@@ -9,6 +9,10 @@ keep only their inputs for backward, in the model's dtype until ``convert`` is g
 (``output``) in high precision, finds them.
 
 Every width is a multiple of 32 so each linear can be quantized in 32-element MX blocks.
+
+With ``moe`` set (the ``moe-tiny`` preset) every block's feed-forward is a mixture of experts instead
+(:mod:`lowprec.train.moe_model`): a ``router`` linear, routed experts held as ``lowprec.nn.GroupedLinear``
+(``layers.{i}.feed_forward.experts.w1``/``w3``/``w2``) and a shared SwiGLU (``...feed_forward.shared``).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from torch import nn
 
 from lowprec._checks import check_choice, fail
 from lowprec.nn import RMSNorm, SwiGLU
+from lowprec.train.moe_model import MoEConfig, MoEFeedForward
 
 MX_BLOCK = 32
 """Widths must be multiples of this so MX and NVFP4 blocks tile every GEMM operand."""
@@ -38,12 +43,14 @@ class ModelConfig:
     n_kv_heads: int
     """Key/value heads (grouped-query attention); divides ``n_heads``."""
     ffn_dim: int
-    """Hidden width of the SwiGLU feed-forward; a multiple of 32."""
+    """Hidden width of the SwiGLU feed-forward (of each expert, with ``moe``); a multiple of 32."""
     vocab_size: int = 256
     """256 for the byte-level default corpus."""
     max_seq_len: int = 2048
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    moe: MoEConfig | None = None
+    """Experts in every block's feed-forward; None: a dense SwiGLU."""
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
@@ -70,6 +77,10 @@ class ModelConfig:
         kv_dim = self.n_kv_heads * self.head_dim
         attention = 2 * self.dim * self.dim + 2 * self.dim * kv_dim
         feed_forward = 3 * self.dim * self.ffn_dim
+        if self.moe is not None:  # routed experts, the shared ones' SwiGLU, the router
+            moe = self.moe
+            feed_forward *= moe.n_experts + moe.n_shared
+            feed_forward += self.dim * moe.n_experts
         per_layer = attention + feed_forward + 2 * self.dim
         return self.n_layers * per_layer + 2 * self.vocab_size * self.dim + self.dim
 
@@ -84,6 +95,10 @@ PRESETS: dict[str, ModelConfig] = {
     "125m": ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048),
     "350m": ModelConfig(dim=1024, n_layers=24, n_heads=16, n_kv_heads=8, ffn_dim=2816),
     "1b": ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=5632),
+    # ~1.1M: a mixture of experts for CPU tests (8 experts of width 128, 2 per token, 1 shared); widths of
+    # 128 so that every recipe's blocks, 128x128 included, tile the experts
+    "moe-tiny": ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=1024,
+                            moe=MoEConfig(n_experts=8, top_k=2, n_shared=1)),
 }
 
 
@@ -134,11 +149,11 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
         self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +166,9 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim) if cfg.moe is None else MoEFeedForward(
+            cfg.dim, cfg.ffn_dim, cfg.moe,
+            FeedForward(cfg.dim, cfg.moe.n_shared * cfg.ffn_dim) if cfg.moe.n_shared else None)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)  # (B, T, dim)

@@ -143,6 +143,8 @@ def load_model(spec: str, *, vocab_size: int = 256, seed: int = 0) -> tuple[nn.M
         cfg = replace(PRESETS[spec], vocab_size=vocab_size)
         model: nn.Module = build_model(cfg, seed)
         config = asdict(cfg)
+        if cfg.moe is None:  # a dense preset's config reads as it always has
+            del config["moe"]
     else:
         model, config = _load_hf(Path(check_model_spec(spec)), vocab_size, seed)
     return model, ModelSpec(name=spec, config=config, n_params=sum(p.numel() for p in model.parameters()))

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lowprec.nn import GroupedLinear
 from lowprec.train.model import (
     PRESETS,
     Attention,
@@ -31,8 +32,13 @@ def test_every_linear_of_every_preset_tiles_into_32_blocks(name):
     with torch.device("meta"):
         model = Transformer(PRESETS[name])
     assert sum(p.numel() for p in model.parameters()) == PRESETS[name].num_params()
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(linears) == 7 * PRESETS[name].n_layers + 1
+    names = dict(model.named_modules())
+    # a MoE block's router (one output per expert) stays in high precision by policy: it need not tile
+    linears = [m for n, m in names.items() if isinstance(m, (torch.nn.Linear, GroupedLinear))
+               and not n.endswith(".router")]
+    moe = PRESETS[name].moe
+    per_block = 7 + (3 if moe is not None and moe.n_shared else 0)  # attention, feed-forward or experts, shared
+    assert len(linears) == per_block * PRESETS[name].n_layers + 1
     for m in linears:
         assert m.in_features % 32 == 0 and m.out_features % 32 == 0
 

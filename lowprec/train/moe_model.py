@@ -1,0 +1,97 @@
+"""The reference model's mixture-of-experts feed-forward (DeepSeek-style): many narrow routed experts,
+top-k softmax routing, and shared experts every token passes through.
+
+[Note: the reference MoE layer]
+The router is a plain ``nn.Linear`` named ``router``, which the default conversion policy keeps in high
+precision (``keep_routers``: a few bits of error reorder the experts); its logits are taken to FP32
+before the softmax. Each token goes to the ``top_k`` experts of highest probability, weighted by those
+probabilities renormalised to sum to one. No token is dropped (no capacity limit): the ``T * top_k``
+(token, expert) pairs are sorted by expert (a stable sort, so the order is the same on every run),
+the offsets are the cumulative counts, and the routed experts are three ``lowprec.nn.GroupedLinear``s
+(``w1`` gate, ``w3`` up, ``w2`` down: a SwiGLU each, the names of the dense feed-forward), which
+``convert`` binds to the recipe. Each pair's output is put back in token order by a gather (no
+scatter-add, so the combine is deterministic on any device), multiplied by its weight and summed over
+the token's ``top_k`` experts. The shared experts are one dense SwiGLU of ``n_shared`` experts' width,
+added to every token.
+
+No auxiliary balancing loss is computed (the training loop's loss is the language model's alone), and
+there is no auxiliary-loss-free bias: with few steps the experts stay near the balance of their random
+initialisation. An expert that receives no token is handled by ``GroupedLinear`` (its gradient is zero).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowprec._checks import describe, fail
+from lowprec.nn import GroupedLinear, SwiGLU
+
+__all__ = ["MoEConfig", "MoEFeedForward", "RoutedExperts"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoEConfig:
+    """The experts of each block of a reference MoE model; each expert is ``ModelConfig.ffn_dim`` wide."""
+
+    n_experts: int
+    """Routed experts per block."""
+    top_k: int
+    """Routed experts each token passes through."""
+    n_shared: int = 1
+    """Shared experts every token passes through (one SwiGLU ``n_shared * ffn_dim`` wide); 0 for none."""
+
+    def __post_init__(self) -> None:
+        for name in ("n_experts", "top_k", "n_shared"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "n_shared" else 1):
+                fail(f"moe.{name}", "a positive int" if name != "n_shared" else "a non-negative int", describe(v))
+        if self.top_k > self.n_experts:
+            fail("moe.top_k", f"at most n_experts={self.n_experts}", self.top_k)
+
+
+class RoutedExperts(nn.Module):
+    """``n_experts`` SwiGLU experts of width ``hidden`` on tokens grouped by expert."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = GroupedLinear(n_experts, dim, hidden)
+        self.w3 = GroupedLinear(n_experts, dim, hidden)
+        self.w2 = GroupedLinear(n_experts, hidden, dim)
+        self.act = SwiGLU()
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x, offsets), self.w3(x, offsets)), offsets)  # (N, dim)
+
+
+class MoEFeedForward(nn.Module):
+    """Routed experts plus shared experts; see [Note: the reference MoE layer]. ``shared``: the shared
+    experts' dense SwiGLU (built by the model, as its dense feed-forward), or None."""
+
+    def __init__(self, dim: int, hidden: int, moe: MoEConfig, shared: nn.Module | None) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.router = nn.Linear(dim, moe.n_experts, bias=False)
+        self.experts = RoutedExperts(moe.n_experts, dim, hidden)
+        self.shared = shared
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's ``top_k`` experts and their weights (renormalised probabilities), each (N, k)."""
+        probs = self.router(x).float().softmax(dim=-1)  # (N, E)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
+        return weights / weights.sum(dim=-1, keepdim=True), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)  # (N, D)
+        weights, experts = self.route(flat)  # (N, k)
+        pairs = experts.flatten()  # (N*k,) the expert of each (token, slot)
+        order = pairs.argsort(stable=True)  # (N*k,) pairs grouped by expert
+        counts = torch.bincount(pairs, minlength=self.experts.w1.num_experts)  # (E,)
+        y = self.experts(flat[order // self.top_k], counts.cumsum(0))  # (N*k, D) in expert order
+        y = y[order.argsort()].view(B * T, self.top_k, D)  # (N, k, D) back in token order
+        out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # (N, D)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(B, T, D)
