@@ -84,11 +84,34 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     grouped = grouped_layers(model)
     if (unmatched := unmatched_patterns(policy, [n for n, _ in linears + grouped])) is not None:
         warnings.warn(UnmatchedPatternWarning(f"lowprec: {unmatched}"), stacklevel=2)  # a typo does less than asked
+    converted, small = _convert_linears(model, linears, recipe, policy, report, device, embeddings=embeddings,
+                                        mha_children=mha, blocks=blocks)
+    experts = convert_grouped(model, recipe, policy, blocks, report, device)
+    if recipe.uses_delayed_scaling:  # one bank per device, folded once per forward of the model
+        bank_layers(model, list(converted.values()))
+    for group in share_groups(policy, list(converted)):
+        report.shared_inputs.append(group)
+        share = InputShare(group)
+        for name in group:
+            converted[name].state.share = share
+    if fp8_weights:
+        _store_fp8(converted, report)
+    _bind_activations(model, policy, report)
+    report.unseen = find_unseen(model, mha | {id(g) for _, g in grouped})
+    _warn(report, {**converted, **experts}, small)
+    warn_unseen(report.unseen, report.coverage(), stacklevel=2)
+    return report
+
+
+def _convert_linears(model: nn.Module, linears: list[tuple[str, nn.Linear]], recipe: R.Recipe, policy: Policy,
+                     report: ConversionReport, device: torch.device, **where) -> tuple[dict[str, Linear], set[str]]:
+    """Bind ``recipe`` to each linear the policy does not keep (swapping an ``nn.Linear`` for a
+    ``lowprec.nn.Linear``), each with its report row; ``where``: what ``policy_keeps`` needs of the model.
+    Returns the converted layers by name and the names the policy keeps as too small."""
     converted: dict[str, Linear] = {}
-    small: set[str] = set()  # kept by the policy as too small
+    small: set[str] = set()
     for name, lin in linears:
-        keep = policy_keeps(policy, name, lin, embeddings=embeddings, mha_children=mha, blocks=blocks,
-                            last_fraction=recipe.hp_last_fraction)
+        keep = policy_keeps(policy, name, lin, last_fraction=recipe.hp_last_fraction, **where)
         if keep is not None:
             if isinstance(lin, Linear):  # converted before: back to high precision
                 lin.set_recipe(None)
@@ -106,21 +129,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
         if policy.small_rule is not None and recipe.low_precision and report.layers[-1].converted \
                 and too_small(new.in_features, new.out_features, policy.small_rule):
             report.small_elsewhere.append(name)
-    experts = convert_grouped(model, recipe, policy, blocks, report, device)
-    if recipe.uses_delayed_scaling:  # one bank per device, folded once per forward of the model
-        bank_layers(model, list(converted.values()))
-    for group in share_groups(policy, list(converted)):
-        report.shared_inputs.append(group)
-        share = InputShare(group)
-        for name in group:
-            converted[name].state.share = share
-    if fp8_weights:
-        _store_fp8(converted, report)
-    _bind_activations(model, policy, report)
-    report.unseen = find_unseen(model, mha | {id(g) for _, g in grouped})
-    _warn(report, {**converted, **experts}, small)
-    warn_unseen(report.unseen, report.coverage(), stacklevel=2)
-    return report
+    return converted, small
 
 
 def _store_fp8(converted: dict[str, Linear], report: ConversionReport) -> None:
