@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -175,7 +175,7 @@ class LayerPlan:
     stored_weight: bool = False
     """The GEMMs take the FP8 weight's stored codes as they are (:func:`codes_serve`), decided here and
     not at each forward, so that a compiled forward asks the weight subclass nothing."""
-    saves: tuple[SavePlan, ...] = ()
+    saves: tuple[SavePlan, ...] = field(default=(), compare=False, repr=False)
     """Every :class:`SavePlan` of a scaled layer, made with the plan: read through :meth:`save`."""
 
     def save(self, kind: WeightKind, serves: bool, caching: bool, compiled: bool) -> SavePlan:
