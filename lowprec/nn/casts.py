@@ -28,10 +28,10 @@ def _hp_side(x2: torch.Tensor, c: R.Cast) -> torch.Tensor:
     return x2 if c.format is None else x2.to(c.fmt.torch_dtype)
 
 
-def _scale(spec: K.CastSpec | None, role: R.Role, state: DelayedState | None, x2: torch.Tensor):
+def _scale(spec: K.CastSpec | None, role: R.Role, state: DelayedState | None, current: torch.Tensor | None):
     if spec is None or not spec.delayed or state is None:
         return None
-    return state.scale(role, spec.fmt, x2)
+    return state.scale(role, spec.fmt, current)
 
 
 def record_weight_amax(delayed: DelayedState | None, op: OperandPlan, amax: torch.Tensor | None,
@@ -54,13 +54,20 @@ def cast_operand(x2: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, 
     k = t = None
     if route is not None:
         a, b = route.along_k, route.transposed
-        scale_k = _scale(a, op.role, state, x2)
-        # one scale tensor where the sides are scaled alike, so a fused pass can serve both with it
-        scale_t = scale_k if a is not None and a.scaled_like(b) else _scale(b, op.role, state, x2)
         recording = record and op.delayed and state is not None
-        k, t, amax = K.cast(x2, route, scale_k=scale_k, scale_t=scale_t, record_amax=recording)
-        if amax is not None:
-            state.record(op.role, amax)
+        # Compiled code cannot branch on whether the role has a history, so it takes x2's amax either way
+        # (see DelayedState.scale); that one amax is also what it records, so the compiler reduces x2 once,
+        # inside the kernel that produced it, and the cast kernel records nothing. Eager code records the
+        # amax the cast kernel takes on its way (the same value: a maximum is exact).
+        current = (x2.detach().abs().amax().float()
+                   if op.delayed and state is not None and torch.compiler.is_compiling() else None)
+        scale_k = _scale(a, op.role, state, current)
+        # one scale tensor where the sides are scaled alike, so a fused pass can serve both with it
+        scale_t = scale_k if a is not None and a.scaled_like(b) else _scale(b, op.role, state, current)
+        k, t, amax = K.cast(x2, route, scale_k=scale_k, scale_t=scale_t,
+                            record_amax=recording and current is None)
+        if recording:
+            state.record(op.role, amax if current is None else current)
     if need_k and k is None:
         k = _hp_side(x2, op.cast_k)
     if need_t and t is None:

@@ -146,16 +146,15 @@ class DelayedState:
         """Amaxes recorded per role (reads the device)."""
         return [int(v) for v in self.count.tolist()]
 
-    def scale(self, role: Role, fmt: F.Format, x: torch.Tensor | None = None) -> torch.Tensor | None:
+    def scale(self, role: Role, fmt: F.Format, current: torch.Tensor | None = None) -> torch.Tensor | None:
         """The dequantizing scale for ``role`` from its history, as the last fold left it; before its
         first amax, None (the cast then scales by its own amax). Compiled code cannot branch on the
-        device's count: it gets the history's scale, or before the first amax the current scale of
-        ``x``, which the compiler reduces inside the kernel that produced x."""
+        device's count: it gets the history's scale, or before the first amax the scale of ``current``
+        (the operand's amax, which the compiler reduces inside the kernel that produced the operand)."""
         i, bank = int(role), self.bank
-        if torch.compiler.is_compiling() and x is not None:
+        if torch.compiler.is_compiling() and current is not None:
             # the amax chosen, then one scale: amax_scale is elementwise, so this is the scale of either
             # case, in half the graph's operations
-            current = x.detach().abs().amax().float()
             ready, history_amax = bank.read(self.row, role)
             amax = torch.where(ready, history_amax, current)
             scale = amax_scale(amax, fmt).reshape(1, 1)
