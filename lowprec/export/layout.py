@@ -33,7 +33,10 @@ class LayerWeight:
     master: torch.Tensor
     """The FP32 master weight: ``(out, in)``, or ``(E, out, in)`` for experts."""
     trained: QuantizedTensor | None = None
-    """The weight as the recipe's forward GEMM used it (cast along ``in``), or None (a high-precision layer)."""
+    """The weight as the recipe's forward GEMM used it (cast along ``in``), or None where training had no
+    quantized weight the format could take (a BF16 recipe, a Hadamard-transformed cast, a cast whose blocks
+    an export re-layout would split): the format then quantizes ``master``. Layers the export keeps in high
+    precision never reach :meth:`Layout.write_layer`."""
     recipe: str | None = None
     """The training recipe's name, or None."""
 
@@ -51,6 +54,11 @@ class Layout(Protocol):
     def config(self, kept: list[str]) -> dict:
         """What the format adds to ``config.json`` (its ``quantization_config``), ``kept`` being the names of
         the linears written in high precision."""
+        ...
+
+    def keeps(self, w: LayerWeight) -> str | None:
+        """Why the format writes ``w`` in high precision although the recipe quantized it (a shape it cannot
+        take, a kind of layer it does not quantize), or None. Optional: a format without it keeps none."""
         ...
 
     def extra_files(self, kept: list[str]) -> dict[str, bytes]:
