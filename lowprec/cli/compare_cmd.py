@@ -75,7 +75,8 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_see
     # the whole of --out is this comparison's (each recipe's run locks its own runs/<recipe> too)
     with launched(opts, "compare") as (device, main), run_directory_lock(out, Ranks.of(opts["parallel"])):
         cfg = config_from_options(names[0], opts, device=device)
-        data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
+        data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"],
+                         tokenizer=opts["tokenizer"], text_field=opts["text_field"])
         chatty = main and not opts["quiet"] and not opts["as_json"]
         plan, _ = compare_plan(names, cfg, seeds, recipe_seeds)
         n_runs = plan.n_runs

@@ -63,11 +63,20 @@ def _options(d: Defaults) -> list[Callable]:
                           "directory."),
         click.option("--steps", type=int, default=d.steps, show_default=True, help="Optimizer steps."),
         click.option("--data", default=None,
-                     help="A text file or directory, or a .npy/.bin token file. Default: the embedded corpus."),
+                     help="A text file or directory; a .jsonl, .parquet or .arrow file or directory of one kind; "
+                          "hf:PATH of a dataset saved by save_to_disk, or hf:NAME[:CONFIG][:SPLIT] streamed from "
+                          "the Hub; or a .npy/.bin token file. Default: the embedded corpus."),
+        click.option("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                     help="A tokenizer.json, or a directory or model name transformers.AutoTokenizer loads (the "
+                          "Hub only when online). Tokens are cached in .lowprec-cache/ beside the data. "
+                          "Default: text is bytes (vocabulary 256)."),
+        click.option("--text-field", default=None,
+                     help="The field (jsonl) or column (parquet, arrow, hf:) holding the text. Default: text."),
         click.option("--token-dtype", default="uint16", show_default=True, help="Element type of a .bin token file."),
         click.option("--vocab-size", type=int, default=None,
-                     help="The model's vocabulary; every token id must be below it. Default: 256 for text, a token "
-                          "file's largest id + 1 rounded up to 32 (at most 262,144)."),
+                     help="The model's vocabulary; every token id must be below it. Default: 256 for text, the "
+                          "--tokenizer's vocabulary rounded up to 32, a token file's largest id + 1 rounded up to 32 "
+                          "(at most 262,144)."),
         click.option("--batch-size", type=int, default=d.batch_size, show_default=True),
         click.option("--seq-len", type=int, default=d.seq_len, show_default=True),
         click.option("--grad-accum", type=int, default=1, show_default=True, help="Micro-batches per step."),
@@ -323,7 +332,8 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
     with launched(opts, "train") as (device, main):
         resumed = saved_train_config(Path(out) / "checkpoints") if resume else None
         cfg = config_from_options(recipe, opts, device=device, resumed=resumed, save_every=save_every, keep=keep)
-        data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"])
+        data = load_data(opts["data"], token_dtype=opts["token_dtype"], vocab_size=opts["vocab_size"],
+                         tokenizer=opts["tokenizer"], text_field=opts["text_field"])
         model, spec = load_model(opts["model"], vocab_size=data.vocab_size, seed=cfg.seed)
         _check_policy_patterns(cfg, model)
         check_sequence_fits(data, cfg.seq_len, spec.max_positions, names=("--data", "--seq-len"))

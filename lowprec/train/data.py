@@ -1,8 +1,11 @@
-"""Training data: the embedded corpus, text files and directories, token files; batches from them.
+"""Training data: the embedded corpus, text files and directories, token files, jsonl/parquet/arrow files and
+Hugging Face datasets; batches from them.
 
 Every source becomes one 1-D array of token ids, split once into a training part (the head) and a
-validation part (the last ``val_fraction``). Text is byte-level (token = byte, vocabulary 256);
-token files (``.npy``, or raw ``.bin`` of uint16/uint32) are memory-mapped, never read whole.
+validation part (the last ``val_fraction``). Text is byte-level (token = byte, vocabulary 256) unless a
+tokenizer is given; token files (``.npy``, or raw ``.bin`` of uint16/uint32) are memory-mapped, never read
+whole. Documents (jsonl, parquet, arrow, ``hf:``, and text with a tokenizer) are tokenized once into a
+memory-mapped cache (:mod:`lowprec.train.token_cache`) by :mod:`lowprec.train.documents`.
 
 Batches are a pure function of ``(seed, step)``: the run that resumes at step k draws exactly the
 batches the uninterrupted run drew, and every recipe of a comparison sees the same data in the
@@ -22,17 +25,20 @@ import torch
 
 from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.train.corpus import DEFAULT_CAP_BYTES, build_corpus
+from lowprec.train.documents import document_source, is_hf, tokenized_documents
+from lowprec.train.fingerprint import file_fingerprint
+from lowprec.train.text_sources import DocumentSource, visible_files
+from lowprec.train.text_tokenizer import BYTE_VOCAB
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 DEFAULT_VAL_FRACTION = 0.05
-BYTE_VOCAB = 256
-"""Text is byte-level: token = byte."""
 MAX_INFERRED_VOCAB = 1 << 18
 """The largest vocabulary taken from a token file's largest id without ``vocab_size``: 262,144, the size
 of the largest common tokenizers'. One stray id above it (a corrupt file) would otherwise build an
 embedding and LM head of that many rows; a larger vocabulary must be given."""
-_FINGERPRINT_SPAN = 1 << 20
-"""Bytes hashed at each end of a token file: hashing gigabytes on every start would be slow."""
+VOCAB_MULTIPLE = 32
+"""An inferred vocabulary (a token file's, a tokenizer's) is rounded up to a multiple of this, so that the LM
+head tiles into 32-wide blocks; the extra rows are never a target."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,14 +158,6 @@ def corpus_data(cap_bytes: int = DEFAULT_CAP_BYTES, val_fraction: float = DEFAUL
     return _split(tokens, val_fraction, BYTE_VOCAB, source, corpus.sha256)
 
 
-def _text_files(path: Path) -> list[Path]:
-    """The files under ``path``, sorted, hidden ones skipped. A symbolic link to a file is followed (and
-    counted in the data's ``source``); one to a directory is not descended into."""
-    files = sorted(p for p in path.rglob("*") if p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
-    return files
-
-
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
 
@@ -167,7 +165,7 @@ def _plural(n: int, word: str) -> str:
 def text_data(path: Path, val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenData:
     """A UTF-8 text file, or every UTF-8 file under a directory (sorted, hidden ones skipped, symbolic
     links to files followed), as bytes."""
-    files = _text_files(path) if path.is_dir() else [path]
+    files = visible_files(path) if path.is_dir() else [path]
     parts, links = [], 0
     for f in files:
         raw = f.read_bytes()
@@ -191,15 +189,6 @@ def text_data(path: Path, val_fraction: float = DEFAULT_VAL_FRACTION) -> TokenDa
     return _split(tokens, val_fraction, BYTE_VOCAB, source, digest)
 
 
-def _fingerprint(path: Path) -> str:
-    h = hashlib.sha256(str(path.stat().st_size).encode())
-    with path.open("rb") as f:
-        h.update(f.read(_FINGERPRINT_SPAN))
-        f.seek(max(0, path.stat().st_size - _FINGERPRINT_SPAN))
-        h.update(f.read(_FINGERPRINT_SPAN))
-    return h.hexdigest()
-
-
 def token_file_data(path: Path, token_dtype: str = "uint16", val_fraction: float = DEFAULT_VAL_FRACTION,
                     vocab_size: int | None = None) -> TokenData:
     """Pre-tokenized ids, memory-mapped: a 1-D integer ``.npy``, or a raw ``.bin`` of ``token_dtype``;
@@ -220,7 +209,7 @@ def token_file_data(path: Path, token_dtype: str = "uint16", val_fraction: float
     low = int(tokens.min())
     if low < 0:
         fail("data", "non-negative token ids", f"{low} at position {int(np.argmin(tokens)):,} of {str(path)!r}")
-    fingerprint = _fingerprint(path)
+    fingerprint = file_fingerprint(path)
     source = (f"tokens: {path} ({len(tokens):,} {tokens.dtype}, {_plural(path.stat().st_size, 'byte')}, "
               f"fingerprint {fingerprint[:12]})")
     return _split(tokens, val_fraction, _token_vocab(tokens, path, vocab_size), source, fingerprint)
@@ -231,7 +220,7 @@ def _token_vocab(tokens: np.ndarray, path: Path, vocab_size: int | None) -> int:
     (so the LM head tiles into 32-wide blocks), up to :data:`MAX_INFERRED_VOCAB`."""
     top = int(tokens.max())
     if vocab_size is None and top < MAX_INFERRED_VOCAB:
-        return -(-(top + 1) // 32) * 32
+        return padded_vocab(top + 1)
     # the position makes a stray id findable; looked for only when refusing (a second pass over the file)
     where = f"{top:,} at position {int(np.argmax(tokens)):,} of {str(path)!r}"
     if vocab_size is None:
@@ -242,6 +231,11 @@ def _token_vocab(tokens: np.ndarray, path: Path, vocab_size: int | None) -> int:
     return vocab_size
 
 
+def padded_vocab(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`VOCAB_MULTIPLE`."""
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 def _check_vocab_size(vocab_size: int | None) -> int | None:
     if vocab_size is not None:
         check_positive_int("vocab_size", vocab_size)
@@ -249,27 +243,64 @@ def _check_vocab_size(vocab_size: int | None) -> int | None:
 
 
 def load_data(path: str | Path | None = None, *, token_dtype: str = "uint16",
-              val_fraction: float = DEFAULT_VAL_FRACTION, vocab_size: int | None = None) -> TokenData:
-    """The embedded corpus (``path=None``), a text file or directory, or a ``.npy``/``.bin`` token file.
+              val_fraction: float = DEFAULT_VAL_FRACTION, vocab_size: int | None = None,
+              tokenizer: str | Path | None = None, text_field: str | None = None) -> TokenData:
+    """The embedded corpus (``path=None``), a text file or directory, a ``.npy``/``.bin`` token file, a
+    jsonl/parquet/arrow file or directory of one kind, or a Hugging Face dataset (``hf:...``, see
+    :mod:`lowprec.train.hf_source`).
 
-    ``vocab_size``: the model's vocabulary; every token id must be below it (text: at least 256).
-    Without it, text has 256 and a token file its largest id + 1 (rounded up to 32), at most
-    :data:`MAX_INFERRED_VOCAB`.
+    ``tokenizer``: a tokenizer.json, a directory or name transformers.AutoTokenizer loads (see
+    :mod:`lowprec.train.text_tokenizer`); without it text is bytes. ``text_field``: the field or column holding
+    the text of jsonl, parquet, arrow and hf: data (default ``text``).
+    ``vocab_size``: the model's vocabulary; every token id must be below it. Without it, text has 256,
+    tokenized text the tokenizer's vocabulary, and a token file its largest id + 1, each rounded up to 32
+    (a token file's at most :data:`MAX_INFERRED_VOCAB`).
     """
     _check_vocab_size(vocab_size)
     if path is None:
-        data = corpus_data(val_fraction=val_fraction)
-    else:
+        _refuse_text_options(tokenizer, text_field, "the embedded corpus, byte-level text (give --data)")
+        return _with_vocab(corpus_data(val_fraction=val_fraction), vocab_size, BYTE_VOCAB, None)
+    if not is_hf(path):
         p = Path(path)
         if not p.exists():
             fail("data", "an existing file or directory", repr(str(path)), FileNotFoundError)
         if p.is_file() and p.suffix in (".npy", ".bin"):
+            _refuse_text_options(tokenizer, text_field, f"the token file {str(p)!r}, which holds ids already")
             return token_file_data(p, token_dtype, val_fraction, vocab_size)
-        data = text_data(p, val_fraction)
+    source = document_source(path, text_field, tokenizer)
+    if source is None:
+        _refuse_text_options(None, text_field, f"the text {str(path)!r}")
+        return _with_vocab(text_data(Path(path), val_fraction), vocab_size, BYTE_VOCAB, None)
+    return documents_data(source, tokenizer, val_fraction, vocab_size)
+
+
+def documents_data(source: DocumentSource, tokenizer: str | Path | None = None,
+                   val_fraction: float = DEFAULT_VAL_FRACTION, vocab_size: int | None = None) -> TokenData:
+    """A source's documents tokenized (from the token cache when it holds them), split; the vocabulary
+    ``vocab_size``, at least the tokenizer's, or by default the tokenizer's rounded up to 32 (bytes: 256)."""
+    tokens = tokenized_documents(source, tokenizer)
+    data = _split(tokens.tokens, val_fraction, padded_vocab(tokens.vocab_size), tokens.source, tokens.fingerprint)
+    return _with_vocab(data, vocab_size, tokens.vocab_size, tokenizer)
+
+
+def _refuse_text_options(tokenizer: str | Path | None, text_field: str | None, source: str) -> None:
+    """A tokenizer or a text field given with data that has no use for it is refused, not ignored."""
+    if tokenizer is not None:
+        fail("tokenizer", "text to tokenize (a text, jsonl, parquet or arrow file or directory, or hf:...)",
+             f"{str(tokenizer)!r} with {source}")
+    if text_field is not None:
+        fail("text_field", "jsonl, parquet, arrow or hf: data, whose records have fields",
+             f"{text_field!r} with {source}")
+
+
+def _with_vocab(data: TokenData, vocab_size: int | None, least: int, tokenizer: str | Path | None) -> TokenData:
+    """``data`` with the model's vocabulary ``vocab_size`` (None: the data's own), which must hold every id of
+    a vocabulary of ``least``."""
     if vocab_size is None:
         return data
-    if vocab_size < BYTE_VOCAB:
-        fail("vocab_size", f"at least {BYTE_VOCAB} for byte-level text (token = byte)", vocab_size)
+    if vocab_size < least:
+        fail("vocab_size", f"at least {least:,} for byte-level text (token = byte)" if tokenizer is None else
+             f"at least {least:,}, the vocabulary of tokenizer {str(tokenizer)!r}", vocab_size)
     return replace(data, vocab_size=vocab_size)
 
 
