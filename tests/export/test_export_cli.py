@@ -1,0 +1,105 @@
+"""``lowprec export RUN_DIR|CHECKPOINT``: the model rebuilt from a run's checkpoint is written exactly as the
+model the trainer left in memory; bad input ends in one line and exit status 1."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from lowprec.cli import main
+from lowprec.export import export
+from lowprec.train.checkpoint import latest_checkpoint
+
+
+def _invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _same_files(a, b) -> None:
+    ta, tb = _tensors(a), _tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)), k
+    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
+
+
+@pytest.mark.parametrize("fixture, fmt", [("tiny_fp8_current", "hf"), ("moe_fp8_blockwise", "fp8")])
+def test_a_run_exports_as_the_model_it_trained(fixture, fmt, request, tmp_path):
+    run = request.getfixturevalue(fixture)
+    result = _invoke("export", run.run_dir, "--format", fmt, "--out", tmp_path / "cli")
+    assert result.exit_code == 0, result.output
+    assert f"step 2 of {run.preset}, trained in {run.recipe} on cpu" in result.output
+    assert "written as" in result.output and "model.layers.0.self_attn.q_proj" in result.output
+    export(run.model, tmp_path / "api", fmt)
+    _same_files(tmp_path / "cli", tmp_path / "api")
+    report = json.loads((tmp_path / "cli" / "export_report.json").read_text())
+    assert report["format"] == fmt and report["recipe"] == run.recipe
+
+
+def test_a_checkpoint_file_exports_too(moe_fp8_blockwise, tmp_path):
+    ckpt = latest_checkpoint(moe_fp8_blockwise.run_dir / "checkpoints")
+    result = _invoke("export", ckpt, "--format", "fp8", "--out", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)["layers"]
+    assert {r["name"]: r["how"] for r in rows}["model.layers.1.mlp.experts.0.up_proj"] == "as trained"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--format", "gguf"], "Error: format: expected one of hf, fp8"),
+    (["--format", "hf", "--scheme", "fp8-block"], "Error: scheme: expected no scheme for format 'hf'"),
+    (["--format", "fp8", "--scheme", "nvfp4"], "Error: scheme: expected no scheme for format 'fp8'"),
+])
+def test_bad_format_or_scheme_is_one_line(tiny_fp8_current, tmp_path, args, message):
+    result = _invoke("export", tiny_fp8_current.run_dir, *args, "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [result.output.strip()] and result.output.startswith(message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_scheme_is_one_line(tiny_fp8_current, tmp_path):
+    from lowprec.export import formats
+
+    schemes = formats().get("compressed-tensors")
+    if not schemes:
+        pytest.skip("the compressed-tensors format is not built here")
+    result = _invoke("export", tiny_fp8_current.run_dir, "--format", "compressed-tensors", "--scheme", "int3",
+                     "--out", tmp_path / "out")
+    assert result.exit_code == 1 and result.output.startswith("Error: scheme: expected one of ")
+
+
+def test_missing_or_corrupt_checkpoint_is_one_line(tiny_fp8_current, tmp_path):
+    result = _invoke("export", tmp_path / "nowhere", "--format", "hf", "--out", tmp_path / "out")
+    assert result.exit_code == 1 and result.output.startswith("Error: checkpoint: expected a run directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = _invoke("export", empty, "--format", "hf", "--out", tmp_path / "out")
+    assert result.exit_code == 1 and result.output.startswith("Error: checkpoint: expected a directory holding")
+    ckpt = latest_checkpoint(tiny_fp8_current.run_dir / "checkpoints")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / ckpt.name).write_bytes(ckpt.read_bytes())
+    blob = bytearray(ckpt.with_suffix(".safetensors").read_bytes())
+    blob[-10] ^= 0xFF
+    (broken / ckpt.with_suffix(".safetensors").name).write_bytes(bytes(blob))
+    result = _invoke("export", broken, "--format", "hf", "--out", tmp_path / "out")
+    assert result.exit_code == 1 and result.output.startswith("Error: checkpoint: ")
+    assert "corrupt" in result.output and len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_out_is_refused_unless_overwrite(tiny_fp8_current, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("x")
+    result = _invoke("export", tiny_fp8_current.run_dir, "--format", "hf", "--out", out)
+    assert result.exit_code == 1 and result.output.startswith("Error: out_dir: expected a new or empty directory")
+    result = _invoke("export", tiny_fp8_current.run_dir, "--format", "hf", "--out", out, "--overwrite")
+    assert result.exit_code == 0 and not (out / "x").exists()
