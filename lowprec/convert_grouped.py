@@ -11,6 +11,10 @@ either: every expert runs the recipe whatever its size. A recipe the layer refus
 it keeps no amax history per expert) leaves it in high precision with the reason in its row
 (``Kept.REFUSED``) and in one warning. The report has one row per ``GroupedLinear``,
 ``E experts x out x in``, with all its parameters, so the coverage counts them with the linears'.
+Hugging Face experts (fused 3-D parameters) are first replaced by a module that runs them through two
+``GroupedLinear`` (``lowprec.convert_hf_moe``); those are converted as above, their rows named after the
+weights (``model.layers.0.mlp.experts.gate_up_proj``), and the router beside them has a row of its own,
+kept in high precision.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import torch.nn as nn
 
 from lowprec import recipes as R
 from lowprec.conversion_report import ConversionReport, LayerReport
+from lowprec.convert_hf_moe import hf_moe_layers, router_row, swap_hf_experts
 from lowprec.nn import GroupedLinear
 from lowprec.nn.plan import Kept, layer_plan
 from lowprec.policy import Policy, policy_keeps
@@ -32,18 +37,25 @@ REFUSED_DELAYED = ("high precision: GroupedLinear refuses delayed scaling (it ke
                    "fp8-current scales each expert by its own amax)")
 
 
-def grouped_layers(model: nn.Module) -> list[tuple[str, GroupedLinear]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedLinear)]
+def grouped_layers(model: nn.Module) -> list[tuple[str, nn.Module | nn.Parameter]]:
+    """What :func:`convert_grouped` reports, by row name: each ``GroupedLinear``, and of the Hugging Face
+    experts it converts each projection's weight and each router (see ``lowprec.convert_hf_moe``).
+    ``convert`` takes their names for the policy's patterns, and them as reported (not unseen)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedLinear)] + hf_moe_layers(model)
 
 
 def convert_grouped(model: nn.Module, recipe: R.Recipe, policy: Policy, blocks: tuple[str, int] | None,
                     report: ConversionReport, device: torch.device) -> dict[str, GroupedLinear]:
     """Bind ``recipe`` to every ``GroupedLinear`` of ``model`` the policy converts (see [Note: converting
-    experts]), one row each in ``report``; returns them by name."""
+    experts]), one row each in ``report``, after replacing Hugging Face experts by modules that run
+    theirs (see [Note: Hugging Face experts] in ``lowprec.convert_hf_moe``); returns them by row name."""
     experts_policy = replace(policy, keep_head=False, keep_routers=False)  # experts are neither
     out: dict[str, GroupedLinear] = {}
     refused = []
-    for name, g in grouped_layers(model):
+    for name, g in _grouped(model, policy):
+        if isinstance(g, LayerReport):  # a Hugging Face router: kept
+            report.layers.append(g)
+            continue
         keep = policy_keeps(experts_policy, name, g, embeddings=set(), mha_children=set(), blocks=blocks,
                             last_fraction=recipe.hp_last_fraction)
         if keep is not None:
@@ -64,6 +76,18 @@ def convert_grouped(model: nn.Module, recipe: R.Recipe, policy: Policy, blocks: 
         warnings.warn(f"lowprec: {len(refused)} GroupedLinear(s) run in high precision because they refuse "
                       f"{recipe.name}'s delayed scaling (no amax history per expert): {names} (see the "
                       "conversion report)", stacklevel=4)
+    return out
+
+
+def _grouped(model: nn.Module, policy: Policy) -> list[tuple[str, GroupedLinear | LayerReport]]:
+    """Every ``GroupedLinear`` of ``model``, then those of its Hugging Face experts (replaced now) under
+    their weights' names, each block's followed by its router's row."""
+    out: list[tuple[str, GroupedLinear | LayerReport]] = [
+        (n, m) for n, m in model.named_modules() if isinstance(m, GroupedLinear)]
+    for moe in swap_hf_experts(model):
+        out += [(f"{moe.name}.{p.weight}", g) for p, g in zip(moe.experts.projections, moe.experts.grouped())]
+        if moe.router is not None:
+            out.append((moe.router[0], router_row(*moe.router, policy)))
     return out
 
 

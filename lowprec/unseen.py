@@ -15,6 +15,8 @@ Which parameters are named, conservatively, from what the module is and the para
 * none of a module the report already has: every ``nn.Linear`` (converted or kept) and what the
   policy keeps whole (``nn.MultiheadAttention``), nor of a ``lowprec.nn.GroupedLinear`` (``convert``
   binds the recipe to it and gives it a row; outside ``convert``, one bound to a recipe of its own);
+* none the report has as a parameter: the weights of the Hugging Face experts ``convert`` runs through
+  ``GroupedLinear`` (their module is replaced, the parameters stay; ``lowprec.convert_hf_moe``);
 * none of a module that holds no token matrix: embeddings (``nn.Embedding``, or a type whose name
   says ``Embed``), norms (a type whose name says ``Norm``) and convolutions, nor a parameter such a
   module shares (a tied head);
@@ -64,10 +66,11 @@ def _is_matrix(leaf: str, shape: tuple[int, ...]) -> bool:
 
 def find_unseen(model: nn.Module, reported: set[int]) -> list[UnseenWeight]:
     """The matrices of ``model`` that lowprec cannot see into (see [Note: weights lowprec cannot see
-    into]), in the order of ``named_modules``; ``reported``: ids of the modules the report has, whole."""
+    into]), in the order of ``named_modules``; ``reported``: ids of the modules the report has, whole, and
+    of the parameters it has."""
     known = [m for m in model.modules() if id(m) in reported or isinstance(m, nn.Linear) or _holds_no_token_matrix(m)
              or (isinstance(m, GroupedLinear) and m.recipe is not None)]
-    seen = {id(p) for m in known for p in m.parameters(recurse=False)}  # ``reported`` holds the children
+    seen = {id(p) for m in known for p in m.parameters(recurse=False)} | reported  # with the children
     known_ids = {id(m) for m in known}
     out = []
     for name, m in model.named_modules():
