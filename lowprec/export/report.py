@@ -6,6 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from lowprec._table import format_table
+from lowprec.export.layout import AS_TRAINED, FROM_MASTER
 
 KEPT = "kept"
 """How a layer was written when the export kept it in high precision (beside ``layout.AS_TRAINED`` and
@@ -76,4 +77,4 @@ class ExportReport:
         return json.dumps(self.to_dict(), indent=1)
 
 
-_HOWS = ("as trained", "from the FP32 master", KEPT)
+_HOWS = (AS_TRAINED, FROM_MASTER, KEPT)

@@ -103,3 +103,22 @@ def test_existing_out_is_refused_unless_overwrite(tiny_fp8_current, tmp_path):
     assert result.exit_code == 1 and result.output.startswith("Error: out_dir: expected a new or empty directory")
     result = _invoke("export", tiny_fp8_current.run_dir, "--format", "hf", "--out", out, "--overwrite")
     assert result.exit_code == 0 and not (out / "x").exists()
+
+
+def test_a_run_of_no_preset_needs_its_model_named(tmp_path):
+    import warnings
+
+    from lowprec.train.data import load_data
+    from lowprec.train.loop import train
+    from lowprec.train.model import build_model
+    from tests.train.runs import CFG, MICRO
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(build_model(MICRO), load_data(), CFG, out_dir=tmp_path / "run")
+    result = _invoke("export", tmp_path / "run", "--format", "hf", "--out", tmp_path / "out")
+    assert result.exit_code == 1
+    assert result.output.startswith("Error: model: expected the Hugging Face config the run trained (--model PATH)")
+    result = _invoke("export", tmp_path / "run", "--format", "hf", "--out", tmp_path / "out", "--model", "tiny")
+    assert result.exit_code == 1 and result.output.startswith("Error: model: expected the model the checkpoint "
+                                                              "was trained on, a model of")

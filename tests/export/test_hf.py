@@ -133,3 +133,38 @@ def test_bad_format_or_scheme_is_one_line(tiny_fp8_current, tmp_path, kw, messag
 def test_a_model_it_cannot_write_is_refused(tmp_path):
     with pytest.raises(TypeError, match=r"^model: expected lowprec's reference Transformer"):
         export(torch.nn.Linear(4, 4), tmp_path / "out", "hf")
+
+
+LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+         "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 64, "tie_word_embeddings": True}
+
+
+@pytest.mark.filterwarnings("ignore:lowprec.*emulated")
+def test_a_hugging_face_model_keeps_its_own_names_and_config(tokens, tmp_path):
+    from lowprec.train.models import load_model
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(LLAMA))
+    model, _ = load_model(str(tmp_path / "cfg"), vocab_size=256, seed=3)
+    lowprec.convert(model, "fp8-current")
+    report = export(model, tmp_path / "hf", "hf")
+    names = [r.name for r in report.layers]
+    assert names[0] == "model.layers.0.self_attn.q_proj" and names[-1] == "lm_head"
+    assert report.architecture == "LlamaForCausalLM"
+    hf = _load(tmp_path / "hf", torch.float32)
+    assert hf.config.tie_word_embeddings and hf.config.hidden_size == 128
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits
+    ours = bf16_weights_fp32_logits(model, tokens)
+    assert (theirs - ours).abs().max() <= FP32_RTOL * ours.abs().max()
+
+
+def test_a_layer_a_gpu_may_have_kept_is_kept(tiny_fp8_current):
+    from lowprec.export.trained import trained
+
+    layer = tiny_fp8_current.model.layers[0].attention.wq  # 192 x 192: under the small-layer rule's 1024
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: its rule is evaluated, not guessed")
+    assert trained(layer).kept is None and trained(layer).weights[0] is not None
+    assert trained(layer, torch.device("cuda")).kept.startswith("possibly kept on cuda by the small-layer rule")
