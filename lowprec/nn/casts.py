@@ -17,6 +17,7 @@ from lowprec import kernels as K
 from lowprec import recipes as R
 from lowprec.nn.delayed import DelayedState
 from lowprec.nn.plan import OperandPlan
+from lowprec.nn.recomputation import recomputing
 from lowprec.quant import QuantizedTensor
 
 Operand = QuantizedTensor | torch.Tensor
@@ -40,8 +41,9 @@ def record_weight_amax(delayed: DelayedState | None, op: OperandPlan, amax: torc
     delay and the forward records (``record``: training, not evaluation). ``amax`` None: the amax it
     recorded last again (a cast reused from the cache: every forward records the weight, cached or not,
     and compiled code, which holds no cache, does the same, so the history spans the same steps either
-    way). Every record of a weight's amax goes through here: casts, FP8 weights, lazy initialisation."""
-    if record and op.delayed and delayed is not None:
+    way). Every record of a weight's amax goes through here: casts, FP8 weights, lazy initialisation. None
+    in a recomputed forward (see [Note: recomputed forwards] in ``lowprec.nn.recomputation``)."""
+    if record and op.delayed and delayed is not None and not recomputing():
         delayed.record(op.role, amax if amax is not None else delayed.last(op.role))
 
 

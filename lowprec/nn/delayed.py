@@ -168,10 +168,9 @@ class DelayedState:
         return amax_scale(bank.read(self.row, role)[1], fmt).reshape(1, 1)
 
     def last(self, role: Role) -> torch.Tensor:
-        """The amax ``role`` recorded last (0 before any), with every pending amax folded (eager code)."""
-        bank = self._settled()
-        row = (bank.count[self.row, int(role)] - 1) % self.config.history_len
-        return bank.history[self.row, int(role)].index_select(0, row.reshape(1)).reshape(())  # no host sync
+        """The amax ``role`` recorded last (0 before any): pending or folded, read without folding (see
+        ``DelayedBank.last``); no host sync."""
+        return self.bank.last(self.row, role)
 
     def record(self, role: Role, amax: torch.Tensor) -> None:
         """``amax`` pending for ``role``: the next fold adds it to the history (non-finite: 0; an outlier:

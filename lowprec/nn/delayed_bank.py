@@ -28,10 +28,11 @@ a grad_output amax is pending.
 
 A layer that records twice between folds (called twice in one forward, or its backward run twice)
 records one amax: the largest of the calls' (non-finite as 0), and its count advances by one; both
-calls read the same scale. No model in this package does that. A layer of a converted model called
-on its own, outside the model's forward, reads the scales of the model's last fold. Several forwards
-before their backwards (a pipeline's schedule) fold at each forward: a backward's scale is the one
-folded at the forward before it.
+calls read the same scale. No model in this package does that. A forward run again by activation
+checkpointing records and folds nothing (see [Note: recomputed forwards] in ``lowprec.nn.recomputation``).
+A layer of a converted model called on its own, outside the model's forward, reads the scales of the
+model's last fold. Several forwards before their backwards (a pipeline's schedule) fold at each
+forward: a backward's scale is the one folded at the forward before it.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import weakref
 import torch
 from torch import nn
 
+from lowprec.nn.recomputation import recomputing
 from lowprec.recipes import DelayedAlgo, DelayedScaling, Role
 
 N_ROLES = len(Role)
@@ -124,7 +126,10 @@ class DelayedBank:
 
     def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
         """``amax`` pending for ``role`` of layer ``row`` (the largest, where the row has one pending;
-        a non-finite one stays so, for the fold to record as 0)."""
+        a non-finite one stays so, for the fold to record as 0). Nothing in a recomputed forward (see
+        [Note: recomputed forwards] in ``lowprec.nn.recomputation``)."""
+        if recomputing():
+            return
         amax = amax.detach().float().reshape(()).to(self.device)
         if role is Role.GRAD_OUTPUT:
             pending = self.dy_records[row] != self.dy_folded[row]
@@ -134,6 +139,20 @@ class DelayedBank:
             k = row * len(_FORWARD_ROLES) + _FORWARD_ROLES.index(int(role))
             self.pending[k] = torch.maximum(self.pending[k], amax)  # NaN stays NaN
 
+    def last(self, row: int, role: Role) -> torch.Tensor:
+        """The amax ``role`` of layer ``row`` recorded last (0 before any): its pending one where it has one
+        (the fold judges it: non-finite, outlier), else its history's newest. A read that folds nothing, so
+        a forward that asks (a cached weight cast recording its amax again) leaves every scale as the
+        forward's layers read it, for a recomputation of that forward to read too."""
+        i = int(role)
+        newest = self.history[row, i].index_select(0, ((self.count[row, i] - 1) % self.config.history_len).reshape(1))
+        if role is Role.GRAD_OUTPUT:
+            pending, value = self.dy_records[row] != self.dy_folded[row], self.dy_pending[row]
+        else:
+            value = self.pending[row * len(_FORWARD_ROLES) + _FORWARD_ROLES.index(i)]
+            pending = ~(value < 0)  # NaN is an amax
+        return torch.where(pending, value, newest.reshape(()))
+
     def read(self, row: int, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
         """(ready, amax times 2^margin) of ``role`` of layer ``row``, as the last fold left them, () each."""
         k = row * N_ROLES + int(role)
@@ -142,7 +161,10 @@ class DelayedBank:
     @torch.no_grad()
     def fold(self) -> None:
         """Every pending amax into its history, then every role's amax again; see [Note: the
-        delayed-scaling bank]. Tensor operations only: no host sync, no graph break."""
+        delayed-scaling bank]. Tensor operations only: no host sync, no graph break. Nothing in a
+        recomputed forward, whose casts read the scales the first forward read."""
+        if recomputing():
+            return
         cfg, history, count = self.config, self.history, self.count
         n = history.shape[0]
         pending = self.pending.view(n, len(_FORWARD_ROLES))
