@@ -206,3 +206,35 @@ def test_a_directory_follows_symbolic_links_to_files_and_says_so(tmp_path):
     data = load_data(data_dir, val_fraction=0.5)
     assert bytes(data.train) + bytes(data.val) == ("linked " * 20 + "\n\n" + "own " * 20).encode()
     assert data.source.startswith(f"text: {data_dir} (2 files, 1 through symbolic links, 222 bytes, ")
+
+
+def test_a_directory_mixing_text_and_jsonl_is_refused_not_read_as_text(tmp_path):
+    (tmp_path / "notes.txt").write_text("alpha " * 50)
+    (tmp_path / "docs.jsonl").write_text('{"text": "bravo"}\n')
+    with pytest.raises(ValueError, match=r"^data: expected a directory whose files are all of one kind .*, got "
+                                         r"'.*' holding 1 jsonl, 1 other files$"):
+        load_data(tmp_path)
+
+
+@pytest.mark.parametrize("path, kwargs, match", [
+    (None, {"tokenizer": "gpt2"}, "^tokenizer: expected text to tokenize .*, got 'gpt2' with the embedded corpus"),
+    (None, {"text_field": "body"}, "^text_field: expected jsonl, parquet, arrow or hf: data, whose records have "
+                                   "fields, got 'body' with the embedded corpus"),
+])
+def test_the_corpus_takes_no_tokenizer_and_no_text_field(path, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        load_data(path, **kwargs)
+
+
+def test_a_tokenizers_vocabulary_is_padded_to_32_unless_one_is_given(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(40)} | {"</s>": 40},
+                                                           unk_token="w0"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "d.jsonl").write_text("".join(f'{{"text": "w{i % 40} w{(i * 7) % 40}"}}\n' for i in range(300)))
+    data = load_data(tmp_path / "d.jsonl", tokenizer=tmp_path / "tokenizer.json")
+    assert data.vocab_size == 64 and int(max(data.train.max(), data.val.max())) == 40  # 41 ids, padded to 64
+    given = load_data(tmp_path / "d.jsonl", tokenizer=tmp_path / "tokenizer.json", vocab_size=41)
+    assert given.vocab_size == 41 and given.fingerprint == data.fingerprint  # the model's size, not the data's
