@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,18 +70,15 @@ def document_kind(path: Path) -> SourceKind | None:
     A directory mixing those kinds, or one of them with other files, is refused."""
     if not path.is_dir():
         return DOCUMENT_SUFFIXES.get(path.suffix)
-    counts: dict[str, int] = {}
-    for f in visible_files(path):
-        kind = DOCUMENT_SUFFIXES.get(f.suffix)
-        counts[kind.value if kind else "other"] = counts.get(kind.value if kind else "other", 0) + 1
-    kinds = [k for k in counts if k != "other"]
-    if not kinds:
+    counts = Counter(kind.value if (kind := DOCUMENT_SUFFIXES.get(f.suffix)) else "other"
+                     for f in visible_files(path))
+    if not counts.keys() - {"other"}:
         return None
     if len(counts) > 1:
         found = ", ".join(f"{n:,} {k}" for k, n in sorted(counts.items()))
         fail("data", "a directory whose files are all of one kind (.jsonl, .parquet or .arrow), or all text",
              f"{str(path)!r} holding {found} files")
-    return SourceKind(kinds[0])
+    return SourceKind(next(iter(counts)))
 
 
 @dataclass(frozen=True, slots=True)

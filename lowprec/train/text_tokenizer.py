@@ -65,6 +65,8 @@ def resolve_tokenizer(name: str | Path | None) -> TokenizerRef:
     path = Path(name)
     if path.is_file():
         return _tokenizer_json(path)
+    if not path.is_dir() and (path.suffix == ".json" or str(name).startswith(("/", ".", "~"))):
+        fail("tokenizer", _EXPECTED, f"{str(name)!r}, a path that does not exist")  # not a name to ask the Hub for
     return _transformers_tokenizer(str(name), local_only=path.is_dir())
 
 

@@ -297,6 +297,10 @@ def _empty_saved(d):
     (lambda d: _write_jsonl(d / "d.jsonl", DOCS), {"tokenizer": "no-such-org/no-such-tokenizer"},
      r"^tokenizer: expected a tokenizer.json file, .*, got 'no-such-org/no-such-tokenizer', not a file or "
      r"directory, nor in the local Hugging Face cache \(offline: HF_HUB_OFFLINE is set\): "),
+    (lambda d: _write_jsonl(d / "d.jsonl", DOCS), {"tokenizer": "TMP/typo.json"},
+     r"^tokenizer: expected a tokenizer.json file, .*, got '.*typo.json', a path that does not exist$"),
+    (lambda d: (d / "no-tok").mkdir() or _write_jsonl(d / "d.jsonl", DOCS), {"tokenizer": "TMP/no-tok"},
+     r"^tokenizer: expected a tokenizer.json file, .*, got '.*no-tok', a directory AutoTokenizer cannot load: "),
     (lambda d: (d / "t.json").write_text('{"not": "a tokenizer"}') and _write_jsonl(d / "d.jsonl", DOCS),
      {"tokenizer": "TMP/t.json"}, r"^tokenizer: expected a tokenizer.json file, .*t.json', which tokenizers cannot "
                                   r"load: "),
