@@ -358,3 +358,34 @@ def test_the_cache_key_holds_the_format_version(tmp_path, tok_path, monkeypatch)
     first = load_data(path, tokenizer=tok_path).fingerprint
     monkeypatch.setattr(token_cache, "CACHE_FORMAT", token_cache.CACHE_FORMAT + 1)
     assert load_data(path, tokenizer=tok_path).fingerprint != first
+
+
+def test_a_hub_name_is_streamed_and_keyed_by_its_revision(tmp_path, tok_path, monkeypatch):
+    """The Hub is out of reach here: its two answers (the revision, the stream) are stood in for by a real
+    ``datasets.IterableDataset``; the parsing of the name, the streaming read and the cache are lowprec's."""
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "user-cache"))
+    revision, asked = ["rev-1"], []
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info",
+                        lambda self, name: type("Info", (), {"sha": revision[0]})())
+
+    def load_dataset(name, config, split, streaming):
+        asked.append((name, config, split, streaming))
+        return datasets.IterableDataset.from_generator(lambda: ({"text": d, "n": i} for i, d in enumerate(DOCS)))
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    data = load_data("hf:some-org/stories:en:valid", tokenizer=tok_path)
+    assert asked == [("some-org/stories", "en", "valid", True)]
+    assert _tokens(data) == _reference(tokenizers.Tokenizer.from_file(str(tok_path)), DOCS)
+    assert data.source.startswith("hf: some-org/stories:en:valid (split 'valid', field 'text'): 160 documents")
+    assert len(list((tmp_path / "user-cache").glob("tokens-*.json"))) == 1
+    load_data("hf:some-org/stories::valid", tokenizer=tok_path)
+    assert asked[-1] == ("some-org/stories", None, "valid", True)
+    assert load_data("hf:some-org/stories:en:valid", tokenizer=tok_path).fingerprint == data.fingerprint
+    revision[0] = "rev-2"  # the dataset changed on the Hub
+    assert load_data("hf:some-org/stories:en:valid", tokenizer=tok_path).fingerprint != data.fingerprint
+    load_data("hf:some-org/stories", tokenizer=tok_path)
+    assert asked[-1] == ("some-org/stories", None, "train", True)
