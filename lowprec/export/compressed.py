@@ -155,13 +155,16 @@ class CompressedTensorsLayout:
         return {key: stored_codes(c)}
 
     def config(self, kept: list[str]) -> dict:
-        """``config.json``'s ``quantization_config``: the scheme's one config group over every ``Linear`` but
-        the ``kept`` ones."""
+        """What ``config.json`` gains: its ``quantization_config`` (:meth:`quantization_config`)."""
+        return {"quantization_config": self.quantization_config(kept)}
+
+    def quantization_config(self, kept: list[str]) -> dict:
+        """The scheme's one config group over every ``Linear`` but the ``kept`` ones."""
         s = self.scheme
         inputs = s.input_activations
         if s.name == "nvfp4" and not self._static_inputs:
             warnings.warn("lowprec: compressed-tensors nvfp4 written weight-only (NVFP4A16): NVFP4 activations "
-                          "need each layer's calibrated input amax (input_amax=...)", stacklevel=2)
+                          "need each layer's calibrated input amax (input_amax=...)", stacklevel=3)
             inputs = None
         group = {"targets": ["Linear"], "weights": dict(s.weights),
                  "input_activations": None if inputs is None else dict(inputs), "output_activations": None}

@@ -71,8 +71,12 @@ class GptOssMxfp4Layout:
         return {"blocks": blocks, "scales": scales}, c.how
 
     def config(self, kept: list[str]) -> dict:
-        """``quantization_config``: the method, and the modules written in high precision (a kept expert
-        weight by its experts module, the unit transformers converts)."""
+        """What ``config.json`` gains: its ``quantization_config`` (:meth:`quantization_config`)."""
+        return {"quantization_config": self.quantization_config(kept)}
+
+    def quantization_config(self, kept: list[str]) -> dict:
+        """The method, and the modules written in high precision (a kept expert weight by its experts module,
+        the unit transformers converts)."""
         names = [experts_module(n) if experts_module(n).endswith("experts") else n for n in kept]
         return {"quant_method": "mxfp4", "modules_to_not_convert": list(dict.fromkeys(names))}
 

@@ -10,7 +10,13 @@ import torch
 from lowprec.export.gptoss import GRID, GptOssMxfp4Layout, checkpoint_key
 from lowprec.export.layout import AS_TRAINED, FROM_MASTER, LayerWeight
 from lowprec.quant import quantize
-from tests.export.layout_helpers import e8m0_values, fp4_values, layer
+from tests.export.layout_helpers import (  # noqa: F401 (trained_tiny: a fixture)
+    e8m0_values,
+    fp4_values,
+    layer,
+    tokens_of,
+    trained_tiny,
+)
 
 E, OUT, IN = 4, 48, 64
 NAME = "model.layers.0.mlp.experts.gate_up_proj"
@@ -82,7 +88,7 @@ def test_transformers_loads_a_tiny_gpt_oss_on_the_cpu(tmp_path):
         with torch.no_grad():  # the reference holds lowprec's dequantized experts
             getattr(experts, proj).copy_(w.trained.dequantize(torch.float32).transpose(1, 2))
     kept = ["model.layers.0.self_attn.q_proj", "lm_head"]
-    config = {**cfg.to_dict(), "quantization_config": layout.config(kept)}
+    config = {**cfg.to_dict(), "quantization_config": layout.quantization_config(kept)}
     (tmp_path / "config.json").write_text(json.dumps(config))
     safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -95,9 +101,9 @@ def test_transformers_loads_a_tiny_gpt_oss_on_the_cpu(tmp_path):
 
 def test_config_names_the_method_and_the_modules_kept():
     kept = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.down_proj", "lm_head"]
-    assert GptOssMxfp4Layout().config(kept) == {
+    assert GptOssMxfp4Layout().config(kept) == {"quantization_config": {
         "quant_method": "mxfp4",
-        "modules_to_not_convert": ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts", "lm_head"]}
+        "modules_to_not_convert": ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts", "lm_head"]}}
     assert GptOssMxfp4Layout().extra_files(kept) == {}
 
 
@@ -109,3 +115,29 @@ def test_dense_linears_are_kept_and_experts_need_whole_blocks():
     assert layout.keeps(LayerWeight(NAME, _master())) is None
     with pytest.raises(ValueError, match="w: expected fused experts"):
         layout.write_layer(odd)
+
+
+# --- end to end: through lowprec.export ----------------------------------------------------------------------------
+
+def test_a_model_without_fused_experts_is_written_whole_in_high_precision(trained_tiny, tmp_path):  # noqa: F811
+    """lowprec's exports hold no fused GPT-OSS experts (its decoders are written as Llama and ERNIE 4.5, one module
+    per expert): every linear is kept, each with the layout's reason, and transformers loads the result with the
+    BF16 model's logits."""
+    transformers = pytest.importorskip("transformers", reason="transformers (the export extra) is not installed")
+    from transformers.utils import logging
+
+    from lowprec.export import KEPT, export
+    from tests.export.conftest import bf16_weights_fp32_logits
+
+    model = trained_tiny("mxfp4")
+    report = export(model, tmp_path / "oss", "mxfp4")
+    assert {r.how for r in report.layers} == {KEPT}
+    assert all("MoE experts only" in r.reason for r in report.layers if r.name != "lm_head")
+    written = json.loads((tmp_path / "oss" / "config.json").read_text())["quantization_config"]
+    assert written == {"quant_method": "mxfp4", "modules_to_not_convert": report.kept}
+    logging.set_verbosity_error()  # its CPU path warns that it dequantizes
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "oss"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens_of()).logits
+    ours = bf16_weights_fp32_logits(model, tokens_of())
+    assert (theirs - ours).abs().max() <= 1e-5 * ours.abs().max()

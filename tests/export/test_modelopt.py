@@ -12,7 +12,16 @@ from lowprec.export.compressed import CompressedTensorsLayout
 from lowprec.export.layout import AS_TRAINED, FROM_MASTER, LayerWeight
 from lowprec.export.modelopt import GRID, ModelOptNvfp4Layout
 from lowprec.quant import quantize
-from tests.export.layout_helpers import fp4_values, layer, nvfp4_as_compressed_tensors_reads
+from tests.export.layout_helpers import (  # noqa: F401 (trained_tiny: a fixture)
+    fp4_values,
+    layer,
+    nvfp4_as_compressed_tensors_reads,
+    quantized_logits,
+    safetensors_of,
+    tokens_of,
+    trained_tiny,
+)
+from tests.helpers import SQNR_FLOORS, sqnr
 
 OUT, IN = 48, 128
 NAME = "model.layers.0.mlp.up_proj"
@@ -60,7 +69,7 @@ def test_compressed_tensors_converts_it_to_what_the_compressed_tensors_layout_wr
     for k in ("weight_packed", "weight_scale", "weight_global_scale"):
         assert torch.equal(converted[f"{NAME}.{k}"].reshape(theirs[k].shape), theirs[k]), k
     assert torch.allclose(converted[f"{NAME}.input_global_scale"], theirs["input_global_scale"], rtol=2.0**-22)
-    qc = QuantizationConfig.model_validate(ct_layout.config([]))
+    qc = QuantizationConfig.model_validate(ct_layout.quantization_config([]))
     state = {k: converted[f"{NAME}.{k}"].reshape(theirs[k].shape) for k in ("weight_packed", "weight_scale",
                                                                                "weight_global_scale")}
     got = BaseCompressor.get_value_from_registry(qc.format).decompress(state, qc.config_groups["group_0"])
@@ -98,3 +107,43 @@ def test_shapes_it_cannot_hold_are_kept_and_refused():
     assert "one (out, in) weight" in layout.keeps(LayerWeight("e", torch.zeros(2, 16, 32)))
     with pytest.raises(ValueError, match="w: expected a weight ModelOpt NVFP4 can hold"):
         layout.write_layer(odd)
+
+
+# --- end to end: a model trained by lowprec in NVFP4, exported, read back by the documented layout -----------------
+
+def test_nvfp4_trained_model_reads_back_with_lowprecs_logits(trained_tiny, tmp_path):  # noqa: F811
+    """ModelOpt's readers need a GPU: the export is decoded here by its documented layout into the Llama its
+    config.json describes, and computes logits within NVFP4's floor of lowprec's own quantized forward (measured:
+    26 dB, the activations being quantized by lowprec only)."""
+    transformers = pytest.importorskip("transformers", reason="transformers (the export extra) is not installed")
+    from lowprec.export import KEPT, export
+    from lowprec.export.trained import linear_weight
+
+    model = trained_tiny("nvfp4")
+    with pytest.warns(UserWarning, match="weight-only"):
+        report = export(model, tmp_path / "mo", "modelopt-nvfp4")
+    how = {r.name: r.how for r in report.layers}
+    assert how["model.layers.0.mlp.down_proj"] == AS_TRAINED and how["model.layers.1.mlp.down_proj"] == KEPT
+    quant = json.loads((tmp_path / "mo" / "hf_quant_config.json").read_text())["quantization"]
+    assert quant["exclude_modules"] == report.kept and quant["group_size"] == 16
+    config = json.loads((tmp_path / "mo" / "config.json").read_text())
+    assert "quantization_config" not in config
+    tensors = safetensors_of(tmp_path / "mo")
+    quantized = {k.removesuffix(".weight_scale_2") for k in tensors if k.endswith(".weight_scale_2")}
+    assert quantized == {n for n, h in how.items() if h != KEPT}
+    state = {}
+    for k, v in tensors.items():
+        module, _, suffix = k.rpartition(".")
+        if module in quantized and suffix == "weight":
+            state[k] = _as_modelopt_reads({s: tensors[f"{module}.{s}"] for s in ("weight", "weight_scale",
+                                                                                     "weight_scale_2")})
+        elif module not in quantized or suffix not in ("weight_scale", "weight_scale_2"):
+            state[k] = v.float()
+    wo = model.layers[0].attention.wo  # as trained: the codes the forward GEMM multiplied
+    assert torch.equal(state["model.layers.0.self_attn.o_proj.weight"],
+                       linear_weight(wo, wo.plan(nearest=True)).dequantize(torch.float32))
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).float().eval()
+    hf.load_state_dict(state)
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens_of()).logits
+    assert sqnr(quantized_logits(model, tokens_of()), theirs) >= SQNR_FLOORS["nvfp4"]
