@@ -27,6 +27,7 @@ from lowprec.train.config import DTYPES, TrainConfig, default_device, default_dt
 from lowprec.train.data import check_sequence_fits, load_data, repetition_warning
 from lowprec.train.loop import train
 from lowprec.train.models import load_model
+from lowprec.train.recompute import Recompute
 from lowprec.train.result import RunResult
 from lowprec.train.run_state import saved_train_config
 
@@ -144,6 +145,11 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--fp8-activations", is_flag=False, flag_value="1x128", default=None, metavar="[1xB|tensor]",
                      help="Norms and SwiGLU keep their inputs for backward in E4M3 with FP32 scales per 1xB "
                           "block (alone: 1x128) or per tensor. Default: in the parameters' dtype."),
+        click.option("--recompute", type=click.Choice([m.value for m in Recompute]), default="none",
+                     show_default=True,
+                     help="Activation recomputation of the transformer blocks in backward: selective keeps the "
+                          "GEMMs' and attention's outputs and recomputes the rest (norms, RoPE, SwiGLU, casts); "
+                          "full keeps only each block's input. The same numbers bit for bit, less memory."),
         click.option("--no-tensorboard", is_flag=True, help="Write the CSV log only."),
         click.option("--quiet", is_flag=True, help="No progress bar."),
         click.option("--json", "as_json", is_flag=True, help="Print the result as JSON."),
@@ -196,7 +202,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         policy=_policy_option(opts["policy_file"]),
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],
-        fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"], control=_control_option(opts), **extra)
+        fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"], control=_control_option(opts),
+        recompute=opts["recompute"], **extra)
 
 
 def _check_rollback(on_spike: str, save_every: int | None) -> None:

@@ -33,8 +33,10 @@ from dataclasses import dataclass
 from lowprec.plan.layers import Linear, block_linears
 from lowprec.plan.models import ModelSpec
 from lowprec.plan.recipes import BF16, HP_BYTES, RecipeCost, Storage
+from lowprec.train.recompute import Recompute
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = tuple(m.value for m in Recompute)
+"""The recompute modes by the names ``lowprec train --recompute`` takes (``lowprec.train.recompute.Recompute``)."""
 
 
 class Kind(enum.Enum):

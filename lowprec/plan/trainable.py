@@ -2,8 +2,8 @@
 
 The planner plans layouts any trainer could run (tensor and pipeline parallelism, ZeRO stages,
 recomputation); lowprec's own trainer runs one process, DDP (every weight on every rank: ZeRO-0) or
-FSDP2 (everything sharded: ZeRO-3), with no recomputation, and refuses some storage options under
-DDP/FSDP2 by the rule of ``lowprec.distributed.supported``, which its configuration applies too.
+FSDP2 (everything sharded: ZeRO-3), each with every recompute mode, and refuses some storage options
+under DDP/FSDP2 by the rule of ``lowprec.distributed.supported``, which its configuration applies too.
 """
 from __future__ import annotations
 
@@ -35,8 +35,6 @@ def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
     if par.gpus > 1 and par.zero in (1, 2):
         out.append(f"--zero {par.zero}: lowprec train shards nothing (--parallel ddp, as --zero 0) or everything "
                    "(--parallel fsdp2, as --zero 3)")
-    if train.recompute != "none":
-        out.append(f"--recompute {train.recompute}: lowprec train recomputes no activations")
     parallel = trainer_parallel(par)
     where = f"--parallel {parallel} on {par.gpus} GPUs" if parallel != "none" else "one process"
     for u in unsupported(parallel, fp8_weights=train.fp8_weights, optim_states=train.optim_states,

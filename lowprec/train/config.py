@@ -15,6 +15,7 @@ from lowprec.optim.states import StateFormat
 from lowprec.policy import Policy
 from lowprec.policy_file import policy_from_dict
 from lowprec.telemetry.control import ControlConfig
+from lowprec.train.recompute import Recompute
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,6 +106,10 @@ class TrainConfig:
     fp8_activations: str | None = None
     """Norms and SwiGLU keep their inputs for backward in E4M3 (``Policy.saved_activations``), with FP32
     scales per ``"tensor"`` or per ``"1xB"`` block (``"1x128"``); None keeps them in the model's dtype."""
+    recompute: str = "none"
+    """Activation recomputation of the transformer blocks: ``none``, ``selective`` (backward recomputes all
+    but the GEMMs' and attention's outputs) or ``full`` (each block keeps only its input); see [Note: what
+    each recompute mode keeps] in :mod:`lowprec.train.recompute`. It changes no number of the run."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches", "keep", "max_skips_in_row",
@@ -141,6 +146,7 @@ class TrainConfig:
         GradComm.parse(self.grad_comm, "grad_comm")
         if self.fp8_activations is not None:
             fp8_activations(self.fp8_activations)
+        Recompute.parse(self.recompute)
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
         self._check_fp8_weights()
@@ -199,9 +205,10 @@ class TrainConfig:
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
                           if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
                                             "parallel", "grad_comm", "fp8_all_gather", "compile",
-                                            "telemetry_every"))
+                                            "telemetry_every", "recompute"))
 """Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
-parallelism and number of ranks may change (the global batch does not)."""
+parallelism and number of ranks may change (the global batch does not), and so may ``recompute``, which
+gives the same numbers bit for bit."""
 
 
 def check_resumable(saved: dict[str, Any], cfg: TrainConfig) -> None:

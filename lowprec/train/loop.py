@@ -62,6 +62,7 @@ from lowprec.train.data import TokenData
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.logs import RunLog
 from lowprec.train.memory import PeakMemory
+from lowprec.train.recompute import recompute_blocks
 from lowprec.train.result import RunResult
 from lowprec.train.run_state import RunState, restore, save
 
@@ -307,6 +308,7 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     model.to(device=device, dtype=cfg.torch_dtype)
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
     conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
+    recompute_blocks(model, cfg.recompute)  # in place, before wrapping: FSDP2 shards the checkpointed blocks
     # said at the start, not by a missing file
     warn_nothing_to_sample(model, Telemetry(cfg.telemetry_every), recipe.low_precision)
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,

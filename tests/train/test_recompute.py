@@ -1,0 +1,274 @@
+"""Activation recomputation (``--recompute``): the same numbers as without, bit for bit, for less memory.
+
+Each recipe trains a small model two steps of two micro-batches (the weight casts cached between them, as
+``lowprec train --grad-accum 2`` does) with no recomputation, then with ``full`` and ``selective``: the
+losses, every step's gradients and the delayed-scaling histories must be equal, bit for bit. Memory is
+counted as the bytes of the storages a forward made that are still alive when it ends: what backward will
+read. (``saved_tensors_hooks`` alone cannot count it under checkpointing: checkpoint installs its own
+hooks inside each block, keeps the block's input in its own frame, and selective checkpointing keeps its
+cache outside autograd; for ``none`` the two counts are checked against each other.)
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from click.testing import CliRunner
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lowprec
+from lowprec.cli import main
+from lowprec.nn import cached_weight_casts, fp8_activations
+from lowprec.nn.probe import reporting_to
+from lowprec.plan import PlanConfig, Training
+from lowprec.plan.activations import RECOMPUTE
+from lowprec.plan.measured import compare_recompute
+from lowprec.train.config import RESUME_MUST_MATCH, TrainConfig
+from lowprec.train.model import ModelConfig, build_model, preset
+from lowprec.train.moe_model import MoEConfig
+from lowprec.train.recompute import Recompute, recompute_blocks
+
+MICRO = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=64, max_seq_len=64)
+MOE = ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=64,
+                  moe=MoEConfig(n_experts=4, top_k=2, n_shared=1))
+MODES = ("full", "selective")
+
+
+def _model(cfg: ModelConfig, recipe: str, mode: str, act: str | None = None) -> torch.nn.Module:
+    model = build_model(cfg, seed=0)
+    report = lowprec.convert(model, recipe, lowprec.Policy(saved_activations=fp8_activations(act) if act else None))
+    assert report.coverage().converted > 0  # the recipe runs: not a test of high precision alone
+    recompute_blocks(model, mode)
+    return model
+
+
+def _batch(gen: torch.Generator, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 16), generator=gen)
+
+
+@functools.cache
+def _train(recipe: str, mode: str, cfg: ModelConfig = MICRO, act: str | None = None, seed: int = 0):
+    """(losses, each step's gradients, delayed histories and counts, the generator's state after) of two steps
+    of two micro-batches in plain SGD; ``seed`` seeds torch's generator (stochastic rounding draws from it)."""
+    model = _model(cfg, recipe, mode, act)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data, losses, grads = torch.Generator().manual_seed(1), [], []
+    torch.manual_seed(seed)
+    for _ in range(2):
+        with cached_weight_casts(model):
+            for _ in range(2):
+                x = _batch(data, cfg.vocab_size)
+                loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+                (loss / 2).backward()
+                losses.append(loss.item())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    states = [m.delayed_state for m in model.modules() if getattr(m, "delayed_state", None) is not None]
+    return losses, grads, [(s.history, s.count) for s in states], torch.get_rng_state()
+
+
+def _assert_same(a, b) -> None:
+    assert a[0] == b[0]  # the losses, bit for bit
+    for step_a, step_b in zip(a[1], b[1], strict=True):
+        assert all(torch.equal(ga, gb) for ga, gb in zip(step_a, step_b, strict=True))
+    assert len(a[2]) == len(b[2])
+    for (ha, ca), (hb, cb) in zip(a[2], b[2]):
+        assert torch.equal(ha, hb) and torch.equal(ca, cb)
+    assert torch.equal(a[3], b[3])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("recipe", ["bf16", "fp8-current", "fp8-delayed", "mxfp8"])
+def test_recompute_gives_the_losses_gradients_and_histories_of_none_bit_for_bit(recipe, mode):
+    ref = _train(recipe, "none")
+    _assert_same(_train(recipe, mode), ref)
+    if recipe == "fp8-delayed":  # the histories compared are real: every layer recorded every micro-batch
+        assert ref[2] and all(bool((count[:2] == 4).all()) for _, count in ref[2])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_nvfp4_stochastic_rounding_is_reproduced_under_recompute(mode):
+    """NVFP4 rounds gradients stochastically from torch's global generator (drawn in backward, not seeded
+    per call); checkpoint restores the generator around each recomputation, so backward draws what it draws
+    without recomputation. The draws matter: another seed gives other gradients."""
+    ref = _train("nvfp4", "none")
+    _assert_same(_train("nvfp4", mode), ref)
+    other = _train("nvfp4", "none", seed=1)
+    assert other[0][0] == ref[0][0]  # the first forward draws nothing
+    assert not all(torch.equal(a, b) for a, b in zip(other[1][0], ref[1][0]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp8_saved_activations_compose_with_recompute(mode):
+    _assert_same(_train("fp8-current", mode, act="1x64"), _train("fp8-current", "none", act="1x64"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mixture_of_experts_recomputes_bit_for_bit(mode):
+    _assert_same(_train("fp8-current", mode, MOE), _train("fp8-current", "none", MOE))
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the operators run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode: str) -> Counter:
+    model = _model(MICRO, "bf16", mode)
+    x = _batch(torch.Generator().manual_seed(0), MICRO.vocab_size)
+    loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    with _Ops() as ops:
+        loss.backward()
+    return ops.counts
+
+
+def test_selective_recomputes_no_gemm_and_full_recomputes_every_block():
+    mm, rsqrt, attention = (torch.ops.aten.mm.default, torch.ops.aten.rsqrt.default,
+                            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    none, selective, full = (_backward_ops(m) for m in ("none", "selective", "full"))
+    # q, k, v, o, gate, up run again, not down: torch stops recomputing a block once it has every tensor
+    # backward needs, and the down projection's matmul saves its inputs before it runs
+    assert selective[mm] == none[mm] and full[mm] == none[mm] + 6 * MICRO.n_layers
+    assert selective[rsqrt] == full[rsqrt] == none[rsqrt] + 2 * MICRO.n_layers  # the blocks' norms, again
+    assert selective[attention] == none[attention] == 0 and full[attention] == MICRO.n_layers
+
+
+class _Alive(TorchDispatchMode):
+    """The storages each operator makes (not one it was given: parameters, state), weakly held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.given: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.made:
+                self.given.add(t.untyped_storage().data_ptr())
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s, ptr = t.untyped_storage(), t.untyped_storage().data_ptr()
+                held = self.made.get(ptr)
+                if ptr not in self.given and (held is None or held[0].expired()):  # new, or a freed one's address
+                    self.made[ptr] = (StorageWeakRef(s), s.nbytes())
+        return out
+
+    def alive_bytes(self) -> int:
+        return sum(n for ref, n in self.made.values() if not ref.expired())
+
+
+TOKENS = (2, 16)
+
+
+def _kept_for_backward(mode: str) -> tuple[int, int]:
+    """(bytes alive after the tiny model's forward and loss, bytes saved_tensors_hooks saw less the token ids,
+    made before the forward, plus the loss): the model in BF16 under the bf16 recipe, as on a GPU, and the
+    loss taken in FP32 as the trainer takes it."""
+    model = _model(preset("tiny"), "bf16", mode).to(torch.bfloat16)
+    x = torch.randint(0, 256, TOKENS, generator=torch.Generator().manual_seed(0))
+    saved: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _Alive() as alive:
+        loss = F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
+    kept = alive.alive_bytes()
+    loss.backward()
+    return kept, sum(saved.values()) - x.nbytes + loss.nbytes
+
+
+@functools.cache
+def _kept() -> dict[str, int]:
+    return {mode: _kept_for_backward(mode)[0] for mode in ("none", "selective", "full")}
+
+
+def test_full_keeps_less_than_selective_which_keeps_less_than_none():
+    kept = _kept()
+    assert kept["full"] < kept["selective"] < kept["none"]
+    none, hooked = _kept_for_backward("none")
+    assert none == hooked  # without checkpointing what stays alive is what autograd saved
+    cfg, tokens = preset("tiny"), TOKENS[0] * TOKENS[1]
+    # full: each block's input (BF16), then the final norm's and the head's inputs and the FP32 log-probabilities
+    blocks = cfg.n_layers * tokens * cfg.dim * 2
+    assert blocks < kept["full"] < blocks + tokens * (2 * cfg.dim * 2 + cfg.vocab_size * 4) + 8192
+    # selective: besides what full keeps, per token and block the GEMMs' outputs (q, k, v, o, gate, up, down)
+    # and attention's output in BF16 and its log-sum-exp in FP32
+    kv = cfg.n_kv_heads * cfg.head_dim
+    per_token = 2 * (4 * cfg.dim + 2 * kv + 2 * cfg.ffn_dim) + 4 * cfg.n_heads
+    assert kept["selective"] - kept["full"] == cfg.n_layers * tokens * per_token
+
+
+def test_the_planner_figures_each_mode_as_the_trainer_keeps_it():
+    """The planner's activations for the tiny model's none and selective within 10% of what the trainer
+    keeps (full's figure adds one block rebuilt in backward, which a count after the forward cannot see)."""
+    config = PlanConfig(model="ref-tiny", recipe="bf16", gpu="h200", gpus=1,
+                        training=Training(seq=TOKENS[1], micro_batch=TOKENS[0]))
+    kept = _kept()
+    rows = compare_recompute(config, activations={m: kept[m] for m in ("none", "selective")})
+    assert [r.mode for r in rows] == ["none", "selective"]
+    assert all(abs(r.activations_error) <= 0.10 for r in rows), rows
+    assert rows[1].planned_activations < rows[0].planned_activations
+
+
+class _Receiver:
+    """Counts the reports a sampled step's collector would receive."""
+
+    def __init__(self) -> None:
+        self.reports: Counter = Counter()
+
+    def forward(self, *args) -> None:
+        self.reports["forward"] += 1
+
+    def backward(self, *args) -> None:
+        self.reports["backward"] += 1
+
+
+def test_recomputation_reports_no_telemetry_twice():
+    """A recomputed forward does not report its casts to a sampled step's collector a second time."""
+    counts = {}
+    for mode in ("none", "full", "selective"):
+        model = _model(MICRO, "fp8-current", mode)
+        x = _batch(torch.Generator().manual_seed(0), MICRO.vocab_size)
+        with reporting_to(_Receiver()) as receiver:
+            F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        counts[mode] = receiver.reports
+    assert counts["none"]["forward"] > 0 and counts["full"] == counts["selective"] == counts["none"]
+
+
+def test_the_setting_is_checked_and_a_resumed_run_may_change_it():
+    assert TrainConfig(recompute="selective").recompute == "selective"
+    with pytest.raises(ValueError, match="recompute: expected one of 'none', 'selective', 'full', got 'half'"):
+        TrainConfig(recompute="half")
+    assert "recompute" not in RESUME_MUST_MATCH  # the same numbers bit for bit
+    assert [m.value for m in Recompute] == list(RECOMPUTE)  # one list of names
+
+
+def test_a_model_without_blocks_is_refused():
+    with pytest.raises(ValueError, match="recompute: expected 'none' for a model without an nn.ModuleList"):
+        recompute_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), "full")
+    assert recompute_blocks(torch.nn.Sequential(torch.nn.Linear(4, 4)), "none") == []
+
+
+def test_lowprec_train_recompute_full_runs_end_to_end(tmp_path):
+    args = ["train", "--model", "tiny", "--recompute", "full", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+            "--val-batches", "1", "--out", str(tmp_path / "run"), "--json", "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert '"steps": 3' in result.stdout and '"diverged": false' in result.stdout
