@@ -122,3 +122,33 @@ def test_a_run_of_no_preset_needs_its_model_named(tmp_path):
     result = _invoke("export", tmp_path / "run", "--format", "hf", "--out", tmp_path / "out", "--model", "tiny")
     assert result.exit_code == 1 and result.output.startswith("Error: model: expected the model the checkpoint "
                                                               "was trained on, a model of")
+
+
+def test_fp8_weights_export_their_stored_codes_and_the_optimizers_masters(tmp_path):
+    import warnings
+
+    from lowprec.export import load_trained
+    from lowprec.nn.fp8_weight import stored_codes
+    from lowprec.train.config import TrainConfig
+    from lowprec.train.data import load_data
+    from lowprec.train.loop import train
+    from lowprec.train.models import load_model
+
+    model, _ = load_model("moe-tiny", vocab_size=256)
+    cfg = TrainConfig(recipe="fp8-blockwise", steps=1, batch_size=2, seq_len=32, eval_every=1, val_batches=1,
+                      warmup_steps=1, tensorboard=False, progress=False, telemetry_every=0, dtype="bfloat16",
+                      fp8_weights=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, load_data(), cfg, out_dir=tmp_path / "run")
+    result = _invoke("export", tmp_path / "run", "--format", "fp8", "--out", tmp_path / "fp8")
+    assert result.exit_code == 0, result.output
+    assert _invoke("export", tmp_path / "run", "--format", "hf", "--out", tmp_path / "hf").exit_code == 0
+    trained = load_trained(tmp_path / "run")
+    codes = stored_codes(trained.model.layers[0].attention.wq.weight)  # the FP8 parameter's own codes
+    fp8, hf = _tensors(tmp_path / "fp8"), _tensors(tmp_path / "hf")
+    assert torch.equal(fp8["model.layers.0.self_attn.q_proj.weight"].view(torch.uint8), codes.data.view(torch.uint8))
+    assert torch.equal(fp8["model.layers.0.self_attn.q_proj.weight_scale_inv"], codes.scale)
+    master = trained.masters["layers.0.attention.wq.weight"]  # FP32, in the optimizer's state alone
+    assert master.dtype == torch.float32
+    assert torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], master.to(torch.bfloat16))
