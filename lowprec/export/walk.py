@@ -68,6 +68,12 @@ class Masters:
         m = self.given.get(self.first[name])
         return (m if m is not None else self.params[name]).detach().float()
 
+    def widened(self) -> list[str]:
+        """The parameters held in fewer bits than FP32 whose master was not given: their values as held stand
+        for their masters."""
+        return [n for n in self.params if n in self.taken and self.given.get(self.first[n]) is None
+                and self.params[n].dtype != torch.float32]
+
     def check_all_taken(self) -> None:
         left = [n for n in self.params if n not in self.taken]
         if left:

@@ -111,6 +111,9 @@ def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: st
     kept = [r.name for r in rows if r.how == KEPT] + walked.kept_modules
     recipe = next((lin.weight.recipe for lin in walked.linears if lin.weight.recipe is not None), None)
     report = ExportReport(format, scheme, str(out), walked.architecture, recipe, rows, list(walked.notes))
+    if widened := taken.widened():
+        report.notes.append(f"{len(widened)} parameters held in fewer bits than FP32 (the first: {widened[0]}) had no "
+                            "master given (masters=): their values as held were taken as their masters")
     config = _config(walked, layout, kept)
     extra = layout.extra_files(kept)
     report.files = sorted([CONFIG_FILE, WEIGHTS_FILE, REPORT_FILE, *extra])
