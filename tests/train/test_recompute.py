@@ -10,6 +10,7 @@ cache outside autograd; for ``none`` the two counts are checked against each oth
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 
@@ -28,6 +29,7 @@ from lowprec.plan import PlanConfig, Training
 from lowprec.plan.activations import RECOMPUTE
 from lowprec.plan.measured import compare_recompute
 from lowprec.train.config import RESUME_MUST_MATCH, TrainConfig
+from lowprec.train.loop import train
 from lowprec.train.model import ModelConfig, build_model, preset
 from lowprec.train.moe_model import MoEConfig
 from lowprec.train.recompute import Recompute, recompute_blocks
@@ -272,3 +274,20 @@ def test_lowprec_train_recompute_full_runs_end_to_end(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert '"steps": 3' in result.stdout and '"diverged": false' in result.stdout
+
+
+def test_the_trainer_recomputes_bit_for_bit_through_its_bf16_start_and_gradient_accumulation(data):
+    """``train`` with fp8-delayed: a BF16 first step recording the amaxes (lazy initialisation, whose hook on
+    each output records grad_output's amax in backward), two micro-batches a step, telemetry sampled at the
+    delayed step; the losses, gradient norms, weights and delayed histories after two steps are those without."""
+    mode = "selective"
+    cfg = TrainConfig(recipe="fp8-delayed", steps=2, batch_size=2, seq_len=16, grad_accum=2, hp_start_steps=1,
+                      eval_every=2, val_batches=1, warmup_steps=1, telemetry_every=2, tensorboard=False,
+                      progress=False)
+    models = {m: build_model(dataclasses.replace(MICRO, vocab_size=256), seed=0) for m in ("none", mode)}
+    results = {m: train(models[m], data, dataclasses.replace(cfg, recompute=m)) for m in models}
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert [r[key] for r in results[mode].history] == [r[key] for r in results["none"].history]
+    ref = models["none"].state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in models[mode].state_dict().items())
+    assert any(k.endswith("_extra_state") for k in ref)  # the delayed histories are in the state compared
