@@ -25,6 +25,7 @@ import lowprec
 from lowprec.cli import main
 from lowprec.nn import cached_weight_casts, fp8_activations
 from lowprec.nn.probe import reporting_to
+from lowprec.nn.recomputation import recomputation
 from lowprec.plan import PlanConfig, Training
 from lowprec.plan.activations import RECOMPUTE
 from lowprec.plan.measured import compare_recompute
@@ -291,3 +292,20 @@ def test_the_trainer_recomputes_bit_for_bit_through_its_bf16_start_and_gradient_
     ref = models["none"].state_dict()
     assert all(torch.equal(v, ref[k]) for k, v in models[mode].state_dict().items())
     assert any(k.endswith("_extra_state") for k in ref)  # the delayed histories are in the state compared
+
+
+def test_the_delayed_bank_neither_records_nor_folds_in_a_recomputed_forward():
+    layer = lowprec.nn.Linear(32, 32, bias=False, recipe="fp8-delayed")  # a bank of its own, folded by its forward
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    layer(x).sum().backward()
+    state, bank = layer.delayed_state, layer.delayed_state.bank
+    counts = state.count  # a reader folds: every role recorded once
+    assert counts.tolist() == [1, 1, 1]
+    layer(2 * x).sum().backward()  # pending: input, weight and grad_output amaxes, not folded yet
+    pending = [t.clone() for t in (bank.pending, bank.dy_pending, bank.dy_records)]
+    assert torch.equal(state.last(lowprec.recipes.Role.INPUT), (2 * x).detach().abs().amax())  # read, not folded
+    with recomputation():
+        layer(3 * x)
+    assert all(torch.equal(a, b) for a, b in zip(pending, (bank.pending, bank.dy_pending, bank.dy_records)))
+    assert bank.count[state.row].tolist() == [1, 1, 1]
+    assert state.count.tolist() == [2, 2, 2]  # the second step's amaxes, once each
