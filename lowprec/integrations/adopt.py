@@ -16,7 +16,8 @@ it registers on them (see [Note: why accumulate in float32] in ``lowprec.optim.a
 before it existed left them in ``param.grad``, where its step would not look. Fabric shows a plugin the
 optimizer only at its first step, after that step's backward; those gradients are handed to the hooks
 by a backward through the parameters themselves (autograd accumulates the given gradient into a leaf and
-runs its hooks), so the first step sees them as every later one does. Under DDP they stay in
+runs its hooks), so the first step sees them as every later one does (but that, with gradient
+accumulation, autograd summed its micro-batches in BF16/FP16 before the plugin saw them). Under DDP they stay in
 ``param.grad``, which is where the step reads a reduced gradient; FSDP2's sharded parameters are refused.
 """
 from __future__ import annotations

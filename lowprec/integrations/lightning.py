@@ -86,7 +86,7 @@ class LowprecFabricPrecision(FabricPrecision):
         self.recipe = R.get(recipe)
         if policy is not None and not isinstance(policy, Policy):
             fail("policy", "a lowprec.Policy or None", describe(policy), TypeError)
-        if dtype not in _DTYPES:
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or dtype not in _DTYPES):
             fail("dtype", "None, torch.float32, torch.bfloat16 or torch.float16", describe(dtype))
         for name, flag in (("master_weights", master_weights), ("step_guard", step_guard),
                            ("skip_spikes", skip_spikes)):
@@ -107,7 +107,7 @@ class LowprecFabricPrecision(FabricPrecision):
         """The converted module's delayed-scaling banks (None: its recipe does not scale by delay)."""
         self._adopted: list[tuple[torch.optim.Optimizer, Optimizer]] = []
         self._pending: list[dict[str, Any]] = []
-        """Loaded optimizer states for optimizers not adopted yet, in the order they will be."""
+        """Loaded states of the optimizers not adopted yet, in the order they will be (each loaded once)."""
         self._loss: torch.Tensor | None = None
         """The losses backpropagated since the last step, summed: what the guard checks and watches."""
 
@@ -195,8 +195,8 @@ class LowprecFabricPrecision(FabricPrecision):
                  "by one optimizer's scale)", f"a second one, {type(optimizer).__name__}")
         adopted = adopt(optimizer, self.settings, after_backward=after_backward)
         self._adopted.append((optimizer, adopted))
-        if len(self._adopted) <= len(self._pending):
-            self._load_optimizer(adopted, self._pending[len(self._adopted) - 1])
+        if self._pending:
+            self._load_optimizer(adopted, self._pending.pop(0))
         return adopted
 
     def _step(self, optimizer: Optimizer) -> StepResult:
@@ -223,7 +223,7 @@ class LowprecFabricPrecision(FabricPrecision):
     def state_dict(self) -> dict[str, Any]:
         """Each optimizer's ``lowprec.optim.Optimizer`` state (loaded ones not adopted yet as loaded)."""
         saved = [self._optimizer_state(adopted) for _, adopted in self._adopted]
-        return {"optimizers": saved + self._pending[len(saved):], "delayed": {}}
+        return {"optimizers": saved + self._pending, "delayed": {}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load into the optimizers adopted so far; the rest waits for theirs."""
@@ -236,7 +236,7 @@ class LowprecFabricPrecision(FabricPrecision):
             fail("state_dict['optimizers']", f"{len(self._adopted)} entries (one per optimizer)", len(saved))
         for (_, adopted), state in zip(self._adopted, saved):
             self._load_optimizer(adopted, state)
-        self._pending = list(saved)
+        self._pending = list(saved[len(self._adopted):])
 
     def teardown(self) -> None:
         """Stop folding gradients into the adopted optimizers' float32 buffers."""

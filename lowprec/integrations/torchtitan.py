@@ -86,6 +86,9 @@ class LowprecConverter(QuantizationConverter):
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        if not isinstance(config.recipe, str):
+            fail("recipe", "a lowprec preset name (the built layers look it up by name)", describe(config.recipe),
+                 TypeError)
         self.recipe = R.get(config.recipe)
         if self.recipe.uses_delayed_scaling:
             fail("recipe", "a recipe without delayed scaling (torchtitan builds each layer alone and does not "
