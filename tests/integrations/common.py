@@ -35,13 +35,15 @@ def lm_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
 
 
 def hand_loop(recipe: str, data: list[tuple[torch.Tensor, torch.Tensor]], *, dtype: torch.dtype | None = None,
-              master_weights: bool = False) -> tuple[Transformer, lowprec.optim.Optimizer, list[float]]:
+              master_weights: bool = False,
+              loss_scale: str | None = None) -> tuple[Transformer, lowprec.optim.Optimizer, list[float]]:
     """What the plugins must do: convert, then ``lowprec.optim.Optimizer`` around AdamW, one step a batch."""
     model = tiny_model()
     if dtype is not None:
         model.to(dtype=dtype)
     lowprec.convert(model, recipe, POLICY)
-    opt = lowprec.optim.Optimizer(model.parameters(), torch.optim.AdamW, master_weights=master_weights, lr=LR)
+    opt = lowprec.optim.Optimizer(model.parameters(), torch.optim.AdamW, master_weights=master_weights,
+                                  loss_scale=loss_scale, lr=LR)
     losses = []
     for x, y in data:
         loss = lm_loss(model, x, y)

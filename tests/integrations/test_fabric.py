@@ -65,6 +65,20 @@ def _weights_and_optimizer(model, opt, plugin) -> dict:
             "masters": plugin.state_dict()["optimizers"][0]["master_weights"]}
 
 
+def test_fabric_scales_the_loss_from_its_first_backward():
+    # fp16 asks for dynamic loss scaling: the first backward, before the optimizer is adopted, is scaled too
+    data = batches(1) * 2
+    plugin = LowprecFabricPrecision("fp16", POLICY, dtype=torch.float16, master_weights=True)
+    fabric, model, opt = _setup(plugin)
+    losses = _train(fabric, model, opt, data)
+    net, hand_opt, hand_losses = hand_loop("fp16", data, dtype=torch.float16, master_weights=True,
+                                           loss_scale="dynamic")
+    assert losses == hand_losses
+    assert_same_tensors(model.state_dict(), net.state_dict())
+    saved = plugin.state_dict()["optimizers"][0]
+    assert saved["loss_scale"] == hand_opt.state_dict()["loss_scale"] == {"scale": 2.0**16, "growth_tracker": 2}
+
+
 def test_fabric_save_and_load_resume_bit_for_bit(tmp_path):
     data = batches(4)
 
