@@ -56,7 +56,9 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     ``lowprec.convert_grouped``), and return a report of every linear and every group of experts.
     Layers whose shape the recipe's GEMMs cannot take are converted but run in high precision; the
     report and a warning say so, as they say when GEMMs are emulated on this device.
-    Matrices used other than through an ``nn.Linear`` (fused 3-D expert weights, a module's own
+    The fused 3-D experts of the Hugging Face mixtures of experts that ``lowprec.convert_hf_moe`` knows
+    (Mixtral, Qwen2/3-MoE, DeepSeek-V3, GPT-OSS) run through ``GroupedLinear`` too. Other matrices used
+    other than through an ``nn.Linear`` (experts of a layout lowprec does not know, a module's own
     ``F.linear``) are not converted: the report names them, one warning says so, and its coverage counts
     them (see [Note: weights lowprec cannot see into] in ``lowprec.unseen``).
 

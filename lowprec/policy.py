@@ -155,10 +155,13 @@ def unmatched_patterns(policy: Policy, names: list[str], name: str = "policy") -
 
 
 def find_blocks(model: nn.Module) -> tuple[str, int] | None:
-    """The transformer blocks: (prefix, count) of the ModuleList holding the most parameters."""
+    """The transformer blocks: (prefix, count) of the ModuleList (or ModuleDict keyed 0, 1, ..., as
+    torchtitan keeps them) holding the most parameters."""
     best, best_params = None, 0
     for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > 1:
+        numbered = isinstance(m, nn.ModuleList) or (
+            isinstance(m, nn.ModuleDict) and list(m.keys()) == [str(i) for i in range(len(m))])
+        if numbered and len(m) > 1:
             n = sum(p.numel() for p in m.parameters())
             if n > best_params:
                 best, best_params = (name, len(m)), n

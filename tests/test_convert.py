@@ -303,3 +303,12 @@ def test_the_policy_says_which_layers_recast_their_inputs_in_a_compiled_backward
         quiet_convert(model, "fp8-current", policy)
         assert policy.recasts_inputs is want
         assert all(m.recast_input is want and m.plan().recast_input is want for m in model), policy
+
+
+def test_blocks_kept_in_a_numbered_module_dict_as_in_a_module_list():
+    """torchtitan keeps its blocks in a ModuleDict keyed "0", "1", ...: the last-blocks rule finds them there."""
+    toy = Toy(4)
+    toy.layers = nn.ModuleDict({str(i): block for i, block in enumerate(toy.layers)})
+    got = reasons(quiet_convert(toy, "nvfp4"))
+    assert got["layers.3.w1"] == "block 3 of the last 1 (kept by policy)"
+    assert got["layers.2.w1"] == "nvfp4"
