@@ -125,6 +125,8 @@ class CompressedTensorsLayout:
 
     def keeps(self, w: LayerWeight) -> str | None:
         """Why this scheme cannot hold ``w`` (its readers need whole blocks along ``in``), or None."""
+        if w.fused is not None:
+            return "lowprec writes no compressed-tensors form of fused 3-D experts yet: they stay in high precision"
         if w.master.dim() != 2:
             return f"compressed-tensors stores one (out, in) weight per linear, got {tuple(w.master.shape)}"
         _, cols = rows_cols(w.master.shape)

@@ -99,6 +99,8 @@ def coded(w: LayerWeight, grid: Grid) -> Coded:
     ``grid.granularity`` (:data:`FROM_MASTER`). See [Note: fitting a trained weight]."""
     if not isinstance(w, LayerWeight):
         fail("w", "a lowprec.export.LayerWeight", describe(w), TypeError)
+    if w.per_expert:
+        return _experts_coded(w, grid)
     q = w.trained
     if q is not None:
         if tuple(q.shape) != tuple(w.master.shape):
@@ -107,6 +109,23 @@ def coded(w: LayerWeight, grid: Grid) -> Coded:
             return _on_grid(q, grid, AS_TRAINED)
     fresh = quantize(w.master.detach().float(), grid.fmt, grid.granularity)
     return _on_grid(fresh, grid, FROM_MASTER)
+
+
+def _experts_coded(w: LayerWeight, grid: Grid) -> Coded:
+    """A fused experts' weight ``(E, out, in)`` on ``grid``, expert by expert (each with its own trained cast):
+    the experts' codes and scales stacked along rows, as the 2-D view ``(E * out, in)`` holds them. The grid's
+    blocks must not span experts (one row, or a row count dividing ``out``); NVFP4's one global scale per
+    tensor cannot stand for the experts' own, so there the whole weight is quantized from the master."""
+    e, out, _ = w.master.shape
+    rows = grid.granularity.block_rows
+    if len(w.per_expert) != e:
+        fail("w.per_expert", f"one trained cast per expert ({e})", len(w.per_expert))
+    if grid.granularity.kind is GranularityKind.NVFP4 or rows is None or out % rows:
+        fresh = quantize(w.master.detach().float(), grid.fmt, grid.granularity)
+        return _on_grid(fresh, grid, FROM_MASTER)
+    parts = [coded(LayerWeight(w.name, w.master[i], q, w.recipe), grid) for i, q in enumerate(w.per_expert)]
+    how = AS_TRAINED if all(p.how == AS_TRAINED for p in parts) else FROM_MASTER
+    return Coded(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), None, how)
 
 
 def stored_codes(c: Coded) -> torch.Tensor:

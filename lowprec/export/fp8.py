@@ -46,19 +46,54 @@ def blocks(q: QuantizedTensor) -> dict[str, torch.Tensor]:
     return {"weight": q.data[:out, :inner].contiguous(), "weight_scale_inv": q.scale.float().contiguous()}
 
 
+def _one(master: torch.Tensor, q: QuantizedTensor | None) -> tuple[dict[str, torch.Tensor], str]:
+    if fits(q, master.shape):
+        return blocks(q), AS_TRAINED
+    return blocks(quantize(master.float(), E4M3, GRANULARITY)), FROM_MASTER
+
+
+def _experts(w: LayerWeight) -> tuple[dict[str, torch.Tensor], str]:
+    """A fused experts' weight (E, out, in), each expert in its own 128x128 blocks: ``weight`` (E, out, in)
+    and ``weight_scale_inv`` (E, ceil(out/128), ceil(in/128)), as transformers' FP8 experts hold them."""
+    casts = w.per_expert or (None,) * w.master.shape[0]
+    parts = [_one(m, q) for m, q in zip(w.master.unbind(0), casts)]
+    how = AS_TRAINED if all(h == AS_TRAINED for _, h in parts) else FROM_MASTER
+    return {k: torch.stack([p[k] for p, _ in parts]) for k in parts[0][0]}, how
+
+
 class FP8Layout:
     """See [Note: the fp8 layout]."""
 
     name = "fp8"
+    fused_note = ("fused experts are written as transformers' FP8 experts hold them (<proj> and <proj>_scale_inv "
+                  "per expert): transformers (5.24) dequantizing on a machine without an FP8 GPU loads those "
+                  "weights without their scales; load them on an FP8 GPU, or export hf")
+    """What the report says when fused experts are written in this layout."""
 
     def write_layer(self, w: LayerWeight) -> tuple[dict[str, torch.Tensor], str]:
+        if w.master.dim() == 3 and w.fused is not None and self.keeps(w) is None:
+            return _experts(w)
         if w.master.dim() != 2:
             fail(f"weight {w.name!r}", "a 2-D (out, in) weight for the fp8 layout", tuple(w.master.shape))
-        if fits(w.trained, w.master.shape):
-            return blocks(w.trained), AS_TRAINED
-        return blocks(quantize(w.master.float(), E4M3, GRANULARITY)), FROM_MASTER
+        return _one(w.master, w.trained)
+
+    @staticmethod
+    def tensor_name(name: str, suffix: str) -> str:
+        """A fused experts' tensors as transformers' FP8 experts name them: ``<proj>`` and
+        ``<proj>_scale_inv``."""
+        return name if suffix == "weight" else f"{name}_{suffix.removeprefix('weight_')}"
 
     def keeps(self, w: LayerWeight) -> str | None:
+        """Fused experts transformers' FP8 experts cannot hold stay in high precision."""
+        f = w.fused
+        if f is None:
+            return None
+        if f.has_bias or f.transposed:
+            return (f"transformers' FP8 experts hold (E, out, in) weights without biases: {f.experts_class}'s "
+                    "fused experts stay in high precision")
+        if w.name.endswith("gate_up_proj") and w.master.shape[1] <= BLOCK:
+            return (f"transformers' FP8 experts hold two scale rows for gate_up_proj: its {w.master.shape[1]} "
+                    f"rows fill one {BLOCK}-row block")
         return None
 
     def config(self, kept: list[str]) -> dict:

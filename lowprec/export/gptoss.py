@@ -30,6 +30,8 @@ GRID = Grid(F.get("e2m1"), mx(32, "ceil"))
 """E2M1 in 1x32 blocks under E8M0 scales; masters are quantized with scales rounded up (the mxfp4 recipe's)."""
 BLOCK = 32
 SUFFIXES = ("blocks", "scales")
+READ_BY = "GptOssExperts"
+"""The experts class transformers' mxfp4 loader replaces (it converts GPT-OSS MLPs and no other)."""
 
 
 def checkpoint_key(name: str, suffix: str) -> str:
@@ -55,6 +57,9 @@ class GptOssMxfp4Layout:
         """Why the layout writes ``w`` in high precision: it quantizes routed experts only, in whole blocks."""
         if w.master.dim() != 3:
             return "GPT-OSS's mxfp4 layout quantizes MoE experts only: a dense linear stays in high precision"
+        if w.fused is not None and w.fused.experts_class != READ_BY:
+            return (f"transformers reads the mxfp4 layout into {READ_BY} only: {w.fused.experts_class}'s "
+                    "fused experts stay in high precision")
         if w.master.shape[-1] % BLOCK:
             return f"GPT-OSS's mxfp4 blocks need in_features a multiple of {BLOCK}, got {w.master.shape[-1]}"
         return None

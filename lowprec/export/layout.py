@@ -17,11 +17,31 @@ import torch
 
 from lowprec.quant.tensor import QuantizedTensor
 
+# [Note: fused expert weights]
+# transformers 5 keeps a MoE block's routed experts as 3-D parameters of one module (``<experts>.gate_up_proj``,
+# ``<experts>.down_proj``); ``lowprec.convert`` runs them through ``GroupedLinear`` under the same names. An
+# export hands each such parameter to the format as one ``LayerWeight`` named by the parameter (not a module),
+# its master ``(E, out, in)`` whatever the storage, and each expert's trained cast in ``per_expert``. A format
+# that has a 3-D form its readers load names its tensors with ``tensor_name(name, suffix)``; a format without
+# one keeps the weight (``keeps``), and it is written in BF16 under its own name, in its own storage order.
+
 AS_TRAINED = "as trained"
 """The layer's weight was written with the codes and scales training used: no second rounding."""
 FROM_MASTER = "from the FP32 master"
 """The layer's weight was quantized anew from the FP32 master weight (the recipe's weight cast does not fit the
 format)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fused:
+    """How a Hugging Face experts module holds one fused projection (see [Note: fused expert weights])."""
+
+    experts_class: str
+    """The transformers class of the experts module (``GptOssExperts``, ``MixtralExperts``)."""
+    transposed: bool
+    """Stored ``(E, in, out)`` (GPT-OSS) rather than ``(E, out, in)``."""
+    has_bias: bool
+    """The module adds a per-expert bias (``<proj>_bias``, written beside it in BF16)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,11 @@ class LayerWeight:
     precision never reach :meth:`Layout.write_layer`."""
     recipe: str | None = None
     """The training recipe's name, or None."""
+    fused: Fused | None = None
+    """Set for a fused experts' parameter (see [Note: fused expert weights]); None for a module's linear."""
+    per_expert: tuple[QuantizedTensor | None, ...] = ()
+    """A fused weight's trained casts, one per expert (each ``(out, in)``; ``trained`` is then None): the
+    recipe cast each expert on its own, so their scales need not make one 3-D cast."""
 
 
 class Layout(Protocol):

@@ -23,7 +23,7 @@ from torch import nn
 from lowprec._checks import describe, fail
 from lowprec.export.directory import check_out, write_directory
 from lowprec.export.hf_model import walk_hf
-from lowprec.export.layout import Layout
+from lowprec.export.layout import LayerWeight, Layout
 from lowprec.export.reference import walk_reference
 from lowprec.export.registry import get_layout
 from lowprec.export.report import KEPT, REPORT_FILE, ExportReport, LayerExport
@@ -57,6 +57,26 @@ def _check_finite(name: str, t: torch.Tensor) -> None:
         fail(f"weight {name!r}", "finite values (an export writes no NaN or inf)", "non-finite values")
 
 
+def _hp_weight(w: LayerWeight) -> torch.Tensor:
+    """``w``'s master in BF16, in the order its reader stores it (a fused weight held ``(E, in, out)``
+    transposed back)."""
+    hp = w.master.to(HP_DTYPE)
+    return hp.transpose(1, 2) if w.fused is not None and w.fused.transposed else hp
+
+
+def _key(layout: Layout, w: LayerWeight, suffix: str) -> str:
+    """Where a tensor of ``w`` is stored: ``<module>.<suffix>`` for a module's linear; a fused experts'
+    parameter under its own name when it is the plain weight, else as the layout names it (see [Note: fused
+    expert weights] in ``lowprec.export.layout``)."""
+    if w.fused is None:
+        return f"{w.name}.{suffix}"
+    if suffix == "weight" and not hasattr(layout, "tensor_name"):
+        return w.name
+    if not hasattr(layout, "tensor_name"):
+        fail("format", "a layout that names the tensors of fused experts (tensor_name)", layout.name)
+    return layout.tensor_name(w.name, suffix)
+
+
 def _linear(lin: ExportLinear, layout: Layout, tensors: dict[str, torch.Tensor]) -> LayerExport:
     """Writes one linear into ``tensors``; its report row."""
     w = lin.weight
@@ -64,15 +84,23 @@ def _linear(lin: ExportLinear, layout: Layout, tensors: dict[str, torch.Tensor])
     keeps = getattr(layout, "keeps", None)
     kept = lin.kept or (keeps(w) if keeps is not None else None)
     if kept is not None:
-        out, how, reason = {"weight": w.master.to(HP_DTYPE)}, KEPT, kept
+        out, how, reason = {"weight": _hp_weight(w)}, KEPT, kept
+        tensors[w.name if w.fused is not None else f"{w.name}.weight"] = out["weight"].contiguous()
     else:
         out, how = layout.write_layer(w)
         reason = lin.note
-    tensors.update({f"{w.name}.{k}": v.contiguous() for k, v in out.items()})
+        if w.fused is not None and w.fused.transposed and set(out) == {"weight"}:
+            out = {"weight": out["weight"].transpose(1, 2)}  # a plain weight in the reader's storage order
+        tensors.update({_key(layout, w, k): v.contiguous() for k, v in out.items()})
     if lin.bias is not None:
         _check_finite(f"{w.name}.bias", lin.bias)
         tensors[f"{w.name}.bias"] = lin.bias.to(HP_DTYPE)
     return LayerExport(w.name, lin.source, tuple(w.master.shape), _written(out), how, reason)
+
+
+def _kept_module(row: LayerExport, fused: bool) -> str:
+    """The module a config names as not converted: a fused experts' parameter by its experts module."""
+    return row.name.rsplit(".", 1)[0] if fused else row.name
 
 
 def _config(walked: WalkedModel, layout: Layout, kept: list[str]) -> dict:
@@ -108,9 +136,14 @@ def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: st
     for name, t in walked.tensors.items():
         _check_finite(name, t)
         tensors[name] = t.to(HP_DTYPE).contiguous()
-    kept = [r.name for r in rows if r.how == KEPT] + walked.kept_modules
+    fused = {lin.weight.name for lin in walked.linears if lin.weight.fused is not None}
+    kept = list(dict.fromkeys([_kept_module(r, r.name in fused) for r in rows if r.how == KEPT]
+                              + walked.kept_modules))
     recipe = next((lin.weight.recipe for lin in walked.linears if lin.weight.recipe is not None), None)
     report = ExportReport(format, scheme, str(out), walked.architecture, recipe, rows, list(walked.notes))
+    fused_written = any(lin.weight.fused is not None and r.how != KEPT for lin, r in zip(walked.linears, rows))
+    if fused_written and (note := getattr(layout, "fused_note", None)):
+        report.notes.append(note)
     if widened := taken.widened():
         report.notes.append(f"{len(widened)} parameters held in fewer bits than FP32 (the first: {widened[0]}) had no "
                             "master given (masters=): their values as held were taken as their masters")
