@@ -90,7 +90,6 @@ class DelayedState:
     def _take(self, device: torch.device) -> None:
         self.bank = self.banks.bank(self.config, device)
         self.row = self.bank.take_row()
-        self.at = self.bank.index(self.row)
         release_on_collect(self, self.bank, self.row)
 
     @property
@@ -156,17 +155,17 @@ class DelayedState:
         if torch.compiler.is_compiling() and current is not None:
             # the amax chosen, then one scale: amax_scale is elementwise, so this is the scale of either
             # case, in half the graph's operations
-            ready, history_amax = bank.read(self.at, role)
+            ready, history_amax = bank.read(self.row, role)
             amax = torch.where(ready, history_amax, current)
             scale = amax_scale(amax, fmt).reshape(1, 1)
             # see [Note: delayed scaling under torch.compile]: forward's scales reach backward as saved
             return scale if role is Role.GRAD_OUTPUT else keep(scale)
         if not self._seen[i]:
             # the host cannot tell when a fold made the role ready: ask the device, until it says yes
-            self._seen[i] = bool(bank.read(self.at, role)[0])
+            self._seen[i] = bool(bank.read(self.row, role)[0])
             if not self._seen[i]:
                 return None
-        return amax_scale(bank.read(self.at, role)[1], fmt).reshape(1, 1)
+        return amax_scale(bank.read(self.row, role)[1], fmt).reshape(1, 1)
 
     def last(self, role: Role) -> torch.Tensor:
         """The amax ``role`` recorded last (0 before any): pending or folded, read without folding (see
@@ -176,7 +175,7 @@ class DelayedState:
     def record(self, role: Role, amax: torch.Tensor) -> None:
         """``amax`` pending for ``role``: the next fold adds it to the history (non-finite: 0; an outlier:
         capped, see [Note: amax outliers]); tensor operations only."""
-        self.bank.record(self.at, role, amax)
+        self.bank.record(self.row, role, amax)
 
     def to_tensor(self) -> torch.Tensor:
         header = torch.zeros(_HEADER_ROWS[_VERSION], len(ROLES))

@@ -37,7 +37,6 @@ forward: a backward's scale is the one folded at the forward before it.
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -50,28 +49,6 @@ _NONE = -1.0
 """A forward role's pending slot with no amax (an amax is never negative; a non-finite one is NaN or inf)."""
 _FORWARD_ROLES = (int(Role.INPUT), int(Role.WEIGHT))
 """The roles forward records, in the order of the ``pending`` columns."""
-
-
-class RowIndex(NamedTuple):
-    """Where a layer's state sits in its bank, as index tensors on the bank's device.
-
-    Casts read and write their row through these rather than through Python ints: a compiled graph
-    bakes an int index into the code of the kernel that reads or writes the bank, so every layer got
-    kernels of its own to compile (over a hundred linears, three roles each), where an index tensor (a
-    graph input like the bank) leaves one kernel that every layer's call shares."""
-
-    row: int
-    rows: torch.Tensor
-    """(1,) the row."""
-    flat: torch.Tensor
-    """(roles,) the row's elements of ``amax`` and ``ready``, one per role."""
-    forward: torch.Tensor
-    """(forward roles,) the row's elements of ``pending``."""
-
-    @staticmethod
-    def one(index: torch.Tensor, i: int) -> torch.Tensor:
-        """Element ``i`` of ``index`` as a (1,) index: a slice, the same code for every layer."""
-        return index[i:i + 1]
 
 
 class DelayedBank:
@@ -147,29 +124,20 @@ class DelayedBank:
 
     # ---- record, fold, read ----------------------------------------------------------------------
 
-    def index(self, row: int) -> RowIndex:
-        """The tensors that index layer ``row`` in this bank (see :class:`RowIndex`)."""
-        dev, n_fwd = self.device, len(_FORWARD_ROLES)
-        return RowIndex(row, torch.tensor([row], device=dev),
-                        torch.arange(row * N_ROLES, (row + 1) * N_ROLES, device=dev),
-                        torch.arange(row * n_fwd, (row + 1) * n_fwd, device=dev))
-
-    def record(self, at: RowIndex, role: Role, amax: torch.Tensor) -> None:
-        """``amax`` pending for ``role`` of layer ``at`` (the largest, where the row has one pending;
+    def record(self, row: int, role: Role, amax: torch.Tensor) -> None:
+        """``amax`` pending for ``role`` of layer ``row`` (the largest, where the row has one pending;
         a non-finite one stays so, for the fold to record as 0). Nothing in a recomputed forward (see
         [Note: recomputed forwards] in ``lowprec.nn.recomputation``)."""
         if recomputing():
             return
-        amax = amax.detach().float().reshape(1).to(self.device)
+        amax = amax.detach().float().reshape(()).to(self.device)
         if role is Role.GRAD_OUTPUT:
-            r = at.rows
-            pending = self.dy_records.index_select(0, r) != self.dy_folded.index_select(0, r)
-            self.dy_pending.index_put_((r,), torch.where(pending, torch.maximum(self.dy_pending.index_select(0, r),
-                                                                                amax), amax))
-            self.dy_records.index_put_((r,), torch.ones_like(r), accumulate=True)
+            pending = self.dy_records[row] != self.dy_folded[row]
+            self.dy_pending[row] = torch.where(pending, torch.maximum(self.dy_pending[row], amax), amax)
+            self.dy_records[row] += 1
         else:
-            k = at.one(at.forward, _FORWARD_ROLES.index(int(role)))
-            self.pending.index_put_((k,), torch.maximum(self.pending.index_select(0, k), amax))  # NaN stays NaN
+            k = row * len(_FORWARD_ROLES) + _FORWARD_ROLES.index(int(role))
+            self.pending[k] = torch.maximum(self.pending[k], amax)  # NaN stays NaN
 
     def last(self, row: int, role: Role) -> torch.Tensor:
         """The amax ``role`` of layer ``row`` recorded last (0 before any): its pending one where it has one
@@ -185,10 +153,10 @@ class DelayedBank:
             pending = ~(value < 0)  # NaN is an amax
         return torch.where(pending, value, newest.reshape(()))
 
-    def read(self, at: RowIndex, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ready, amax times 2^margin) of ``role`` of layer ``at``, as the last fold left them, () each."""
-        k = at.one(at.flat, int(role))
-        return self.ready.index_select(0, k).reshape(()), self.amax.index_select(0, k).reshape(())
+    def read(self, row: int, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ready, amax times 2^margin) of ``role`` of layer ``row``, as the last fold left them, () each."""
+        k = row * N_ROLES + int(role)
+        return self.ready[k], self.amax[k]
 
     @torch.no_grad()
     def fold(self) -> None:

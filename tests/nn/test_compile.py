@@ -136,12 +136,11 @@ def test_forward_takes_its_delayed_scales_through_an_opaque_copy():
     assert all(any(u not in outputs for u in k.users) for k in kept)
     backward = graphs["backward"]
     assert calls(backward, torch.ops.lowprec.keep.default) == 0
-    # of the state, backward takes grad_output's pending amax and record count (it writes both) and the
-    # layer's row index, never a history nor a forward role's (see [Note: the delayed-scaling bank] in
-    # lowprec.nn.delayed_bank)
+    # of the state, backward takes grad_output's pending amax and record count (it writes both), never a
+    # history nor a forward role's (see [Note: the delayed-scaling bank] in lowprec.nn.delayed_bank)
     bank = lin.delayed_state.bank
     placeholders = [n.meta["val"] for n in backward.graph.nodes if n.op == "placeholder"]
-    assert sum(v.dtype == torch.int64 for v in placeholders) == 2
+    assert sum(v.dtype == torch.int64 for v in placeholders) == 1
     assert not any(v.shape == bank.history.shape for v in placeholders)
 
 
