@@ -119,9 +119,15 @@ class CompressedTensorsLayout:
         """NVFP4 only: each quantized linear's calibrated input amax, for its activations' global scale."""
 
     @property
+    def calibrates(self) -> bool:
+        """Whether the scheme's activations take a calibrated scale (``input_amax``): NVFP4's global scale.
+        The other schemes quantize activations at run time (dynamic)."""
+        return self.scheme.name == "nvfp4"
+
+    @property
     def _static_inputs(self) -> bool:
         """NVFP4 with calibrated activations (W4A4); without them the scheme is written weight-only."""
-        return self.scheme.name == "nvfp4" and self.input_amax is not None
+        return self.calibrates and self.input_amax is not None
 
     def keeps(self, w: LayerWeight) -> str | None:
         """Why this scheme cannot hold ``w`` (its readers need whole blocks along ``in``), or None."""
@@ -166,7 +172,7 @@ class CompressedTensorsLayout:
         inputs = s.input_activations
         if s.name == "nvfp4" and not self._static_inputs:
             warnings.warn("lowprec: compressed-tensors nvfp4 written weight-only (NVFP4A16): NVFP4 activations "
-                          "need each layer's calibrated input amax (input_amax=...)", stacklevel=3)
+                          "need each layer's calibrated input amax (calibrate=...)", stacklevel=3)
             inputs = None
         group = {"targets": ["Linear"], "weights": dict(s.weights),
                  "input_activations": None if inputs is None else dict(inputs), "output_activations": None}

@@ -59,6 +59,8 @@ class ModelOptNvfp4Layout:
     """ModelOpt NVFP4 (see [Note: ModelOpt NVFP4 as its readers read it])."""
 
     name = "modelopt-nvfp4"
+    calibrates = True
+    """Its activations take a calibrated global scale (``input_amax``, written as ``input_scale``)."""
 
     def __init__(self, input_amax: Mapping[str, float] | None = None) -> None:
         if input_amax is not None and not isinstance(input_amax, Mapping):
@@ -104,7 +106,7 @@ class ModelOptNvfp4Layout:
         """``hf_quant_config.json``, naming the ``kept`` linears in ``exclude_modules``."""
         if self.input_amax is None:
             warnings.warn("lowprec: ModelOpt NVFP4 written weight-only (W4A16_NVFP4): W4A4 needs each layer's "
-                          "calibrated input amax (input_amax=...)", stacklevel=2)
+                          "calibrated input amax (calibrate=...)", stacklevel=2)
         quantization = {"quant_algo": self.quant_algo, "kv_cache_quant_algo": None, "group_size": GROUP,
                         "exclude_modules": list(kept)}
         text = json.dumps({"producer": _producer(), "quantization": quantization}, indent=2) + "\n"

@@ -49,9 +49,10 @@ def formats() -> dict[str, tuple[str, ...]]:
     return {f: tuple(s) for f, s in out.items()}
 
 
-def get_layout(format: str, scheme: str | None = None) -> Layout:
+def get_layout(format: str, scheme: str | None = None, **options) -> Layout:
     """The layout of ``format`` in ``scheme``; an unknown format or scheme, a scheme given to a format without
-    schemes or none to one that needs one, is refused naming the argument."""
+    schemes or none to one that needs one, is refused naming the argument. ``options`` go to the layout's
+    factory (``input_amax=`` for a layout that ``calibrates``)."""
     table = layouts()
     known = formats()
     if format not in known:
@@ -62,4 +63,4 @@ def get_layout(format: str, scheme: str | None = None) -> Layout:
              f"{', '.join(f for f, s in known.items() if s) or 'no format here'})", repr(scheme))
     if (format, scheme) not in table:
         fail("scheme", f"one of {', '.join(schemes)} for format {format!r}", repr(scheme) if scheme else "none")
-    return table[(format, scheme)]()
+    return table[(format, scheme)](**options)

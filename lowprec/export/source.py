@@ -46,6 +46,10 @@ class TrainedModel:
     step: int
     spec: str
     """The preset's name or the Hugging Face config's path."""
+    config: TrainConfig | None = None
+    """The run's settings, as rebuilt here (on the CPU)."""
+    data: dict[str, Any] | None = None
+    """What the checkpoint records of the run's data: its ``source`` and ``fingerprint``."""
 
 
 def _checkpoint_path(path: str | Path) -> Path:
@@ -122,4 +126,5 @@ def load_trained(path: str | Path, model: str | None = None) -> TrainedModel:
                               f"{' '.join(str(e).split())[:200]}") from e
     opt.remove_hooks()
     return TrainedModel(net, dict(masters), cfg.recipe if isinstance(cfg.recipe, str) else cfg.recipe.name,
-                        str(saved.get("device", "cpu")), step, spec)
+                        str(saved.get("device", "cpu")), step, spec, cfg,
+                        dict(info["data"]) if isinstance(info.get("data"), dict) else None)

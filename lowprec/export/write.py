@@ -13,7 +13,7 @@ files and ``export_report.json`` are written together (see [Note: writing an exp
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import safetensors.torch
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lowprec._checks import describe, fail
+from lowprec.export.calibrate import input_amax
 from lowprec.export.directory import check_out, write_directory
 from lowprec.export.hf_model import walk_hf
 from lowprec.export.layout import LayerWeight, Layout
@@ -109,9 +110,35 @@ def _config(walked: WalkedModel, layout: Layout, kept: list[str]) -> dict:
     return config
 
 
+def _quantized(walked: WalkedModel, layout: Layout) -> dict[str, str]:
+    """The linears ``layout`` will write quantized (neither kept by the walk nor by the format): exported name
+    -> name in the model."""
+    keeps = getattr(layout, "keeps", None)
+    return {lin.weight.name: lin.source for lin in walked.linears
+            if lin.kept is None and (keeps is None or keeps(lin.weight) is None)}
+
+
+def _calibrated(model: nn.Module, walked: WalkedModel, layout: Layout, format: str, scheme: str | None,
+                calibrate: Iterable[torch.Tensor] | None, notes: list[str]) -> Layout:
+    """``layout`` with each quantized linear's input amax from ``calibrate`` where its activations take a
+    calibrated scale (see [Note: calibrating activation scales] in ``lowprec.export.calibrate``); as it is
+    otherwise, with a note when batches were given to a format that has no use for them."""
+    if calibrate is None:
+        return layout
+    if not getattr(layout, "calibrates", False):
+        notes.append(f"calibrate= given, not used: {layout.name}{f' {scheme}' if scheme else ''} quantizes "
+                     "activations at run time (dynamic) or not at all; no calibration was run")
+        return layout
+    c = input_amax(model, calibrate, _quantized(walked, layout))
+    notes.append(f"activation scales calibrated on {c.batches} batches ({c.tokens} tokens): each quantized "
+                 "linear's input amax (max |x|), taken before its cast in evaluation mode")
+    return get_layout(format, scheme, input_amax=c.input_amax)
+
+
 def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: str | None = None, *,
            masters: Mapping[str, torch.Tensor | None] | None = None, overwrite: bool = False,
-           trained_on: str | torch.device | None = None) -> ExportReport:
+           trained_on: str | torch.device | None = None,
+           calibrate: Iterable[torch.Tensor] | None = None) -> ExportReport:
     """Write ``model`` (lowprec's reference decoder, or a Hugging Face causal LM; converted by
     ``lowprec.convert`` and trained, or not) into ``out_dir`` in ``format`` (``hf``, ``fp8``, and the formats
     ``lowprec.export.formats()`` lists; ``scheme`` for a format that takes one). See [Note: what an export
@@ -120,7 +147,10 @@ def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: st
     ``masters``: FP32 master weights by parameter name (an optimizer's, when the parameters are BF16 or FP8);
     without, each parameter widened to FP32 is its master. ``overwrite``: replace an ``out_dir`` that holds
     files. ``trained_on``: the device the model trained on, when not where it is now: the small-layer rule
-    that kept layers in high precision there is judged for that device.
+    that kept layers in high precision there is judged for that device. ``calibrate``: token batches (int64
+    tensors (B, T)) the model runs on to record each quantized linear's input amax, for formats whose
+    activations take a calibrated scale (``compressed-tensors --scheme nvfp4``, ``modelopt-nvfp4``: written as
+    full NVFP4 then, weight-only without); other formats note that they do not use it.
     Returns the report (also written as ``export_report.json``): each linear, what it was written as, and
     whether its codes are the trained ones, the master's, or it was kept in high precision and why.
     """
@@ -131,6 +161,8 @@ def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: st
     taken = Masters(model, masters)
     walked = _walk(model, taken, device)
     taken.check_all_taken()
+    calibration_notes: list[str] = []
+    layout = _calibrated(model, walked, layout, format, scheme, calibrate, calibration_notes)
     tensors: dict[str, torch.Tensor] = {}
     rows = [_linear(lin, layout, tensors) for lin in walked.linears]
     for name, t in walked.tensors.items():
@@ -140,7 +172,8 @@ def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: st
     kept = list(dict.fromkeys([_kept_module(r, r.name in fused) for r in rows if r.how == KEPT]
                               + walked.kept_modules))
     recipe = next((lin.weight.recipe for lin in walked.linears if lin.weight.recipe is not None), None)
-    report = ExportReport(format, scheme, str(out), walked.architecture, recipe, rows, list(walked.notes))
+    report = ExportReport(format, scheme, str(out), walked.architecture, recipe, rows,
+                          [*walked.notes, *calibration_notes])
     fused_written = any(lin.weight.fused is not None and r.how != KEPT for lin, r in zip(walked.linears, rows))
     if fused_written and (note := getattr(layout, "fused_note", None)):
         report.notes.append(note)
