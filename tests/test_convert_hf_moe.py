@@ -6,18 +6,17 @@ transformers itself: hidden 64, 4 experts of width 128, top-2, 2 layers."""
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 
-import lowprec
 from lowprec.convert_grouped import REFUSED_DELAYED
 from lowprec.convert_hf_moe import ROUTER_KEPT, ROUTER_NOT_CONVERTED, HFGroupedExperts, swap_hf_experts
 from lowprec.nn import Linear
 from lowprec.nn.plan import Kept
 from lowprec.policy import Policy
+from tests.test_convert_grouped import convert, rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,17 +53,6 @@ def build(kind: str, seed: int = 0, experts: str = "eager") -> nn.Module:
 
 def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(seed))
-
-
-def convert(model: nn.Module, recipe: str = "fp8-current", policy: Policy | None = None):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = lowprec.convert(model, recipe, policy)
-    return report, [str(w.message) for w in caught]
-
-
-def rows(report):
-    return {lr.name: lr for lr in report.layers}
 
 
 def experts_of(model: nn.Module, layer: int = 0) -> nn.Module:

@@ -32,7 +32,6 @@ process without a process group.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import warnings
@@ -65,6 +64,7 @@ from lowprec.state.files import (
     PARTIAL_SUFFIX,
     CheckpointError,
     encode_meta,
+    file_sha256,
     fsync_dir,
     join_tensors,
     prune_checkpoints,
@@ -72,8 +72,6 @@ from lowprec.state.files import (
     split_tensors,
     write_atomically,
 )
-
-_HASH_CHUNK = 1 << 24
 
 
 # -- each rank's generators ---------------------------------------------------------------------
@@ -119,17 +117,9 @@ def _single_process_quiet(ranks: Ranks) -> Iterator[None]:
         yield
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _hash_files(directory: Path, names: list[str], ranks: Ranks) -> dict[str, str]:
     """The sha256 of each file, every rank hashing its share; the whole table on every rank."""
-    mine = {n: _sha256(directory / n) for n in names[ranks.rank::ranks.world_size]}
+    mine = {n: file_sha256(directory / n) for n in names[ranks.rank::ranks.world_size]}
     return {n: d for part in _gathered(mine, ranks) for n, d in part.items()}
 
 
@@ -198,7 +188,7 @@ def read(json_path: str | Path, ranks: Ranks) -> dict[str, Any]:
         path = directory / name
         if not path.is_file():
             errors.append(f"no {str(path)!r}")
-        elif (actual := _sha256(path)) != digests[name]:
+        elif (actual := file_sha256(path)) != digests[name]:
             errors.append(f"sha256 {actual[:16]}... for {str(path)!r}, recorded {digests[name][:16]}... (the file "
                           "is corrupt or truncated; delete this checkpoint to resume from an older one)")
     found = [e for part in _gathered(errors, ranks) for e in part]

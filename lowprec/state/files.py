@@ -104,6 +104,19 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+_HASH_CHUNK = 16 << 20
+"""Bytes read at a time when hashing a file: a file of gigabytes is never read whole."""
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of the file at ``path``, read in chunks."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to a hidden temporary name, flush it to disk, then rename it to ``path``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

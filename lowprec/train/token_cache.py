@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from lowprec._checks import fail
+from lowprec.state.files import file_sha256
 from lowprec.train.text_sources import DocumentSource
 from lowprec.train.text_tokenizer import Encoder, TokenizerRef
 
@@ -38,7 +39,6 @@ CACHE_ENV = "LOWPREC_CACHE_DIR"
 CACHE_FORMAT = 1
 """Bumped when the layout or the way documents are joined changes, so that older caches are not read."""
 _BATCH_DOCUMENTS = 1024
-_HASH_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,17 +139,9 @@ def _problem(bin_path: Path, meta_path: Path, key: str) -> CacheMeta | str:
     size = bin_path.stat().st_size
     if size != meta.n_bytes or meta.n_bytes != meta.n_tokens * np.dtype(meta.dtype).itemsize:
         return f"{size:,} bytes where its JSON says {meta.n_bytes:,}"
-    if _sha256(bin_path) != meta.sha256:
+    if file_sha256(bin_path) != meta.sha256:
         return "its sha256 differs from its JSON's"
     return meta
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _joined(ids: Sequence[int], separator: tuple[int, ...]) -> np.ndarray:
