@@ -130,7 +130,8 @@ def _calibrated(model: nn.Module, walked: WalkedModel, layout: Layout, format: s
                      "activations at run time (dynamic) or not at all; no calibration was run")
         return layout
     c = input_amax(model, calibrate, _quantized(walked, layout))
-    notes.append(f"activation scales calibrated on {c.batches} batches ({c.tokens} tokens): each quantized "
+    batches = f"{c.batches} batch" + ("" if c.batches == 1 else "es")
+    notes.append(f"activation scales calibrated on {batches} ({c.tokens} tokens): each quantized "
                  "linear's input amax (max |x|), taken before its cast in evaluation mode")
     return get_layout(format, scheme, input_amax=c.input_amax)
 
