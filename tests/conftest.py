@@ -1,10 +1,19 @@
 """Shared test fixtures. The helpers themselves live in ``tests/helpers.py`` so tests can import them."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.helpers import SQNR_FLOORS, sqnr
+
+# Triton's kernels run on the CPU through its interpreter in these tests (tests/kernels). The switch must
+# be set before anything imports triton: Triton decorates its own standard functions (tl.cdiv, ...) when it
+# is first imported, for the interpreter only if this is set then, and libraries the tests import
+# (lightning, compressed-tensors) import triton. No route picks Triton for a CPU tensor unless a test
+# forces it, so the switch changes nothing else.
+os.environ["TRITON_INTERPRET"] = "1"
 
 # CI runs the suite as two pytest workers on two cores; torch's default of one thread per core would
 # put four busy threads on two cores, and the many small element-wise kernels of emulated
