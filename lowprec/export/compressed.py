@@ -45,7 +45,16 @@ import torch
 
 from lowprec import formats as F
 from lowprec._checks import check_choice, describe, fail
-from lowprec.export.fit import Coded, Grid, coded, rows_cols, stored_codes, stored_scale
+from lowprec.export.fit import (
+    Coded,
+    Grid,
+    checked_input_amax,
+    coded,
+    layer_input_amax,
+    linear_misfit,
+    stored_codes,
+    stored_scale,
+)
 from lowprec.export.layout import LayerWeight, Layout
 from lowprec.quant import blockwise, mx, nvfp4, rowwise
 
@@ -111,11 +120,8 @@ class CompressedTensorsLayout:
 
     def __init__(self, scheme: str, input_amax: Mapping[str, float] | None = None) -> None:
         check_choice("scheme", scheme, list(SCHEMES))
-        if input_amax is not None and not isinstance(input_amax, Mapping):
-            fail("input_amax", "a mapping from a linear's name to its input's largest magnitude",
-                 describe(input_amax), TypeError)
         self.scheme = SCHEMES[scheme]
-        self.input_amax = input_amax
+        self.input_amax = checked_input_amax(input_amax)
         """NVFP4 only: each quantized linear's calibrated input amax, for its activations' global scale."""
 
     @property
@@ -131,15 +137,7 @@ class CompressedTensorsLayout:
 
     def keeps(self, w: LayerWeight) -> str | None:
         """Why this scheme cannot hold ``w`` (its readers need whole blocks along ``in``), or None."""
-        if w.fused is not None:
-            return "lowprec writes no compressed-tensors form of fused 3-D experts yet: they stay in high precision"
-        if w.master.dim() != 2:
-            return f"compressed-tensors stores one (out, in) weight per linear, got {tuple(w.master.shape)}"
-        _, cols = rows_cols(w.master.shape)
-        m = self.scheme.min_multiple
-        if cols % m:
-            return f"{self.scheme.name} needs in_features a multiple of {m}, got {cols}"
-        return None
+        return linear_misfit(w, "compressed-tensors", self.scheme.min_multiple, self.scheme.name)
 
     def write_layer(self, w: LayerWeight) -> tuple[dict[str, torch.Tensor], str]:
         """The layer's tensors by suffix, and whether they are the trained codes or the master's."""
@@ -152,9 +150,7 @@ class CompressedTensorsLayout:
             # the reader divides by it: the reciprocal of lowprec's dequantizing global scale (one FP32 rounding)
             out["weight_global_scale"] = torch.ones(1) / c.global_scale.reshape(1).float()
         if self._static_inputs:
-            if w.name not in self.input_amax:
-                fail("input_amax", f"an amax for every quantized linear, {w.name!r} included", "none")
-            out["input_global_scale"] = nvfp4_input_global_scale(self.input_amax[w.name])
+            out["input_global_scale"] = nvfp4_input_global_scale(layer_input_amax(self.input_amax, w.name))
         return out, c.how
 
     @staticmethod

@@ -19,6 +19,7 @@ FP32 master with lowprec's own quantizer onto the format's grid, and says so (:d
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -144,3 +145,31 @@ def stored_scale(c: Coded, scale_format: F.Format) -> torch.Tensor:
     if scale_format.torch_dtype is not None:
         return c.scale.to(scale_format.torch_dtype)
     return F.encode(c.scale, scale_format)
+
+
+def linear_misfit(w: LayerWeight, layout: str, multiple: int, needs: str) -> str | None:
+    """Why a layout that stores one ``(out, in)`` weight per linear, in blocks of ``multiple`` along ``in``,
+    cannot hold ``w`` (``needs``: who needs the multiple, for the message), or None."""
+    if w.fused is not None:
+        return f"lowprec writes no {layout} form of fused 3-D experts yet: they stay in high precision"
+    if w.master.dim() != 2:
+        return f"{layout} stores one (out, in) weight per linear, got {tuple(w.master.shape)}"
+    _, cols = rows_cols(w.master.shape)
+    if cols % multiple:
+        return f"{needs} needs in_features a multiple of {multiple}, got {cols}"
+    return None
+
+
+def checked_input_amax(input_amax: Mapping[str, float] | None) -> Mapping[str, float] | None:
+    """A layout's calibrated input amaxes as given (a mapping from a linear's name), or None."""
+    if input_amax is not None and not isinstance(input_amax, Mapping):
+        fail("input_amax", "a mapping from a linear's name to its input's largest magnitude",
+             describe(input_amax), TypeError)
+    return input_amax
+
+
+def layer_input_amax(input_amax: Mapping[str, float], name: str) -> float:
+    """The calibrated input amax of the linear ``name``, which calibration must have recorded."""
+    if name not in input_amax:
+        fail("input_amax", f"an amax for every quantized linear, {name!r} included", "none")
+    return input_amax[name]

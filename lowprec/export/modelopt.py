@@ -28,7 +28,15 @@ import torch
 
 from lowprec import formats as F
 from lowprec._checks import describe, fail
-from lowprec.export.fit import Grid, coded, rows_cols, stored_codes, stored_scale
+from lowprec.export.fit import (
+    Grid,
+    checked_input_amax,
+    coded,
+    layer_input_amax,
+    linear_misfit,
+    stored_codes,
+    stored_scale,
+)
 from lowprec.export.layout import LayerWeight, Layout
 from lowprec.quant import nvfp4
 
@@ -63,10 +71,7 @@ class ModelOptNvfp4Layout:
     """Its activations take a calibrated global scale (``input_amax``, written as ``input_scale``)."""
 
     def __init__(self, input_amax: Mapping[str, float] | None = None) -> None:
-        if input_amax is not None and not isinstance(input_amax, Mapping):
-            fail("input_amax", "a mapping from a linear's name to its input's largest magnitude",
-                 describe(input_amax), TypeError)
-        self.input_amax = input_amax
+        self.input_amax = checked_input_amax(input_amax)
         """Each quantized linear's calibrated input amax (W4A4), or None (weights only)."""
 
     @property
@@ -75,14 +80,7 @@ class ModelOptNvfp4Layout:
 
     def keeps(self, w: LayerWeight) -> str | None:
         """Why ModelOpt's NVFP4 cannot hold ``w`` (its readers need whole 16-element groups along ``in``)."""
-        if w.fused is not None:
-            return "lowprec writes no ModelOpt NVFP4 form of fused 3-D experts yet: they stay in high precision"
-        if w.master.dim() != 2:
-            return f"ModelOpt NVFP4 stores one (out, in) weight per linear, got {tuple(w.master.shape)}"
-        _, cols = rows_cols(w.master.shape)
-        if cols % GROUP:
-            return f"ModelOpt NVFP4 needs in_features a multiple of {GROUP}, got {cols}"
-        return None
+        return linear_misfit(w, "ModelOpt NVFP4", GROUP, "ModelOpt NVFP4")
 
     def write_layer(self, w: LayerWeight) -> tuple[dict[str, torch.Tensor], str]:
         """``weight``, ``weight_scale``, ``weight_scale_2`` (and ``input_scale`` with calibration)."""
@@ -93,9 +91,7 @@ class ModelOptNvfp4Layout:
         out = {"weight": stored_codes(c), "weight_scale": stored_scale(c, GRID.granularity.scale_format),
                "weight_scale_2": c.global_scale.reshape(()).float().clone()}
         if self.input_amax is not None:
-            if w.name not in self.input_amax:
-                fail("input_amax", f"an amax for every quantized linear, {w.name!r} included", "none")
-            out["input_scale"] = input_scale(self.input_amax[w.name])
+            out["input_scale"] = input_scale(layer_input_amax(self.input_amax, w.name))
         return out, c.how
 
     def config(self, kept: list[str]) -> dict:
