@@ -5,7 +5,8 @@ The default policy converts every ``nn.Linear`` the recipe's GEMMs can take, exc
   often tied to the embedding): modules named ``lm_head``, ``output``, ``head``, ``embed_out``,
   ``classifier``, ``score``, or whose weight is an ``nn.Embedding``'s weight;
 * MoE routers and gates (a few bits of error reorder the experts): modules named ``router`` or
-  ``gate`` exactly, or containing ``router`` (SwiGLU's ``gate_proj``/``w1`` are converted);
+  ``gate`` exactly, containing ``router``, or ending in ``expert_gate`` (Qwen2-MoE's gate of its shared
+  expert); SwiGLU's ``gate_proj``/``w1`` are converted;
 * linears inside ``nn.MultiheadAttention`` (it reads their weights directly, bypassing forward);
 * the first ``keep_first_blocks`` and last ``keep_last_blocks`` transformer blocks (the recipe's
   ``hp_last_fraction`` sets the default of the latter: NVFP4 keeps its last ~15% in BF16);
@@ -40,6 +41,12 @@ from lowprec.nn.saved import SavedActivations
 Filter = Callable[[str, nn.Linear], bool] | tuple[str, ...] | None
 HEAD_NAMES = ("lm_head", "output", "head", "embed_out", "classifier", "score")
 ROUTER_NAMES = ("router", "gate")
+
+
+def is_router(leaf: str) -> bool:
+    """A module named as an MoE router or gate: ``router``/``gate`` exactly, a name containing ``router``,
+    or an expert's gate (Qwen2-MoE's ``shared_expert_gate``, a sigmoid on the shared expert's output)."""
+    return leaf in ROUTER_NAMES or "router" in leaf or leaf.endswith("expert_gate")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -198,7 +205,7 @@ def policy_keeps(policy: Policy, name: str, module: nn.Linear, *, embeddings: se
         return PolicyKeep("excluded by policy.exclude")
     if policy.keep_head and (leaf in HEAD_NAMES or id(module.weight) in embeddings):
         return PolicyKeep("LM head / final projection (kept by policy)")
-    if policy.keep_routers and (leaf in ROUTER_NAMES or "router" in leaf):
+    if policy.keep_routers and is_router(leaf):
         return PolicyKeep("MoE router / gate (kept by policy)")
     idx = block_index(name, blocks)
     if idx is not None:

@@ -250,8 +250,8 @@ def test_a_shared_expert_converts_as_linears_beside_the_routed_experts(kind, sha
     assert all(r[f"model.layers.0.mlp.{shared}.{p}"].converted for p in ("gate_proj", "up_proj", "down_proj"))
     assert r["model.layers.0.mlp.experts.down_proj"].converted and r["model.layers.0.mlp.gate"].reason == ROUTER_KEPT
     assert report.unseen == []
-    if kind == "qwen2_moe":  # its shared expert's sigmoid gate, one output: a shape FP8 GEMMs do not take
-        assert r["model.layers.0.mlp.shared_expert_gate"].kept is Kept.SHAPE
+    if kind == "qwen2_moe":  # its shared expert's sigmoid gate: a gate, kept as routers are
+        assert r["model.layers.0.mlp.shared_expert_gate"].reason == ROUTER_KEPT
 
 
 def test_gpt_oss_experts_are_reported_as_out_x_in_with_their_biases():
