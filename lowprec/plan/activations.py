@@ -21,8 +21,10 @@ outputs are kept in FP8 with FP32 scales, as ``lowprec.nn.RMSNorm`` and ``lowpre
 (see [Note: saved activations] in ``lowprec.nn.saved``); they are the :data:`Kind.ACT` entries.
 
 Recompute modes: ``none`` keeps all of it; ``selective`` recomputes what is cheap to recompute —
-norms, activation functions, quantization and token permutation — and keeps the outputs of
-GEMMs and of attention; ``full`` keeps only each block's input and recomputes the block in backward.
+norms, activation functions, residual additions, quantization and token permutation — and keeps the
+outputs of GEMMs and of attention, as ``lowprec.train.recompute`` does (the projections' outputs that a
+residual addition reads are saved under ``selective`` alone, and the second norm's input, a residual
+sum, under ``none`` alone); ``full`` keeps only each block's input and recomputes the block in backward.
 """
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ class Saved:
     row: int
     """Row length (for row-wise scales)."""
     keep_selective: bool
+    only_selective: bool = False
+    """Saved by selective recomputation alone: a GEMM's output, which without recomputation the op after
+    it (a residual addition) reads without keeping."""
 
     def bytes(self, recipe: RecipeCost, act: Storage = BF16) -> float:
         """Bytes per token; ``act``: how norms and SwiGLU save their inputs."""
@@ -89,6 +94,7 @@ def _attention_core(m: ModelSpec) -> list[Saved]:
         Saved("attn.v", "attention", kv_heads * v, Kind.HP, v, True),
         Saved("attn.out", "attention", h * v, Kind.HP, h * v, True),
         Saved("attn.logsumexp", "attention", h, Kind.FP32, 1, True),
+        Saved("attn.proj_out", "attention", m.d_model, Kind.HP, m.d_model, True, only_selective=True),
     ]
     if m.mla:  # the latent norms save their inputs, the down-projections' outputs
         a = m.mla
@@ -101,17 +107,19 @@ def _attention_core(m: ModelSpec) -> list[Saved]:
 def _ffn_core(m: ModelSpec, moe: bool) -> list[Saved]:
     d = m.d_model
     if not moe:
-        return [Saved("mlp.residual", "mlp", d, Kind.ACT, d, True),
-                Saved("mlp.gate_up", "mlp", 2 * m.ffn, Kind.ACT, m.ffn, True)]
+        return [Saved("mlp.residual", "mlp", d, Kind.ACT, d, False),
+                Saved("mlp.gate_up", "mlp", 2 * m.ffn, Kind.ACT, m.ffn, True),
+                Saved("mlp.down_out", "mlp", d, Kind.HP, d, True, only_selective=True)]
     e = m.moe
     out = [
-        Saved("mlp.residual", "moe", d, Kind.ACT, d, True),
+        Saved("mlp.residual", "moe", d, Kind.ACT, d, False),
         Saved("moe.router_probs", "moe", e.n_experts, Kind.FP32, e.n_experts, True),
         Saved("moe.expert.gate_up", "moe", 2 * e.top_k * e.expert_ffn, Kind.ACT, e.expert_ffn, True),
         Saved("moe.expert.out", "moe", e.top_k * d, Kind.HP, d, True),
     ]
     if e.n_shared:
         out.append(Saved("moe.shared.gate_up", "moe", 2 * e.n_shared * e.shared_ffn, Kind.ACT, e.shared_ffn, True))
+        out.append(Saved("moe.shared.out", "moe", d, Kind.HP, d, True, only_selective=True))
     return out
 
 
@@ -159,6 +167,6 @@ def block_bytes(m: ModelSpec, moe: bool, recipe: RecipeCost, recompute: str, act
         return {"layer inputs": float(m.d_model * HP_BYTES)}
     out: dict[str, float] = {}
     for s in block_saved(m, moe, quantized):
-        if recompute == "none" or s.keep_selective:
+        if (recompute == "none" and not s.only_selective) or (recompute == "selective" and s.keep_selective):
             out[s.group] = out.get(s.group, 0.0) + s.bytes(recipe, act)
     return out

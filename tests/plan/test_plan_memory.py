@@ -182,7 +182,10 @@ def test_activations_by_hand(recipe, lp):
 def test_selective_and_full_recompute_by_hand():
     tokens = 16
     sel = _parts(TINY, "fp8-current", seq=16, recompute="selective")
-    assert (sel["activations: attention"], sel["activations: mlp"]) == (2 * tokens * ATTN_CORE, 2 * tokens * MLP_CORE)
+    # selective keeps the GEMMs' outputs, the two projections' that a residual addition reads included
+    # (BF16, 64 each), and recomputes the residual sum the second norm reads (64, BF16)
+    attn, mlp = ATTN_CORE + 64 * 2, MLP_CORE - 64 * 2 + 64 * 2
+    assert (sel["activations: attention"], sel["activations: mlp"]) == (2 * tokens * attn, 2 * tokens * mlp)
     full = _parts(TINY, "fp8-current", seq=16, recompute="full")
     assert full["activations: layer inputs"] == 2 * tokens * 64 * 2
     one_block = ATTN_CORE + 64 + 64 + MLP_CORE + 64 + 128

@@ -219,14 +219,15 @@ def test_full_keeps_less_than_selective_which_keeps_less_than_none():
 
 
 def test_the_planner_figures_each_mode_as_the_trainer_keeps_it():
-    """The planner's activations for the tiny model's none and selective within 10% of what the trainer
-    keeps (full's figure adds one block rebuilt in backward, which a count after the forward cannot see)."""
+    """The planner's activations for the tiny model's none within 10% and selective within 2% of what the
+    trainer keeps (full's figure adds one block rebuilt in backward, which a count after the forward cannot
+    see; none's leaves out the attention output's reshaped copy that the output projection saves)."""
     config = PlanConfig(model="ref-tiny", recipe="bf16", gpu="h200", gpus=1,
                         training=Training(seq=TOKENS[1], micro_batch=TOKENS[0]))
     kept = _kept()
     rows = compare_recompute(config, activations={m: kept[m] for m in ("none", "selective")})
     assert [r.mode for r in rows] == ["none", "selective"]
-    assert all(abs(r.activations_error) <= 0.10 for r in rows), rows
+    assert abs(rows[0].activations_error) <= 0.10 and abs(rows[1].activations_error) <= 0.02, rows
     assert rows[1].planned_activations < rows[0].planned_activations
 
 
