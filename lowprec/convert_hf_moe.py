@@ -247,5 +247,6 @@ def router_row(name: str, router: nn.Module, policy: Policy) -> LayerReport:
     because it is not a linear ``convert`` can swap."""
     w = router._parameters["weight"]
     params = sum(p.numel() for p in router.parameters(recurse=False))
-    reason = ROUTER_KEPT if policy.keep_routers else ROUTER_NOT_CONVERTED
-    return LayerReport(name, w.shape[1], w.shape[0], False, reason, params, Kept.POLICY)
+    if policy.keep_routers:
+        return LayerReport(name, w.shape[1], w.shape[0], False, ROUTER_KEPT, params, Kept.POLICY)
+    return LayerReport(name, w.shape[1], w.shape[0], False, ROUTER_NOT_CONVERTED, params, Kept.UNSUPPORTED)

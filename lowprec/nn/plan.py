@@ -39,6 +39,8 @@ class Kept(str, enum.Enum):
     """A shape the recipe's GEMMs cannot take."""
     REFUSED = "refused"
     """The layer refuses the recipe (a ``GroupedLinear`` under delayed scaling: no amax history per expert)."""
+    UNSUPPORTED = "unsupported"
+    """A module lowprec cannot convert, whatever the policy (a Hugging Face router, which applies its own weight)."""
 
 # [Note: evaluation is deterministic]
 # Stochastic rounding is for training: it keeps the expected value of small updates. A forward in

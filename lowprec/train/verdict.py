@@ -302,6 +302,8 @@ _KEPT_HINTS = {
                 "conversion report names)",
     Kept.REFUSED: "layers that refuse the recipe (grouped experts under delayed scaling: a recipe with current "
                   "scaling converts them)",
+    Kept.UNSUPPORTED: "modules lowprec cannot convert (Hugging Face routers, which apply their own weight): they "
+                      "run in the model's precision whatever the policy",
 }
 
 

@@ -167,5 +167,7 @@ def test_a_recipe_that_ran_on_under_half_of_the_linear_parameters_is_not_tested(
         "mostly measures the baseline; 3 kept: shapes the recipe's GEMMs cannot take (a --model whose widths are "
         "multiples of what the conversion report names)")
     assert untested(Coverage(0, 0, 0, 0)).startswith("0 of 0 linears converted (n/a of linear parameters): no linear")
+    for kind in Kept:  # every reason a layer is kept has its hint
+        assert "1 kept: " in untested(Coverage(0, 1, 0, 10, ((kind, 1),)))
     assert untested(Coverage(1, 2, 1, 10_000)).startswith("1 of 2 linears converted (<1% of linear parameters)")
     assert Verdict(Level.NOT_TESTED, 0.0, 0.1, 0.02, "").label == "NOT TESTED"  # never "(within noise)"
