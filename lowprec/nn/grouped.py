@@ -37,6 +37,7 @@ from lowprec.autocast import resolve
 from lowprec.nn.casts import CastState, cast_operand
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
+from lowprec.nn.probe import probe
 
 _SAVED = len(Saved().flat())
 """Tensors each expert with tokens gives ``save_for_backward``."""
@@ -49,21 +50,23 @@ def _no_delay(recipe: R.Recipe | None, where: str) -> R.Recipe | None:
     return recipe
 
 
-def _experts_forward(x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, state: CastState,
+def _experts_forward(x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, states: tuple[CastState, ...],
                      need_dgrad: bool, need_wgrad: bool, record: bool) -> list[Forward | None]:
-    """Each expert's :func:`~lowprec.nn.function.fprop` on its rows (None for an expert without tokens)."""
+    """Each expert's :func:`~lowprec.nn.function.fprop` on its rows, with its own cast state (None for an
+    expert without tokens)."""
     out, start = [], 0
     for e, n in enumerate(counts):
         b = bias[e] if bias is not None else None
-        out.append(fprop(x[start:start + n], weight[e], b, plan, state, need_dgrad, need_wgrad, record)
+        out.append(fprop(x[start:start + n], weight[e], b, plan, states[e], need_dgrad, need_wgrad, record)
                    if n else None)
         start += n
     return out
 
 
 def _expert_backward(dy, saved: Saved, save: SavePlan, metas: tuple, plan: LayerPlan, x_dtype: torch.dtype,
-                     w_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool):
-    """One expert's dgrad and wgrad, as ``LinearFunction.backward`` makes them (None where not needed)."""
+                     w_dtype: torch.dtype, need_dgrad: bool, need_wgrad: bool, state: CastState):
+    """One expert's dgrad and wgrad, as ``LinearFunction.backward`` makes them (None where not needed),
+    its casts reported to telemetry under the expert's ``state``."""
     x_meta, w_meta = metas
     qw_t = None
     if need_dgrad:
@@ -72,6 +75,9 @@ def _expert_backward(dy, saved: Saved, save: SavePlan, metas: tuple, plan: Layer
     if not (need_dgrad or need_wgrad):  # the bias alone
         return None, None
     qdy, qdy_t = cast_operand(dy, plan.grad_output, need_dgrad, need_wgrad, None, True)
+    collector = probe()  # None but on a sampled step
+    if collector is not None:
+        collector.backward(state, plan, dy, qdy, qdy_t, saved.weight, qw_t if saved.weight is not None else None)
     dx = gemm(qdy, qw_t, plan.dgrad, x_dtype) if need_dgrad else None  # (n, in)
     dw = gemm(qdy_t, unpack_operand(saved.x_t, x_meta), plan.wgrad, w_dtype) if need_wgrad else None  # (out, in)
     return dx, dw
@@ -82,9 +88,9 @@ class GroupedFunction(torch.autograd.Function):
     cast as ``plan`` (the plan of one expert's shape) says; see [Note: grouped expert GEMMs]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, state: CastState):
+    def forward(ctx, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, states: tuple[CastState, ...]):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        fwds = _experts_forward(x, weight, bias, counts, plan, state, need_dgrad, need_wgrad, True)
+        fwds = _experts_forward(x, weight, bias, counts, plan, states, need_dgrad, need_wgrad, True)
         tensors, metas = [], []
         for e, f in enumerate(fwds):
             if f is None:
@@ -99,6 +105,7 @@ class GroupedFunction(torch.autograd.Function):
             ctx.save = f.save  # every expert's: one plan, one kind of weight
         ctx.save_for_backward(*tensors)
         ctx.counts, ctx.plan, ctx.metas = counts, plan, metas
+        ctx.states = [states[e] for e, f in enumerate(fwds) if f is not None]  # each saved expert's
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.w_shape = weight.shape[1:]
         return torch.cat([f.y for f in fwds if f is not None])  # (T, out)
@@ -117,7 +124,7 @@ class GroupedFunction(torch.autograd.Function):
                     continue
                 saved = Saved.of(tensors[k * _SAVED:(k + 1) * _SAVED])
                 dx, dw = _expert_backward(dy_e, saved, ctx.save, ctx.metas[k], plan, x_dtype, w_dtype,
-                                          need_dgrad, need_wgrad)
+                                          need_dgrad, need_wgrad, ctx.states[k])
                 dxs.append(dx)
                 dws.append(dw)
                 dbs.append(dy_e.sum(0).to(b_dtype) if b_dtype is not None and need_bias else None)
@@ -146,7 +153,10 @@ class GroupedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts, out_features, **kw)) if bias else None
         self.reset_parameters()
         self.state = CastState()
-        """Never holds a delayed history or a weight cache: one stateless object the experts share."""
+        """The layer's: never holds a delayed history or a weight cache."""
+        self.expert_states = tuple(CastState() for _ in range(num_experts))
+        """Each expert's, as stateless as the layer's: telemetry names an expert's casts by it (see [Note:
+        telemetry per expert] in ``lowprec.telemetry.experts``)."""
         self._warned: set[str] = set()
         self.set_recipe(recipe)
 
@@ -180,8 +190,8 @@ class GroupedLinear(nn.Module):
             return self._high_precision(x, counts, plan.hp_dtype if plan is not None else None)
         params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return GroupedFunction.apply(x, self.weight, self.bias, counts, plan, self.state)
-        fwds = _experts_forward(x, self.weight, self.bias, counts, plan, self.state, False, False, False)
+            return GroupedFunction.apply(x, self.weight, self.bias, counts, plan, self.expert_states)
+        fwds = _experts_forward(x, self.weight, self.bias, counts, plan, self.expert_states, False, False, False)
         return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
 
     def _counts(self, x, offsets) -> tuple[int, ...]:

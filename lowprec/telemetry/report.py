@@ -19,6 +19,7 @@ from pathlib import Path
 from lowprec import formats as F
 from lowprec._html import inline_png
 from lowprec.policy_file import policy_to_dict, save_policy
+from lowprec.telemetry.experts import split_expert
 from lowprec.telemetry.stats import OperandStats
 from lowprec.telemetry.trouble import (
     SATURATION_FLOOR,
@@ -38,27 +39,54 @@ HEATMAPS = (  # (figure, file suffix, title, worst of a cell's records, colour m
 POLICY_FILE = "suggested_policy.json"
 
 
-def grid(records: list[OperandStats], figure: str, worst: Callable) -> tuple[list[str], list[int], list[list[float]]]:
-    """(layers in order of appearance, sampled steps, rows of the worst ``figure`` per layer and step;
-    NaN where a layer has no record at a step, and for an exact cast's +inf SQNR)."""
-    layers = list(dict.fromkeys(r.layer for r in records))
-    steps = sorted({r.step for r in records})
-    cells: dict[tuple[str, int], list[float]] = {}
+def _table(records: list[OperandStats], figure: str, worst: Callable, row: Callable,
+           column: Callable) -> tuple[list, list, list[list[float]]]:
+    """(rows, columns, the worst ``figure`` of the records in each cell): rows and columns as ``row(r)``
+    and ``column(r)`` name a record's (None: not in the table); NaN for an empty cell and for an exact
+    cast's +inf SQNR."""
+    rows, columns, cells = {}, {}, {}
     for r in records:
-        cells.setdefault((r.layer, r.step), []).append(getattr(r, figure))
-    def cell(layer: str, step: int) -> float:
-        v = worst(cells[(layer, step)]) if (layer, step) in cells else math.nan
+        key = (row(r), column(r))
+        if None in key:
+            continue
+        rows[key[0]], columns[key[1]] = None, None
+        cells.setdefault(key, []).append(getattr(r, figure))
+
+    def cell(key) -> float:
+        v = worst(cells[key]) if key in cells else math.nan
         return v if math.isfinite(v) else math.nan
 
-    return layers, steps, [[cell(layer, s) for s in steps] for layer in layers]
+    return list(rows), list(columns), [[cell((a, b)) for b in columns] for a in rows]
 
 
-def heatmap_png(records: list[OperandStats], figure: str, title: str, worst: Callable, cmap: str, path: Path) -> bytes:
-    """Draw the heatmap into ``path``; its bytes, which the report also embeds."""
+def grid(records: list[OperandStats], figure: str, worst: Callable) -> tuple[list[str], list[int], list[list[float]]]:
+    """(layers in order of appearance, sampled steps, rows of the worst ``figure`` per layer and step;
+    NaN where a layer has no record at a step, and for an exact cast's +inf SQNR). A grouped layer's
+    experts are one row, their worst (:func:`expert_grid` draws them apart)."""
+    layers, steps, rows = _table(records, figure, worst, lambda r: split_expert(r.layer)[0], lambda r: r.step)
+    order = sorted(range(len(steps)), key=steps.__getitem__)
+    return layers, [steps[i] for i in order], [[row[i] for i in order] for row in rows]
+
+
+def expert_grid(records: list[OperandStats], figure: str, worst: Callable) -> tuple[list[str], list[int],
+                                                                                      list[list[float]]]:
+    """(grouped layers, expert indices, the worst ``figure`` per layer and expert over every sampled step
+    and operand): the experts x layers table of [Note: telemetry per expert]; empty without experts."""
+    layers, experts, rows = _table(records, figure, worst, lambda r: split_expert(r.layer)[0] if
+                                   split_expert(r.layer)[1] is not None else None,
+                                   lambda r: split_expert(r.layer)[1])
+    order = sorted(range(len(experts)), key=experts.__getitem__)
+    return layers, [experts[i] for i in order], [[row[i] for i in order] for row in rows]
+
+
+def heatmap_png(records: list[OperandStats], figure: str, title: str, worst: Callable, cmap: str, path: Path,
+                experts: bool = False) -> bytes:
+    """Draw the heatmap into ``path`` (layers x steps; ``experts``: grouped layers x experts); its bytes,
+    which the report also embeds."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # a second to import: only inspect pays
     from matplotlib.figure import Figure
 
-    layers, steps, rows = grid(records, figure, worst)
+    layers, steps, rows = (expert_grid if experts else grid)(records, figure, worst)
     fig = Figure(figsize=(min(14, 4 + 0.25 * len(steps)), 1.5 + 0.16 * len(layers)), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax = fig.subplots()
@@ -67,7 +95,7 @@ def heatmap_png(records: list[OperandStats], figure: str, title: str, worst: Cal
     ax.set_yticks(range(len(layers)), layers, fontsize=6)
     every = max(1, len(steps) // 20)
     ax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=7)
-    ax.set(title=title, xlabel="step", ylabel="layer")
+    ax.set(title=title, xlabel="expert" if experts else "step", ylabel="layer")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", metadata={"Software": None})  # same records, same bytes
     path.write_bytes(buffer.getvalue())
@@ -92,6 +120,12 @@ def write_report(records: list[OperandStats], out: Path, title: str,
         data = heatmap_png(records, figure, caption, worst, cmap, png)
         # inlined, so that the page is whole on its own (the PNGs beside it are for other uses)
         images.append(f"<h3>{html.escape(caption)}</h3>{inline_png(data, f'{suffix} heatmap ({png.name})')}")
+    if any(split_expert(r.layer)[1] is not None for r in records):  # see [Note: telemetry per expert]
+        figure, suffix, caption, worst, cmap = HEATMAPS[0]
+        png = out.with_name(f"{out.stem}_experts_{suffix}.png")
+        data = heatmap_png(records, figure, f"{caption}, over every sampled step", worst, cmap, png, experts=True)
+        images.append(f"<h3>Experts x layers: {html.escape(caption)}</h3>"
+                      f"{inline_png(data, f'experts {suffix} heatmap ({png.name})')}")
     ranked = rank_layers(records)
     policy = suggest_policy(ranked, threshold)
     policy_path = save_policy(policy, out.with_name(POLICY_FILE))

@@ -23,6 +23,7 @@ from torch import nn
 from lowprec._checks import describe, fail
 from lowprec.nn.casts import CastState
 from lowprec.telemetry.collect import Collector, collecting
+from lowprec.telemetry.experts import expert_name
 from lowprec.telemetry.stats import OperandStats
 
 _WRAPPERS = ("_orig_mod.", "module.", "_checkpoint_wrapped_module.")
@@ -40,6 +41,9 @@ def layer_names(model: nn.Module) -> dict[int, str]:
             for prefix in _WRAPPERS:
                 name = name.replace(prefix, "")
             names.setdefault(id(state), name)
+            # a GroupedLinear's experts, each under its own name (see [Note: telemetry per expert])
+            for e, expert in enumerate(getattr(m, "expert_states", ())):
+                names.setdefault(id(expert), expert_name(name, e))
     return names
 
 

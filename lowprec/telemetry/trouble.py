@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.policy import Policy
+from lowprec.telemetry.experts import split_expert
 from lowprec.telemetry.stats import OperandStats
 
 TROUBLE_THRESHOLD = 1.0
@@ -164,9 +165,11 @@ def rank_layers(records: list[OperandStats]) -> list[LayerTrouble]:
 def suggest_policy(ranked: list[LayerTrouble], threshold: float = TROUBLE_THRESHOLD,
                    base: Policy | None = None) -> Policy:
     """``base`` (default: the default policy) with the layers scoring at least ``threshold`` added to
-    its ``exclude`` patterns (exact names), so that ``train --policy`` keeps them in high precision."""
+    its ``exclude`` patterns (exact names), so that ``train --policy`` keeps them in high precision; an
+    expert in trouble names its ``GroupedLinear``, which a policy keeps whole (see [Note: telemetry per
+    expert] in ``lowprec.telemetry.experts``)."""
     base = base if base is not None else Policy()
-    troubled = tuple(t.layer for t in ranked if t.score >= threshold)
+    troubled = tuple(dict.fromkeys(split_expert(t.layer)[0] for t in ranked if t.score >= threshold))
     if callable(base.exclude):
         fail("base", "a Policy whose exclude is glob patterns", "a predicate", TypeError)
     kept = tuple(base.exclude or ())
