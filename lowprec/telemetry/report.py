@@ -72,8 +72,8 @@ def expert_grid(records: list[OperandStats], figure: str, worst: Callable) -> tu
                                                                                       list[list[float]]]:
     """(grouped layers, expert indices, the worst ``figure`` per layer and expert over every sampled step
     and operand): the experts x layers table of [Note: telemetry per expert]; empty without experts."""
-    layers, experts, rows = _table(records, figure, worst, lambda r: split_expert(r.layer)[0] if
-                                   split_expert(r.layer)[1] is not None else None,
+    # a layer's own record has no expert index (None), which leaves it out of the table
+    layers, experts, rows = _table(records, figure, worst, lambda r: split_expert(r.layer)[0],
                                    lambda r: split_expert(r.layer)[1])
     order = sorted(range(len(experts)), key=experts.__getitem__)
     return layers, [experts[i] for i in order], [[row[i] for i in order] for row in rows]
