@@ -102,6 +102,9 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--fp8-all-gather/--no-fp8-all-gather", default=True, show_default=True,
                      help="Under --parallel fsdp2, all-gather the weights of per-tensor FP8 recipes as E4M3 "
                           "(half of BF16's bytes)."),
+        click.option("--ep", type=int, default=1, show_default=True,
+                     help="Under --parallel ddp|fsdp2: split the routed experts of an MoE model over this many "
+                          "ranks (the number of ranks), tokens dispatched in FP8 under low-precision recipes."),
         click.option("--optim-states", type=click.Choice([f.value for f in StateFormat]), default="fp32",
                      show_default=True, help="How AdamW stores its moments: fp32, bf16, fp8 (E4M3 per group of "
                      "128, range-expanded) or int8 (blockwise 8 bits). compare also runs each recipe with FP32 "
@@ -198,7 +201,7 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         val_batches=opts["val_batches"], hp_start_steps=opts["hp_start_steps"], seed=opts["seed"],
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
-        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"],
+        grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], ep=opts["ep"],
         policy=_policy_option(opts["policy_file"]),
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],

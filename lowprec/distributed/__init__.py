@@ -1,5 +1,6 @@
 """DDP / FSDP2 glue on torch.distributed: rank-agreed decisions, delayed-scaling amaxes reduced across
-ranks, gradient communication in FP32, BF16 or FP8. See ``docs/distributed.md``."""
+ranks, gradient communication in FP32, BF16 or FP8, experts split over ranks with FP8 dispatch. See
+``docs/distributed.md``."""
 from lowprec.distributed.agree import (
     agree,
     agree_any,
@@ -12,6 +13,7 @@ from lowprec.distributed.agree import (
     world_size,
 )
 from lowprec.distributed.amax import delayed_states, reduce_amax_histories, sync_amaxes
+from lowprec.distributed.expert_parallel import ExpertParallel, expert_parallel, shard_grouped
 from lowprec.distributed.grad_comm import (
     FSDPReduceScatter,
     GradComm,
@@ -24,8 +26,8 @@ from lowprec.distributed.grad_comm import (
 )
 
 __all__ = [
-    "FSDPReduceScatter", "GradComm", "GradCommState", "agree", "agree_any", "all_reduce_mean",
-    "data_parallel_group", "ddp_comm_hook", "delayed_states", "fsdp_reduce_dtype", "is_distributed", "is_dtensor",
-    "is_sharded", "local", "rank", "reduce_amax_histories", "register_ddp", "register_fsdp", "sync_amaxes",
-    "world_size",
+    "ExpertParallel", "FSDPReduceScatter", "GradComm", "GradCommState", "agree", "agree_any", "all_reduce_mean",
+    "data_parallel_group", "ddp_comm_hook", "delayed_states", "expert_parallel", "fsdp_reduce_dtype",
+    "is_distributed", "is_dtensor", "is_sharded", "local", "rank", "reduce_amax_histories", "register_ddp",
+    "register_fsdp", "shard_grouped", "sync_amaxes", "world_size",
 ]

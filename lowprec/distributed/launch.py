@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lowprec._checks import Choice, fail
 from lowprec.distributed.fp8_weights import fp8_all_gather
 from lowprec.distributed.grad_comm import GradComm, fsdp_reduce_dtype, register_ddp, register_fsdp
+from lowprec.ranks import is_dtensor
 
 
 class Parallel(Choice):
@@ -144,10 +145,15 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
     With ``fp8_weights`` the weights of per-tensor FP8 layers are all-gathered in E4M3
     (:func:`lowprec.distributed.fp8_weights.fp8_all_gather`; call ``precompute_fp8_scales`` after
     each optimizer step).
+
+    Parameters that are DTensors already (experts split by expert parallelism, see
+    :mod:`lowprec.distributed.expert_parallel`) are left out of both wrappers: their layout is their own.
     """
     p = Parallel.parse(parallel)
+    placed = {name: q for name, q in model.named_parameters() if is_dtensor(q)}
     if p is Parallel.DDP:
         device = next(model.parameters()).device
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(placed))
         return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if p is Parallel.FSDP2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -155,9 +161,10 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
         policy = MixedPrecisionPolicy(reduce_dtype=fsdp_reduce_dtype(grad_comm))
         if fp8_weights:
             fp8_all_gather(model)
+        ignored = set(placed.values()) or None
         for block in transformer_blocks(model):
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(block, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mp_policy=policy, ignored_params=ignored)
     return model
 
 

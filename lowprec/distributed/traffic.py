@@ -6,7 +6,8 @@ all-reduce's whole input, an all-to-all's input), whoever calls it: FSDP2, DDP, 
 gradient communication. That is what the rank sends, before the algorithm's own traffic pattern (a
 ring all-reduce moves about twice its input); ratios between runs of one pattern hold either way.
 The functions are wrapped for the region only, on the ``torch.distributed`` module, as FSDP2 and
-DDP look them up at call time.
+DDP look them up at call time. A caller that wants its bytes told apart names them: inside
+``labelled("ep_dispatch")`` an all-to-all counts as ``all_to_all:ep_dispatch``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,19 @@ _COUNTED = {
     "all_to_all_single": ("all_to_all", 1), "broadcast": ("broadcast", 0),
 }
 """torch.distributed function -> (kind, position of the input tensor among its arguments)."""
+
+_LABELS: list[str] = []
+"""The innermost :func:`labelled` region's name last."""
+
+
+@contextlib.contextmanager
+def labelled(name: str) -> Iterator[None]:
+    """Count the collectives called inside the region as ``<kind>:<name>`` (see the module's doc)."""
+    _LABELS.append(name)
+    try:
+        yield
+    finally:
+        _LABELS.pop()
 
 
 def _nbytes(x) -> int:
@@ -55,7 +69,7 @@ def count_traffic() -> Iterator[Traffic]:
         def counted(*args, **kwargs):
             named = kwargs.get("input_tensor", kwargs.get("input", kwargs.get("tensor")))
             arg = args[pos] if len(args) > pos else named
-            traffic[kind] += _nbytes(arg)
+            traffic[f"{kind}:{_LABELS[-1]}" if _LABELS else kind] += _nbytes(arg)
             return real(*args, **kwargs)
 
         return real, counted

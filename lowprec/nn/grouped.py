@@ -18,6 +18,11 @@ one ``torch._scaled_grouped_mm`` on the concatenated casts with the same ``offse
 the tokens, its K); the casts stay per expert, so the values do not change, only the launch count.
 Not wired yet. The host reads ``offsets`` once per forward (the loop needs the counts).
 
+Under expert parallelism (``lowprec.distributed.expert_parallel``) ``weight`` (and ``bias``) are DTensors
+split by experts (``Shard(0)``) over the expert-parallel group: this process computes with its local
+experts only, ``offsets`` has one entry per local expert, and expert ``e`` of the local shard is expert
+``first + e`` of the layer (its cast state and its telemetry name).
+
 Delayed scaling is refused: it keeps an amax history per layer, and experts would need one each (E rows
 of the delayed-scaling bank, saved and moved with the layer). Current scaling per expert (``fp8-current``,
 ``fp8-rowwise``, ``fp8-blockwise``, MX, NVFP4) needs no state; DeepSeek-V3's FP8 experts scale so too.
@@ -38,6 +43,7 @@ from lowprec.nn.casts import CastState, cast_operand
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
 from lowprec.nn.probe import probe
+from lowprec.ranks import is_dtensor
 
 _SAVED = len(Saved().flat())
 """Tensors each expert with tokens gives ``save_for_backward``."""
@@ -179,23 +185,36 @@ class GroupedLinear(nn.Module):
             return None
         return layer_plan(recipe, self.weight.device, self.in_features, self.out_features, nearest=nearest)
 
+    def local_experts(self) -> range:
+        """The experts this process holds: all of them, or under expert parallelism its shard's (see
+        [Note: grouped expert GEMMs])."""
+        if not is_dtensor(self.weight):
+            return range(self.num_experts)
+        n = self.weight.to_local().shape[0]
+        first = self.weight.device_mesh.get_local_rank() * n  # Shard(0) of E divisible by the group's size
+        return range(first, first + n)
+
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        counts = self._counts(x, offsets)
+        experts = self.local_experts()
+        weight, bias = (p.to_local() if p is not None and is_dtensor(p) else p for p in (self.weight, self.bias))
+        states = self.expert_states[experts.start:experts.stop]
+        counts = self._counts(x, offsets, len(experts))
         recipe = _no_delay(resolve(self.recipe), "autocast recipe")
         training = self.training and torch.is_grad_enabled()
         plan = self.plan(recipe, nearest=not training) if recipe is not None else None
         if plan is None or not plan.scaled or x.shape[0] == 0:
             if plan is not None and plan.hp_reason is not None:
                 self._warn_once(plan.hp_reason)
-            return self._high_precision(x, counts, plan.hp_dtype if plan is not None else None)
-        params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
+            return self._high_precision(x, weight, bias, counts, plan.hp_dtype if plan is not None else None)
+        params = (weight, bias) if bias is not None else (weight,)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return GroupedFunction.apply(x, self.weight, self.bias, counts, plan, self.expert_states)
-        fwds = _experts_forward(x, self.weight, self.bias, counts, plan, self.expert_states, False, False, False)
+            return GroupedFunction.apply(x, weight, bias, counts, plan, states)
+        fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)
         return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
 
-    def _counts(self, x, offsets) -> tuple[int, ...]:
-        """Each expert's token count, from ``offsets``, with ``x`` and ``offsets`` checked."""
+    def _counts(self, x, offsets, n_experts: int) -> tuple[int, ...]:
+        """Each of the ``n_experts`` local experts' token count, from ``offsets``, with ``x`` and ``offsets``
+        checked."""
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
             fail("x", "a float32, bfloat16 or float16 tensor", describe(x), TypeError)
         if x.dim() != 2 or x.shape[1] != self.in_features:
@@ -203,8 +222,9 @@ class GroupedLinear(nn.Module):
         if not isinstance(offsets, torch.Tensor) or offsets.dtype.is_floating_point or offsets.dtype.is_complex \
                 or offsets.dtype == torch.bool:
             fail("offsets", "an integer tensor of cumulative token counts", describe(offsets), TypeError)
-        if offsets.shape != (self.num_experts,):
-            fail("offsets", f"shape ({self.num_experts},) (one per expert)", describe(offsets))
+        if offsets.shape != (n_experts,):
+            local = "" if n_experts == self.num_experts else f" this process holds, of {self.num_experts}"
+            fail("offsets", f"shape ({n_experts},) (one per expert{local})", describe(offsets))
         ends = offsets.tolist()
         counts = tuple(b - a for a, b in zip([0, *ends[:-1]], ends))
         if any(n < 0 for n in counts):
@@ -213,11 +233,12 @@ class GroupedLinear(nn.Module):
             fail("offsets", f"a last value equal to the number of tokens in x ({x.shape[0]})", ends[-1])
         return counts
 
-    def _high_precision(self, x: torch.Tensor, counts: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
-        """One ``linear`` per expert in high precision, as ``lowprec.nn.Linear`` runs without a recipe,
-        or (``dtype``: bf16, fp16 recipes) with every operand cast to ``dtype``."""
-        weights = self.weight.unbind(0)
-        biases = self.bias.unbind(0) if self.bias is not None else (None,) * self.num_experts
+    def _high_precision(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        counts: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
+        """One ``linear`` per (local) expert in high precision, as ``lowprec.nn.Linear`` runs without a
+        recipe, or (``dtype``: bf16, fp16 recipes) with every operand cast to ``dtype``."""
+        weights = weight.unbind(0)
+        biases = bias.unbind(0) if bias is not None else (None,) * len(weights)
         if dtype is None:
             return torch.cat([nnf.linear(x_e, w, b) for x_e, w, b in zip(x.split(counts), weights, biases)])
         out = output_dtype(x)

@@ -78,6 +78,11 @@ class TrainConfig:
     """Under ``fsdp2``, all-gather the weights of per-tensor FP8 recipes (fp8-current, fp8-delayed) as
     E4M3 codes with their scales (``lowprec.distributed.fp8_weights``); other recipes, and False,
     all-gather in the parameters' dtype."""
+    ep: int = 1
+    """Expert parallelism: split the routed experts of every MoE layer over this many ranks (1: none).
+    Needs ``ddp`` or ``fsdp2`` and equals the number of ranks; tokens go to their experts' ranks in FP8
+    (1x128 E4M3 blocks) under a low-precision recipe, in the parameters' dtype otherwise, and come back in
+    the parameters' dtype (see [Note: expert parallelism] in ``lowprec.distributed.expert_parallel``)."""
     optim_states: str = "fp32"
     """How AdamW keeps its moments: ``fp32`` (torch's AdamW), ``bf16``, ``fp8`` (E4M3 with range expansion)
     or ``int8`` (blockwise 8 bits); see :mod:`lowprec.optim.states`. Not under ``fsdp2`` but for ``fp32``."""
@@ -149,6 +154,9 @@ class TrainConfig:
         Recompute.parse(self.recompute)
         if not isinstance(self.fp8_all_gather, bool):
             fail("fp8_all_gather", "a bool", describe(self.fp8_all_gather), TypeError)
+        check_positive_int("ep", self.ep)
+        if self.ep > 1 and self.parallel == "none":
+            fail("ep", "1 with parallel 'none' (experts are split over the ranks of a ddp or fsdp2 run)", self.ep)
         self._check_fp8_weights()
         self._check_optimizer()
         try:
@@ -204,10 +212,11 @@ class TrainConfig:
 
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
                           if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
-                                            "parallel", "grad_comm", "fp8_all_gather", "compile",
+                                            "parallel", "grad_comm", "fp8_all_gather", "ep", "compile",
                                             "telemetry_every", "recompute"))
 """Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
-parallelism and number of ranks may change (the global batch does not), and so may ``recompute``, which
+parallelism and number of ranks may change (the global batch does not; experts split by ``ep`` are saved
+as shards and reshard like FSDP2's), and so may ``recompute``, which
 gives the same numbers bit for bit."""
 
 

@@ -41,6 +41,7 @@ from lowprec import recipes
 from lowprec._checks import fail
 from lowprec.autocast import autocast
 from lowprec.distributed.amax import sync_amaxes
+from lowprec.distributed.expert_parallel import expert_parallel
 from lowprec.distributed.fp8_weights import precompute_fp8_scales
 from lowprec.distributed.launch import (
     Ranks,
@@ -62,6 +63,7 @@ from lowprec.train.data import TokenData
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.logs import RunLog
 from lowprec.train.memory import PeakMemory
+from lowprec.train.moe_model import parallelize_experts
 from lowprec.train.recompute import recompute_blocks
 from lowprec.train.result import RunResult
 from lowprec.train.run_state import RunState, restore, save
@@ -309,6 +311,8 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
     conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
     recompute_blocks(model, cfg.recompute)  # in place, before wrapping: FSDP2 shards the checkpointed blocks
+    if cfg.ep > 1:  # before wrapping: the wrappers leave the experts' DTensors alone
+        parallelize_experts(model, expert_parallel(cfg.ep, fp8=recipe.low_precision))
     # said at the start, not by a missing file
     warn_nothing_to_sample(model, Telemetry(cfg.telemetry_every), recipe.low_precision)
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,

@@ -14,6 +14,10 @@ scatter-add, so the combine is deterministic on any device), multiplied by its w
 the token's ``top_k`` experts. The shared experts are one dense SwiGLU of ``n_shared`` experts' width,
 added to every token.
 
+Under expert parallelism (:func:`parallelize_experts`; see [Note: expert parallelism] in
+``lowprec.distributed.expert_parallel``) each rank holds a slice of the experts: the grouped rows go to
+their experts' ranks by all-to-all and come back before the combine, which is unchanged.
+
 No auxiliary balancing loss is computed (the training loop's loss is the language model's alone), and
 there is no auxiliary-loss-free bias: with few steps the experts stay near the balance of their random
 initialisation. An expert that receives no token is handled by ``GroupedLinear`` (its gradient is zero).
@@ -26,9 +30,10 @@ import torch
 from torch import nn
 
 from lowprec._checks import describe, fail
+from lowprec.distributed.expert_parallel import ExpertParallel, shard_grouped
 from lowprec.nn import GroupedLinear, SwiGLU
 
-__all__ = ["MoEConfig", "MoEFeedForward", "RoutedExperts"]
+__all__ = ["MoEConfig", "MoEFeedForward", "RoutedExperts", "parallelize_experts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,6 +80,8 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(dim, moe.n_experts, bias=False)
         self.experts = RoutedExperts(moe.n_experts, dim, hidden)
         self.shared = shared
+        self.ep: ExpertParallel | None = None
+        """Set by :func:`parallelize_experts`: the group this layer's experts are split over."""
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts and their weights (renormalised probabilities), each (N, k)."""
@@ -89,9 +96,24 @@ class MoEFeedForward(nn.Module):
         pairs = experts.flatten()  # (N*k,) the expert of each (token, slot)
         order = pairs.argsort(stable=True)  # (N*k,) pairs grouped by expert
         counts = torch.bincount(pairs, minlength=self.experts.w1.num_experts)  # (E,)
-        y = self.experts(flat[order // self.top_k], counts.cumsum(0))  # (N*k, D) in expert order
+        rows = flat[order // self.top_k]  # (N*k, D) in expert order
+        y = self.experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self.experts, rows, counts)
         y = y[order.argsort()].view(B * T, self.top_k, D)  # (N, k, D) back in token order
         out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # (N, D)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(B, T, D)
+
+
+def parallelize_experts(model: nn.Module, ep: ExpertParallel) -> int:
+    """Split the routed experts of every :class:`MoEFeedForward` of ``model`` over ``ep``'s ranks (after
+    ``lowprec.convert``, before FSDP2 or DDP wrap the model); the number of MoE layers."""
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if not layers:
+        fail("ep", "a model with mixture-of-experts layers (a reference MoE preset such as moe-tiny)",
+             f"{type(model).__name__} without any")
+    for m in layers:
+        for lin in (m.experts.w1, m.experts.w3, m.experts.w2):
+            shard_grouped(lin, ep.group)
+        m.ep = ep
+    return len(layers)

@@ -367,3 +367,6 @@ def control_agrees(rank: int, world: int) -> dict:
         switches = ctl.observe(5, records)
     return {"switches": [(s.layer, s.gemm, s.from_recipe, s.to_recipe) for s in switches],
             "all_reduces": len(calls), "recipes": [model[0].recipe.name, model[2].recipe.name]}
+
+
+from tests.distributed import checks_ep  # noqa: E402,F401  registers the expert-parallel checks

@@ -1,0 +1,86 @@
+"""The expert-parallel checks (see [Note: one spawn for the whole directory] in ``harness``), registered
+in ``checks.CHECKS`` when ``checks`` imports this module."""
+from __future__ import annotations
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lowprec.distributed import local
+from lowprec.distributed.expert_parallel import expert_parallel
+from lowprec.distributed.launch import wrap
+from lowprec.distributed.traffic import count_traffic
+from lowprec.train.moe_model import parallelize_experts
+from tests.distributed import ep_common as EP
+from tests.distributed.checks import check
+
+
+@check
+def ep_exchange(rank: int, world: int) -> dict:
+    """Rows to experts split over the ranks and back, the experts scaling each row by a number of their
+    own: with and without FP8 on the wire, forward and backward, with the offsets each rank's experts saw."""
+    x, counts = EP.exchange_rows(rank)
+    out = {}
+    for fp8 in (False, True):
+        ep = expert_parallel(world, fp8)
+        seen: list = []
+
+        def experts(rows, offsets, seen=seen):
+            seen.append(offsets.tolist())
+            return EP.scaled_by_expert(rows, offsets, rank * EP.E // world)
+
+        xg = x.clone().requires_grad_()
+        with count_traffic() as traffic:
+            y = ep.run(experts, xg, counts)
+            y.backward(torch.ones_like(y) * (rank + 2))
+        out[fp8] = {"y": y.detach(), "grad": xg.grad, "offsets": seen, "bytes": dict(traffic)}
+    return out
+
+
+def _ep_model(recipe: str | None, parallel: str, fp8: bool):
+    model = EP.moe(recipe)
+    layers = parallelize_experts(model, expert_parallel(2, fp8))
+    return wrap(model, parallel), layers
+
+
+@check
+def ep_train(rank: int, world: int) -> dict:
+    """moe-tiny trained with its experts split over the two ranks, under FSDP2 and DDP, each rank on its
+    half of every batch: losses, the whole weights after training, what the experts' parameters are."""
+    out = {}
+    for recipe, parallel, fp8 in ((None, "fsdp2", False), (None, "ddp", True), ("fp8-blockwise", "fsdp2", True),
+                                  ("fp8-current", "ddp", True)):
+        model, layers = _ep_model(recipe, parallel, fp8)
+        inner = model.module if isinstance(model, DDP) else model
+        opt = EP.sgd(model.parameters())
+        losses = EP.train(model, opt, rank, world)
+        w1 = inner.layers[0].feed_forward.experts.w1.weight
+        out[recipe, parallel, fp8] = {
+            "losses": losses, "layers": layers,
+            "weights": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                        for n, p in inner.named_parameters()},
+            "expert": (type(w1).__name__, str(w1.placements), tuple(local(w1).shape), tuple(w1.shape)),
+            "local": local(w1).detach().clone(),
+        }
+    return out
+
+
+@check
+def ep_nan(rank: int, world: int) -> dict:
+    """A NaN in the gradient of one expert that only rank 1 holds: both ranks skip the step."""
+    model, _ = _ep_model("fp8-current", "fsdp2", True)
+    opt = EP.sgd(model.parameters())
+    EP.train(model, opt, rank, world)
+    before = [local(p).detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    x, y = EP.tokens(7, rank, world)
+    loss = EP.lm_loss(model, x, y)
+    opt.backward(loss)
+    if rank == 1:
+        local(model.layers[1].feed_forward.experts.w2.weight.grad)[0, 0, 0] = float("nan")
+    result = opt.step(loss=loss)
+    after = [local(p).detach().clone() for p in model.parameters()]
+    return {"skipped": result.skipped, "reason": result.reason,
+            "unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+__all__ = ["ep_exchange", "ep_nan", "ep_train"]

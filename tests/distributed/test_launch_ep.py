@@ -1,0 +1,61 @@
+"""``lowprec train --ep 2`` on two forked ranks set up as torchrun sets them up: moe-tiny's experts split over
+the ranks under FSDP2, trained like one process, its checkpoint resumed by one process; bad ``--ep`` refused."""
+from __future__ import annotations
+
+import math
+
+from click.testing import CliRunner
+
+from lowprec.cli import main
+from lowprec.train.logs import read_log
+from tests.distributed.launch_helpers import forked_cli
+
+RUN = ("train", "--model", "moe-tiny", "--recipe", "fp8-blockwise", "--batch-size", "4", "--seq-len", "32",
+       "--val-batches", "2", "--eval-every", "2", "--save-every", "2", "--no-tensorboard", "--quiet")
+LOOSE = 1e-3
+"""Relative difference of each step's losses from one process's (measured: at most 2e-4): fp8-blockwise's
+weight-gradient casts take blocks of each rank's half of the tokens; the FP8 dispatch itself is exact
+for this recipe (see tests/distributed/test_expert_parallel.py)."""
+
+
+def _cli(*args: str) -> None:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0, result.output
+
+
+def _losses(out) -> list[tuple[float, str]]:
+    return [(float(r["loss"]), r["val_loss"]) for r in read_log(out / "log.csv")]
+
+
+def test_ep_trains_like_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
+    one = tmp_path / "one"  # two steps, then grown to four by a resume (as the split run below)
+    _cli(*RUN, "--steps", "2", "--out", str(one))
+    _cli(*RUN, "--steps", "4", "--out", str(one), "--resume")
+    ep = tmp_path / "ep"
+    ranks = forked_cli(*RUN, "--steps", "2", "--parallel", "fsdp2", "--ep", "2", "--out", str(ep), out=tmp_path / "r")
+    assert [r["exit_code"] for r in ranks] == [0, 0], ranks
+    _cli(*RUN, "--steps", "4", "--out", str(ep), "--resume")  # experts saved as shards, loaded whole
+    got, want = _losses(ep), _losses(one)
+    assert len(got) == len(want) == 4
+    for (loss, val), (ref, ref_val) in zip(got, want):
+        assert math.isclose(loss, ref, rel_tol=LOOSE)
+        assert (val == "") == (ref_val == "")
+        if val:
+            assert math.isclose(float(val), float(ref_val), rel_tol=LOOSE)
+
+
+def test_ep_is_refused_for_a_dense_model_and_for_a_count_that_is_not_the_ranks(tmp_path):
+    ranks = forked_cli(*RUN, "--model", "tiny", "--steps", "1", "--parallel", "ddp", "--ep", "2",
+                       "--out", str(tmp_path / "a"), out=tmp_path / "a")
+    assert ranks[0]["exit_code"] == 1
+    assert "Error: ep: expected a model with mixture-of-experts layers" in ranks[0]["stderr"], ranks
+    ranks = forked_cli(*RUN, "--steps", "1", "--parallel", "ddp", "--ep", "4", "--out", str(tmp_path / "b"),
+                       out=tmp_path / "b")
+    assert ranks[0]["exit_code"] == 1
+    assert "Error: ep: expected the number of ranks (2)" in ranks[0]["stderr"], ranks
+
+
+def test_ep_needs_a_parallel_run():
+    result = CliRunner().invoke(main, [*RUN, "--steps", "1", "--ep", "2"])
+    assert result.exit_code != 0
+    assert "ep: expected 1 with parallel 'none'" in result.output, result.output
