@@ -19,7 +19,8 @@ from lowprec.train.models import load_model
 
 @main.command("check")
 @click.option("--model", default="tiny", show_default=True,
-              help="A preset (tiny, small, 125m, 350m, 1b, moe-tiny) or a Hugging Face config file or directory.")
+              help="A preset (tiny, small, 125m, 350m, 1b, moe-tiny, moe-1b) or a Hugging Face config file or "
+                   "directory.")
 @click.option("--recipe", required=True, help="One of: " + ", ".join(recipes.names()) + ".")
 @click.option("--data", default=None,
               help="A text file or directory, or a .npy/.bin token file. Default: the embedded corpus.")

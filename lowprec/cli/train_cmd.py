@@ -60,7 +60,7 @@ FAILED_RUN_STATUS = 3
 def _options(d: Defaults) -> list[Callable]:
     return [
         click.option("--model", default="tiny", show_default=True,
-                     help="A preset (tiny, small, 125m, 350m, 1b, moe-tiny) or a Hugging Face config file or "
+                     help="A preset (tiny, small, 125m, 350m, 1b, moe-tiny, moe-1b) or a Hugging Face config file or "
                           "directory."),
         click.option("--steps", type=int, default=d.steps, show_default=True, help="Optimizer steps."),
         click.option("--data", default=None,

@@ -39,6 +39,9 @@ import torch.nn.functional as nnf
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.autocast import resolve
+from lowprec.kernels.gemm import GemmPath
+from lowprec.kernels.grouped_gemm import grouped_fprop, runs_grouped
+from lowprec.nn import grouped_casts as GC
 from lowprec.nn.casts import CastState, cast_operand
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
@@ -141,6 +144,102 @@ class GroupedFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
+def _slices(counts: tuple[int, ...]):
+    """``(expert, its rows)`` for every expert with tokens."""
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            yield e, slice(start, start + n)
+        start += n
+
+
+def _batched_forward(x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, need_dgrad: bool,
+                     need_wgrad: bool):
+    """``(y, x.T casts, weight.T casts)``: every expert's forward GEMM with the casts of all experts
+    batched (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``)."""
+    out_dtype = output_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        expert = GC.expert_of_rows(counts, x.device)
+        qx, qx_t = GC.cast_rows(x, expert, len(counts), plan.input, True, need_wgrad)
+        qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
+        if plan.fprop.path is GemmPath.CUBLAS and runs_grouped(x.device, qx.fmt, qw.fmt, *weight.shape[2:0:-1]):
+            # one launch for every expert (see [Note: one grouped GEMM for the experts])
+            y = grouped_fprop(qx.data, qx.scales[expert], qw.data, qw.scales, counts, out_dtype,
+                              plan.fprop.fast_accum)
+            return (y + bias[expert].to(out_dtype) if bias is not None else y), qx_t, qw_t
+        ys = []
+        for e, rows in _slices(counts):
+            y = gemm(qx.expert(e, rows), qw.expert(e), plan.fprop, out_dtype)  # (n, out)
+            ys.append(y + bias[e].to(out_dtype) if bias is not None else y)
+    return torch.cat(ys), qx_t, qw_t
+
+
+class BatchedFunction(torch.autograd.Function):
+    """:class:`GroupedFunction` for plans whose every cast is per tensor (``lowprec.nn.grouped_casts.batches``):
+    the same numbers, each operand's casts made for all experts at once."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan):
+        need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
+        y, qx_t, qw_t = _batched_forward(x, weight, bias, counts, plan, need_dgrad, need_wgrad)
+        ctx.save_for_backward(*(t for c in (qx_t, qw_t)
+                                for t in ((c.data, c.scales) if c is not None else (None, None))))
+        ctx.fmts = tuple(c.fmt if c is not None else None for c in (qx_t, qw_t))
+        ctx.counts, ctx.plan = counts, plan
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        ctx.w_shape = weight.shape[1:]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        xt_data, xt_scales, wt_data, wt_scales = ctx.saved_tensors
+        x_fmt, w_fmt = ctx.fmts
+        qx_t = GC.Cast(xt_data, xt_scales, x_fmt, x_dtype) if need_wgrad else None
+        qw_t = GC.Cast(wt_data, wt_scales, w_fmt, w_dtype) if need_dgrad else None
+        plan, counts = ctx.plan, ctx.counts
+        dws = [torch.zeros(ctx.w_shape, dtype=w_dtype, device=dy.device) for _ in counts] if need_wgrad else None
+        dbs = [torch.zeros(ctx.w_shape[0], dtype=b_dtype, device=dy.device) for _ in counts] \
+            if b_dtype is not None and need_bias else None
+        dxs = []
+        with torch.autocast(dy.device.type, enabled=False):
+            qdy, qdy_t = GC.cast_rows(dy, GC.expert_of_rows(counts, dy.device), len(counts), plan.grad_output,
+                                      need_dgrad, need_wgrad)
+            for e, rows in _slices(counts):
+                if need_dgrad:
+                    dxs.append(gemm(qdy.expert(e, rows), qw_t.expert(e, transposed=True), plan.dgrad, x_dtype))
+                if need_wgrad:
+                    dws[e] = gemm(qdy_t.expert(e, rows, transposed=True), qx_t.expert(e, rows, transposed=True),
+                                  plan.wgrad, w_dtype)
+                if dbs is not None:
+                    dbs[e] = dy[rows].sum(0).to(b_dtype)
+        dx = torch.cat(dxs) if need_dgrad else None  # (T, in)
+        dw = torch.stack(dws) if need_wgrad else None  # (E, out, in)
+        db = torch.stack(dbs) if dbs is not None else None  # (E, out)
+        return dx, dw, db, None, None
+
+
+def _grouped_bf16(x, weight, bias, counts: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor | None:
+    """High-precision experts on a GPU whose GEMMs run in BF16 (BF16 tensors, autocast to BF16, or the
+    ``bf16`` recipe) as one ``torch._grouped_mm`` (PyTorch's grouped BF16 GEMM, FP32 accumulation), the
+    baseline MoE training uses; None elsewhere (the CPU, other dtypes, biases, widths not multiples of 16),
+    where every expert is its own ``linear``. Per expert the values are a BF16 GEMM's; the order of
+    accumulation inside the kernel may differ from cuBLAS's."""
+    if x.device.type != "cuda" or bias is not None or not hasattr(torch, "_grouped_mm") or \
+            weight.shape[1] % 16 or weight.shape[2] % 16:
+        return None
+    dev = x.device.type
+    dt = dtype or (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype)
+    if dt != torch.bfloat16:
+        return None
+    out = output_dtype(x)
+    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    with torch.autocast(dev, enabled=False):
+        y = torch._grouped_mm(x.to(dt), weight.to(dt).transpose(-2, -1), offs=offsets)  # (T, out)
+    return y.to(out)
+
+
 class GroupedLinear(nn.Module):
     """``num_experts`` linear layers of one shape, their weights one (E, out, in) parameter (and the
     biases one (E, out)), applied to tokens grouped by expert: ``forward(x, offsets)`` with ``x`` (T, in)
@@ -207,7 +306,12 @@ class GroupedLinear(nn.Module):
                 self._warn_once(plan.hp_reason)
             return self._high_precision(x, weight, bias, counts, plan.hp_dtype if plan is not None else None)
         params = (weight, bias) if bias is not None else (weight,)
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+        if GC.batches(plan) and probe() is None:  # a sampled step takes the loop: telemetry per expert
+            if grad:
+                return BatchedFunction.apply(x, weight, bias, counts, plan)
+            return _batched_forward(x, weight, bias, counts, plan, False, False)[0]
+        if grad:
             return GroupedFunction.apply(x, weight, bias, counts, plan, states)
         fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)
         return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
@@ -236,7 +340,11 @@ class GroupedLinear(nn.Module):
     def _high_precision(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         counts: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
         """One ``linear`` per (local) expert in high precision, as ``lowprec.nn.Linear`` runs without a
-        recipe, or (``dtype``: bf16, fp16 recipes) with every operand cast to ``dtype``."""
+        recipe, or (``dtype``: bf16, fp16 recipes) with every operand cast to ``dtype``. BF16 experts on a
+        GPU run as one ``torch._grouped_mm`` instead (see :func:`_grouped_bf16`)."""
+        grouped = _grouped_bf16(x, weight, bias, counts, dtype)
+        if grouped is not None:
+            return grouped
         weights = weight.unbind(0)
         biases = bias.unbind(0) if bias is not None else (None,) * len(weights)
         if dtype is None:

@@ -99,6 +99,10 @@ PRESETS: dict[str, ModelConfig] = {
     # 128 so that every recipe's blocks, 128x128 included, tile the experts
     "moe-tiny": ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=1024,
                             moe=MoEConfig(n_experts=8, top_k=2, n_shared=1)),
+    # ~0.95B with a 32k-token vocabulary, ~0.24B active per token: 32 experts of width 512, 4 per token, 1
+    # shared, in each of 16 blocks of width 1024 (DeepSeek-style fine-grained experts, for one GPU)
+    "moe-1b": ModelConfig(dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=512,
+                          moe=MoEConfig(n_experts=32, top_k=4, n_shared=1)),
 }
 
 

@@ -27,7 +27,7 @@ def _invoke(*args):
 @pytest.mark.parametrize("args, message", [
     (["train", "--recipe", "fp3"], "Error: recipe: expected one of bf16, fp16"),
     (["train", "--model", "huge"], "Error: model: expected one of 'tiny', 'small', '125m', '350m', '1b', "
-                                    "'moe-tiny' or a path"),
+                                    "'moe-tiny', 'moe-1b' or a path"),
     (["train", "--data", "no/such/file.txt"], "Error: data: expected an existing file or directory, got "
                                               "'no/such/file.txt'"),
     (["train", "--steps", "0"], "Error: steps: expected a positive int, got 0"),

@@ -21,7 +21,8 @@ def test_a_preset_takes_the_data_vocabulary():
 
 def test_an_unknown_model_is_named():
     with pytest.raises(ValueError,
-                       match="model: expected one of 'tiny', 'small', '125m', '350m', '1b', 'moe-tiny' or a path"):
+                       match="model: expected one of 'tiny', 'small', '125m', '350m', '1b', 'moe-tiny', 'moe-1b' "
+                             "or a path"):
         load_model("gpt-5")
 
 

@@ -1,0 +1,108 @@
+"""The routed experts of one ``moe-1b`` block, forward and backward: BF16 against fp8-current, each way
+lowprec can run them, in one process.
+
+```
+cd benchmarks
+python3 bench_moe.py --out results                         # one GPU: moe-1b's experts, 16k tokens, top 4
+python3 bench_moe.py --tokens 256 --experts 4 --dim 128 --width 128 --out results   # dry run, any machine
+```
+
+Variants (all on the same routed rows, grouped by expert, with random unbalanced counts):
+- ``bf16 loop``: one BF16 ``linear`` per expert (what ``GroupedLinear`` without a recipe did before);
+- ``bf16 grouped_mm``: ``torch._grouped_mm`` (what it does now on a GPU; the baseline of the ratios);
+- ``fp8-current loop``: every expert's casts and GEMMs one by one (``lowprec.nn.grouped.GroupedFunction``);
+- ``fp8-current batched``: the casts of all experts batched, GEMMs per expert;
+- ``fp8-current grouped``: batched casts and the forward GEMM in one ``torch._scaled_grouped_mm``.
+
+Checks first: each fp8-current variant's output and input gradient against the loop's (relative error), and
+the loop's against BF16's (SQNR). Then the milliseconds of forward + backward of the SwiGLU experts
+(w1, w3, w2), and each variant's speed relative to ``bf16 grouped_mm``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+from unittest import mock
+
+import _common as C
+import torch
+
+from lowprec.kernels import grouped_gemm
+from lowprec.nn import grouped, grouped_casts
+from lowprec.train.moe_model import RoutedExperts
+
+
+def _counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g) + torch.randn(experts, generator=g)  # unbalanced
+    chosen = logits.topk(top_k, dim=1).indices.flatten()
+    return tuple(torch.bincount(chosen, minlength=experts).tolist())
+
+
+def _variant(name: str):
+    """Patch lowprec for one way of running the experts (the default way needs no patch)."""
+    patches = {"bf16 loop": (grouped, "_grouped_bf16", lambda *a, **k: None),
+               "fp8-current loop": (grouped_casts, "batches", lambda plan: False),
+               "fp8-current batched": (grouped, "runs_grouped", lambda *a, **k: False)}
+    return mock.patch.object(*patches[name]) if name in patches else contextlib.nullcontext()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = C.DEVICE
+    counts = _counts(args.tokens, args.experts, args.top_k)
+    rows = sum(counts)
+    offsets = torch.tensor(counts, device=dev).cumsum(0)
+    torch.manual_seed(0)
+    base = RoutedExperts(args.experts, args.dim, args.width).to(dev, torch.bfloat16)
+    x = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16) * 1e-2
+    variants = ["bf16 loop", "bf16 grouped_mm", "fp8-current loop", "fp8-current batched", "fp8-current grouped"]
+    outs, times = {}, {}
+    for name in variants:
+        recipe = "fp8-current" if name.startswith("fp8") else None
+        for lin in (base.w1, base.w3, base.w2):
+            lin.set_recipe(recipe)
+        with _variant(name):
+            xg = x.clone().requires_grad_()
+
+            def step(xg=xg):
+                xg.grad = None
+                for p in base.parameters():
+                    p.grad = None
+                y = base(xg, offsets)
+                y.backward(dy)
+                return y
+
+            y = step()
+            outs[name] = (y.detach().float(), xg.grad.float())
+            times[name] = C.bench_ms(step, warmup=5, rep=30)
+    checks = []
+    ref_y, ref_dx = outs["fp8-current loop"]
+    for name in ("fp8-current batched", "fp8-current grouped"):
+        y, dx = outs[name]
+        checks.append([name, f"{((y - ref_y).norm() / ref_y.norm()).item():.2e}",
+                       f"{((dx - ref_dx).norm() / ref_dx.norm()).item():.2e}"])
+    checks.append(["fp8-current loop vs bf16 (SQNR dB)", f"{C.sqnr(outs['bf16 grouped_mm'][0], ref_y):.1f}",
+                   f"{C.sqnr(outs['bf16 grouped_mm'][1], ref_dx):.1f}"])
+    C.print_table("checks: relative error against fp8-current loop", ["variant", "output", "input grad"], checks)
+    print("grouped GEMM self-check:", grouped_gemm.grouped_status())
+    base_ms = times["bf16 grouped_mm"]
+    table = [[n, f"{times[n]:.2f}", f"{base_ms / times[n]:.2f}x"] for n in variants]
+    C.print_table(f"{args.experts} experts {args.dim}->{args.width}->{args.dim}, {rows} routed rows, fwd+bwd",
+                  ["variant", "ms", "vs bf16 grouped_mm"], table)
+    if args.out:
+        C.write_json(args.out, C.result_name("moe", str(args.experts)),
+                     {"env": C.environment(), "counts": counts, "ms": times,
+                      "checks": checks, "grouped": grouped_gemm.grouped_status()})
+
+
+if __name__ == "__main__":
+    main()
