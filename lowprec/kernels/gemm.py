@@ -106,6 +106,8 @@ def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast
         a_data, sa, b_data, sb = blockwise_operands(a, b)
     else:
         a_data, sa, b_data, sb = a.data, a.scale, b.data, b.scale.t()  # (M or 1, 1), (1, N or 1)
+        k16 = -a_data.shape[1] % 16  # cuBLAS takes K in multiples of 16: zero codes add nothing
+        a_data, b_data = _pad(a_data, 0.0, cols=k16), _pad(b_data, 0.0, cols=k16)
     return torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
