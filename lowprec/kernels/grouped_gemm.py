@@ -13,8 +13,8 @@ accumulation inside the tensor cores and the epilogue (``acc * row scale * colum
 It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels for them), both
 operands E4M3, ``K`` and ``N`` multiples of 16. The first time it runs on a device it checks itself
 against the per-expert GEMMs computed from the exact values (E4M3 products in FP32) on a small problem
-of unbalanced experts, one of them without tokens; if they disagree beyond the output's rounding, or the call fails, it warns once and
-the experts stay expert by expert on that device. ``lowprec.nn.GroupedLinear`` asks
+of unbalanced experts, one of them without tokens; if they disagree beyond the output's rounding, or
+the call fails, it warns once and the experts stay expert by expert on that device. ``lowprec.nn.GroupedLinear`` asks
 :func:`grouped_fprop` for its forward GEMM; backward's GEMMs stay per expert (its gradient casts are
 E5M2, which the grouped kernel does not take, and the weight gradient groups along K).
 """
