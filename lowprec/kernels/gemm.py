@@ -105,9 +105,12 @@ def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast
     if _blocks(a.granularity) == (1, 128):
         a_data, sa, b_data, sb = blockwise_operands(a, b)
     else:
-        a_data, sa, b_data, sb = a.data, a.scale, b.data, b.scale.t()  # (M or 1, 1), (1, N or 1)
-        k16 = -a_data.shape[1] % 16  # cuBLAS takes K in multiples of 16: zero codes add nothing
-        a_data, b_data = _pad(a_data, 0.0, cols=k16), _pad(b_data, 0.0, cols=k16)
+        # cuBLAS's FP8 GEMM takes M, N and K in multiples of 16 (an expert's few tokens are not): zero codes
+        # (scales of one) add nothing to the product, and the caller crops the output
+        m16, n16, k16 = (-a.data.shape[0] % 16, -b.data.shape[0] % 16, -a.data.shape[1] % 16)
+        a_data, b_data = _pad(a.data, 0.0, rows=m16, cols=k16), _pad(b.data, 0.0, rows=n16, cols=k16)
+        sa = _pad(a.scale, 1.0, rows=m16) if a.scale.shape[0] > 1 else a.scale  # (M or 1, 1)
+        sb = (_pad(b.scale, 1.0, rows=n16) if b.scale.shape[0] > 1 else b.scale).t()  # (1, N or 1)
     return torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
