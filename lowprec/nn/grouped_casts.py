@@ -27,7 +27,7 @@ scaled GEMM (``torch._scaled_grouped_mm``) over the same codes is the next step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +64,14 @@ class Cast:
     fmt: F.Format
     shape_dtype: torch.dtype
     """The dtype of the tensor cast (what ``dequantize`` gives back)."""
+    aligned: torch.Tensor = field(init=False, repr=False)
+    """``(E, 4)`` float32, column 0 the scales: expert ``e``'s scale at a 16-byte boundary, as cuBLAS
+    reads a scale (a view of ``scales[e]`` alone sits 4 bytes after expert ``e - 1``'s and is refused)."""
+
+    def __post_init__(self) -> None:
+        aligned = self.scales.new_zeros(self.scales.shape[0], 4)
+        aligned[:, 0] = self.scales
+        object.__setattr__(self, "aligned", aligned)
 
     def expert(self, e: int, rows: slice | None = None, transposed: bool = False) -> QuantizedTensor:
         """Expert ``e``'s operand, as its own per-tensor cast would make it: its rows (``rows``, for a
@@ -71,7 +79,7 @@ class Cast:
         codes = self.data[rows] if rows is not None else self.data[e]
         if transposed:
             codes = codes.t().contiguous()
-        return QuantizedTensor(codes, self.scales[e].view(1, 1), self.fmt, tensorwise(), codes.shape,
+        return QuantizedTensor(codes, self.aligned[e, :1].view(1, 1), self.fmt, tensorwise(), codes.shape,
                                self.shape_dtype)
 
 
