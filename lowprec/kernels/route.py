@@ -33,6 +33,8 @@ what it decides and called where the work runs, from what that place knows:
 :func:`saved_dequantize_backend`   a saved activation dequantized by one Triton pass in an eager backward
                                    (``nn.saved``), by device, dtype and granularity
 :func:`fused_adamw_step`           whether AdamWLP's step takes the fused Triton kernel (``optim.adamw_lp``)
+:func:`grouped_rows_backend`       the batched per-expert casts of a ``GroupedLinear`` (``nn.grouped_casts``):
+                                   the row-wise kernel given each row's expert amax, or the reference
 =================================  ==========================================================================
 
 A converted layer asks :func:`route` when its plan is made; the others are asked at each call, from
@@ -234,6 +236,14 @@ def saved_dequantize_backend(device: torch.device | str, dtype: torch.dtype, gra
     tiled = g.kind is GranularityKind.BLOCK and g.block_rows == 1 and b <= 128 and b & (b - 1) == 0
     fused = dtype == torch.bfloat16 and tiled and not compiling and _triton_runs(device)
     return Backend.TRITON if fused else Backend.TORCH
+
+
+def grouped_rows_backend(spec: CastSpec, device: torch.device | str) -> Backend:
+    """Whether the batched per-expert casts of ``lowprec.nn.grouped_casts`` run the row-wise cast's
+    Triton kernel with each row given its expert's amax (``triton_quant.rows_by_amax``), or the
+    reference's ops with each row given its expert's scale: ``spec`` is the row-wise twin of the
+    experts' per-tensor cast, and Triton runs it where it covers that cast."""
+    return backend_for(spec, device)
 
 
 def fused_adamw_step(requested: bool | None) -> bool:

@@ -149,6 +149,20 @@ def cast(
     return q, q_t, amax
 
 
+def rows_by_amax(x2: torch.Tensor, spec: CastSpec, row_amax: torch.Tensor) -> torch.Tensor:
+    """The codes ``(M, K)`` of the non-empty ``x2``'s rows each scaled by the amax it is given
+    (``row_amax`` ``(M,)`` float32, the row's group's amax, not its own): the row-wise cast's kernel with
+    its amax pass replaced by these, so each row gets ``amax_scale(row_amax)`` as a per-tensor cast of its
+    group would (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``). ``spec``: a
+    row-wise, current-scaled, nearest-rounded cast the kernels cover. Eager code only."""
+    x2 = _prepare(x2)
+    m, k = x2.shape
+    plan = launch(spec, None, m, k, True, False, False, False, False)
+    bits = row_amax.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF  # as the amax kernel's
+    out = ops.cast(x2, plan.ints, None, bits, None, None, None, None, _seeds(plan, x2.device, None))
+    return out[0]
+
+
 def quantize(
     x: torch.Tensor, fmt, granularity: Granularity, *, rounding: str = "nearest", saturate: bool = True,
     scale: torch.Tensor | None = None, generator: torch.Generator | None = None, rand: torch.Tensor | None = None,

@@ -12,8 +12,10 @@ fixed number of kernels whatever the number of experts:
    order, NaN kept), or the weight's over its last two dimensions;
 2. each expert's scale from its amax, by the same function a per-tensor cast uses
    (``lowprec.quant.scales.amax_scale``);
-3. every row divided by its expert's scale and rounded, in one ``quantize`` call given the scales per
-   row: the same division and the same rounding, element by element, as expert ``e``'s own cast.
+3. every row divided by its expert's scale and rounded, in one pass: on a GPU the row-wise cast's
+   Triton kernel given each row's expert amax instead of its own (``kernels.triton_quant.rows_by_amax``),
+   elsewhere ``quantize`` given each row's expert scale; the same division and the same rounding,
+   element by element, as expert ``e``'s own cast (``kernels.route.grouped_rows_backend`` chooses).
 
 So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``
 holds that for every format pair the per-tensor recipes use, zero-token experts, and non-finite
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowprec import formats as F
+from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend
 from lowprec.nn.plan import LayerPlan, OperandPlan
 from lowprec.quant import QuantizedTensor, quantize, rowwise, tensorwise
 from lowprec.quant.granularity import GranularityKind, ScaleRule
@@ -93,9 +96,18 @@ def _sides(op: OperandPlan, need_k: bool, need_t: bool):
     return (op.cast_k.fmt if need_k else None), (op.cast_t.fmt if need_t else None)
 
 
-def _cast(x2: torch.Tensor, row_scales: torch.Tensor, scales: torch.Tensor, fmt: F.Format, dtype) -> Cast:
-    q = quantize(x2, fmt, rowwise(), scale=row_scales)  # the division and rounding of a per-tensor cast
-    return Cast(q.data, scales, fmt, dtype)
+def _cast(x2: torch.Tensor, row_amax: torch.Tensor, row_scales: torch.Tensor, scales: torch.Tensor,
+          fmt: F.Format) -> Cast:
+    """``x2``'s rows, row ``i`` scaled by ``row_scales[i]`` (its expert's scale, from its expert's amax
+    ``row_amax[i]``): on the route's backend, the same bits either way."""
+    spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
+    if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
+        from lowprec.kernels import triton_quant  # Triton: imported where it runs
+
+        data = triton_quant.rows_by_amax(x2, spec, row_amax)
+    else:  # the division and rounding of a per-tensor cast, given each row's scale
+        data = quantize(x2, fmt, rowwise(), scale=row_scales).data
+    return Cast(data, scales, fmt, x2.dtype)
 
 
 def cast_rows(x2: torch.Tensor, expert: torch.Tensor, n_experts: int, op: OperandPlan, need_k: bool,
@@ -108,7 +120,7 @@ def cast_rows(x2: torch.Tensor, expert: torch.Tensor, n_experts: int, op: Operan
     # NaN kept whatever the device's maximum does with it: a per-tensor cast's amax of a NaN is NaN
     nan = torch.zeros(n_experts, device=x2.device).scatter_reduce(0, expert, row_amax.isnan().float(), "amax")
     amax = torch.where(nan > 0, torch.nan, amax)
-    return _both(x2, amax, lambda s: s[expert].unsqueeze(1), op, need_k, need_t)
+    return _both(x2, amax, lambda s: s[expert], op, need_k, need_t)
 
 
 def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
@@ -118,18 +130,19 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
     e, out, k = weight.shape
     amax = weight.detach().abs().float().amax(dim=(1, 2))  # (E,)
     flat = weight.detach().reshape(e * out, k)
-    kc, tc = _both(flat, amax, lambda s: s.repeat_interleave(out).unsqueeze(1), op, need_k, need_t)
+    kc, tc = _both(flat, amax, lambda s: s.repeat_interleave(out), op, need_k, need_t)
     return tuple(None if c is None else Cast(c.data.view(e, out, k), c.scales, c.fmt, c.shape_dtype)
                  for c in (kc, tc))
 
 
 def _both(x2, amax, per_row, op: OperandPlan, need_k: bool, need_t: bool) -> tuple[Cast | None, Cast | None]:
+    """The sides asked for, one cast per format; ``per_row`` spreads an (E,) vector over x2's rows."""
     fk, ft = _sides(op, need_k, need_t)
     out: dict[F.Format, Cast] = {}
     for fmt in (fk, ft):
         if fmt is not None and fmt not in out:
             scales = amax_scale(amax, fmt)  # (E,) as a per-tensor cast computes it from its amax
-            out[fmt] = _cast(x2, per_row(scales), scales, fmt, x2.dtype)
+            out[fmt] = _cast(x2, per_row(amax), per_row(scales).unsqueeze(1), scales, fmt)
     return (out[fk] if fk is not None else None), (out[ft] if ft is not None else None)
 
 

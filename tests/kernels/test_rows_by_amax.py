@@ -1,0 +1,64 @@
+"""``triton_quant.rows_by_amax`` (the batched per-expert casts' kernel, see [Note: batched per-expert casts]
+in ``lowprec.nn.grouped_casts``) through Triton's interpreter: each row cast with the scale of the amax
+it is given equals the reference given that scale, bit for bit, and the layer's casts take it where the
+route says Triton."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lowprec import formats as F
+from lowprec.kernels import triton_quant
+from lowprec.kernels.route import Backend, CastSpec
+from lowprec.nn import GroupedLinear
+from lowprec.nn import grouped_casts as GC
+from lowprec.quant import quantize, rowwise, tensorwise
+from lowprec.quant.scales import amax_scale
+from tests.nn.common import bits, randn
+
+COUNTS = (7, 0, 20, 5)
+
+
+def _rows(dtype, poison: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of 4 experts at their own magnitudes, and each row's expert amax."""
+    x = torch.cat([randn(n, 96, seed=30 + e) * 2.0 ** (5 * e - 9) for e, n in enumerate(COUNTS)]).to(dtype)
+    if poison is not None:
+        x[8, 5] = poison  # expert 2
+    expert = GC.expert_of_rows(COUNTS, x.device)
+    amax = torch.stack([x[expert == e].float().abs().amax() if n else torch.tensor(0.0)
+                        for e, n in enumerate(COUNTS)])
+    return x, amax[expert]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("poison", [None, math.inf, math.nan])
+def test_each_row_cast_by_its_given_amax(fmt, dtype, poison):
+    x, row_amax = _rows(dtype, poison)
+    spec = CastSpec.of(F.get(fmt), rowwise(), "nearest")
+    got = triton_quant.rows_by_amax(x, spec, row_amax)
+    want = quantize(x, fmt, rowwise(), scale=amax_scale(row_amax, F.get(fmt)).unsqueeze(1)).data
+    assert torch.equal(bits(got), bits(want))
+
+
+def test_the_layer_casts_take_the_kernel_where_the_route_says(monkeypatch):
+    x, _ = _rows(torch.bfloat16, None)
+    op = _plan().input
+    calls = []
+    real = triton_quant.rows_by_amax
+    monkeypatch.setattr(triton_quant, "rows_by_amax", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)
+    k, _ = GC.cast_rows(x, GC.expert_of_rows(COUNTS, x.device), len(COUNTS), op, True, False)
+    assert calls == [1]
+    start = 0
+    for e, n in enumerate(COUNTS):
+        if n:
+            alone = quantize(x[start:start + n], op.cast_k.fmt, tensorwise())
+            assert torch.equal(bits(k.expert(e, slice(start, start + n)).data), bits(alone.data))
+        start += n
+
+
+def _plan():
+    return GroupedLinear(len(COUNTS), 96, 128, recipe="fp8-current").plan()
