@@ -10,12 +10,13 @@ python3 bench_moe.py --tokens 256 --experts 4 --dim 128 --width 128 --out result
 Variants (all on the same routed rows, grouped by expert, with random unbalanced counts):
 - ``bf16 loop``: one BF16 ``linear`` per expert (what ``GroupedLinear`` without a recipe did before);
 - ``bf16 grouped_mm``: ``torch._grouped_mm`` (what it does now on a GPU; the baseline of the ratios);
-- ``fp8-current loop``: every expert's casts and GEMMs one by one (``lowprec.nn.grouped.GroupedFunction``);
-- ``fp8-current batched``: the casts of all experts batched, GEMMs per expert;
-- ``fp8-current grouped``: batched casts and the forward GEMM in one ``torch._scaled_grouped_mm``.
+- ``<recipe> loop``: every expert's casts and GEMMs one by one (``lowprec.nn.grouped.GroupedFunction``);
+- ``<recipe> batched``: the casts of all experts batched, GEMMs per expert;
+- ``<recipe> grouped``: batched casts, the GEMMs in ``torch._scaled_grouped_mm`` where it takes them (E4M3
+  operands: fp8-current's forward alone, fp8-rowwise's three GEMMs).
 
-Checks first: each fp8-current variant's output and input gradient against the loop's (relative error), and
-the loop's against BF16's (SQNR). Then the milliseconds of forward + backward of the SwiGLU experts
+Checks first: each variant's output, input gradient and ``w2`` weight gradient against its recipe's loop (relative error), and the
+loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the SwiGLU experts
 (w1, w3, w2), and each variant's speed relative to ``bf16 grouped_mm``.
 """
 from __future__ import annotations
@@ -40,11 +41,13 @@ def _counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[int, 
 
 
 def _variant(name: str):
-    """Patch lowprec for one way of running the experts (the default way needs no patch)."""
-    patches = {"bf16 loop": (grouped, "_grouped_bf16", lambda *a, **k: None),
-               "fp8-current loop": (grouped_casts, "batches", lambda plan: False),
-               "fp8-current batched": (grouped, "runs_grouped", lambda *a, **k: False)}
-    return mock.patch.object(*patches[name]) if name in patches else contextlib.nullcontext()
+    """Patch lowprec for one way of running the experts (``grouped``, the default way, needs no patch)."""
+    mode = name.split()[-1]
+    patches = {"loop": (grouped_casts, "batches", lambda plan: False),
+               "batched": (grouped_gemm, "runs_grouped", lambda *a, **k: False)}
+    if name == "bf16 loop":
+        return mock.patch.object(grouped, "_grouped_bf16", lambda *a, **k: None)
+    return mock.patch.object(*patches[mode]) if mode in patches else contextlib.nullcontext()
 
 
 def main() -> None:
@@ -64,10 +67,11 @@ def main() -> None:
     base = RoutedExperts(args.experts, args.dim, args.width).to(dev, torch.bfloat16)
     x = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16) * 1e-2
-    variants = ["bf16 loop", "bf16 grouped_mm", "fp8-current loop", "fp8-current batched", "fp8-current grouped"]
+    recipes = ("fp8-current", "fp8-rowwise")
+    variants = ["bf16 loop", "bf16 grouped_mm", *(f"{r} {m}" for r in recipes for m in ("loop", "batched", "grouped"))]
     outs, times = {}, {}
     for name in variants:
-        recipe = "fp8-current" if name.startswith("fp8") else None
+        recipe = name.split()[0] if name.startswith("fp8") else None
         for lin in (base.w1, base.w3, base.w2):
             lin.set_recipe(recipe)
         with _variant(name):
@@ -82,17 +86,17 @@ def main() -> None:
                 return y
 
             y = step()
-            outs[name] = (y.detach().float(), xg.grad.float())
+            outs[name] = (y.detach().float(), xg.grad.float(), base.w2.weight.grad.float())
             times[name] = C.bench_ms(step, warmup=5, rep=30)
     checks = []
-    ref_y, ref_dx = outs["fp8-current loop"]
-    for name in ("fp8-current batched", "fp8-current grouped"):
-        y, dx = outs[name]
-        checks.append([name, f"{((y - ref_y).norm() / ref_y.norm()).item():.2e}",
-                       f"{((dx - ref_dx).norm() / ref_dx.norm()).item():.2e}"])
-    checks.append(["fp8-current loop vs bf16 (SQNR dB)", f"{C.sqnr(outs['bf16 grouped_mm'][0], ref_y):.1f}",
-                   f"{C.sqnr(outs['bf16 grouped_mm'][1], ref_dx):.1f}"])
-    C.print_table("checks: relative error against fp8-current loop", ["variant", "output", "input grad"], checks)
+    for r in recipes:
+        ref = outs[f"{r} loop"]
+        for mode in ("batched", "grouped"):
+            checks.append([f"{r} {mode}", *(f"{((a - b).norm() / b.norm()).item():.2e}"
+                                             for a, b in zip(outs[f"{r} {mode}"], ref))])
+        checks.append([f"{r} loop vs bf16 (SQNR dB)", *(f"{C.sqnr(b, a):.1f}"
+                                                         for a, b in zip(ref, outs["bf16 grouped_mm"]))])
+    C.print_table("checks: relative error against the recipe's loop", ["variant", "output", "input grad", "w2 grad"], checks)
     print("grouped GEMM self-check:", grouped_gemm.grouped_status())
     base_ms = times["bf16 grouped_mm"]
     table = [[n, f"{times[n]:.2f}", f"{base_ms / times[n]:.2f}x"] for n in variants]

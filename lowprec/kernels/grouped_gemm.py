@@ -2,21 +2,23 @@
 the expert-by-expert GEMMs.
 
 [Note: one grouped GEMM for the experts]
-Experts cast per tensor (``lowprec.nn.grouped_casts``) hold E4M3 codes of all their rows ``(T, K)``
-with one scale per expert, and E4M3 weights ``(E, N, K)`` with one scale per expert. PyTorch's grouped
-FP8 GEMM takes row-wise scales: a scale per row of the tokens and per output column of each expert's
-weight. An expert's per-tensor scale repeated over its rows and columns is such a scale, so one launch
-computes every expert's ``rows @ weight[e].T`` with the values of the per-expert GEMMs; the
-accumulation inside the tensor cores and the epilogue (``acc * row scale * column scale`` here,
-``acc * (scale_a * scale_b)`` in cuBLAS's per-tensor GEMM) may differ in the last bits.
+Experts cast by ``lowprec.nn.grouped_casts`` hold the E4M3 codes of all their token rows and weights
+with their scales. PyTorch's grouped FP8 GEMM takes row-wise scales, and two kinds of groups: token rows
+times each expert's weight (:data:`ROWS`: forward, input gradient; a scale per token row and per row of
+each weight), and each expert's features over its own tokens (:data:`FEATURES`: the weight gradient,
+grouped along K; a scale per expert and feature on both sides). Row-wise casts are such scales; an
+expert's per-tensor scale repeated over its rows and features is too. So one launch computes every
+expert's GEMM with the values of the per-expert GEMMs; the accumulation inside the tensor cores and the
+epilogue (``acc * row scale * column scale``, against ``acc * (scale_a * scale_b)`` in cuBLAS's per-tensor
+GEMM) may differ in the last bits.
 
-It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels for them), both
-operands E4M3, ``K`` and ``N`` multiples of 16. The first time it runs on a device it checks itself
+It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels for them), with both
+operands E4M3 (the kernel refuses E5M2: fp8-current's gradients keep their GEMMs per expert) and the
+dimensions other than the tokens multiples of 16. The first time it runs on a device it checks itself
 against the per-expert GEMMs computed from the exact values (E4M3 products in FP32) on a small problem
 of unbalanced experts, one of them without tokens; if they disagree beyond the output's rounding, or
-the call fails, it warns once and the experts stay expert by expert on that device. ``lowprec.nn.GroupedLinear`` asks
-:func:`grouped_fprop` for its forward GEMM; backward's GEMMs stay per expert (its gradient casts are
-E5M2, which the grouped kernel does not take, and the weight gradient groups along K).
+the call fails, it warns once and those GEMMs stay expert by expert on that device. ``lowprec.nn.GroupedLinear``
+asks :func:`runs_grouped` for each of its three GEMMs.
 """
 from __future__ import annotations
 
@@ -24,84 +26,121 @@ import warnings
 
 import torch
 
-_CHECKED: dict[torch.device, bool] = {}
-"""Per device: whether the grouped GEMM ran and agreed with the per-expert GEMMs on first use."""
+_CHECKED: dict[tuple[torch.device, str], bool] = {}
+"""Per device and kind of grouped GEMM: whether it ran and agreed with the per-expert GEMMs on first use."""
 E4M3 = torch.float8_e4m3fn
 TOLERANCE = 2.0 ** -7
 """Largest relative difference from the per-expert GEMMs the self-check accepts: BF16's rounding of the
 output (2^-8) twice."""
+ROWS, FEATURES = "rows", "features"
+"""The two kinds: experts' rows times their weights (forward, input gradient: the tokens are M), and the
+weight gradient (the tokens are K: each expert's features times its tokens' gradients)."""
 
 
-def _grouped(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> torch.Tensor:
-    """``(T, N)``: rows of expert ``e`` times ``b[e].T``; ``a_scales`` ``(T,)`` per row, ``b_scales`` ``(E,)``."""
-    n = b.shape[1]
-    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scales, b_scales[:, None].expand(-1, n).contiguous(),
-                                    offs=offsets, out_dtype=out_dtype, use_fast_accum=fast_accum)
+def _offsets(counts, device) -> torch.Tensor:
+    return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
 
 
-def _reference(a, a_scales, b, b_scales, counts) -> torch.Tensor:
+def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> torch.Tensor:
+    """``(T, N)``: rows of expert ``e`` times ``b[e].T``; ``a_scales`` ``(T,)``, ``b_scales`` ``(E, N)``."""
+    return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scales, b_scales.contiguous(), offs=offsets,
+                                    out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def _by_features(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> torch.Tensor:
+    """``(E, M, N)``: ``a[rows of e].T @ b[rows of e]`` for token rows ``a`` ``(T, M)`` and ``b`` ``(T, N)``;
+    ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)`` per expert and feature."""
+    return torch._scaled_grouped_mm(a.t().contiguous(), b.t().contiguous().t(), a_scales.contiguous(),
+                                    b_scales.contiguous(), offs=offsets, out_dtype=out_dtype,
+                                    use_fast_accum=fast_accum)
+
+
+def _reference(kind: str, a, a_scales, b, b_scales, counts) -> torch.Tensor:
     """The experts' GEMMs from the exact values: E4M3 products are exact in FP32, summed in FP32."""
     out, start = [], 0
     for e, m in enumerate(counts):
-        out.append((a[start:start + m].float() @ b[e].float().t()) * a_scales[start:start + m, None] * b_scales[e])
+        rows = slice(start, start + m)
+        if kind == ROWS:
+            out.append((a[rows].float() @ b[e].float().t()) * a_scales[rows, None] * b_scales[e])
+        else:
+            ma, nb = a.shape[1], b.shape[1]
+            out.append((a[rows].float().t() @ b[rows].float()) * a_scales[e * ma:(e + 1) * ma, None]
+                       * b_scales[e * nb:(e + 1) * nb])
         start += m
-    return torch.cat(out)
+    return torch.cat(out) if kind == ROWS else torch.stack(out)
 
 
-def _self_check(device: torch.device) -> bool:
+def _problem(kind: str, device: torch.device):
+    """A small grouped problem: unbalanced experts, one without tokens, counts not multiples of 16."""
     g = torch.Generator(device=device).manual_seed(0)
-    counts = (48, 0, 16, 64)
-    k, n = 128, 64
-    t = sum(counts)
-    a = (torch.randn(t, k, device=device, generator=g) * 8).to(E4M3)
-    b = (torch.randn(len(counts), n, k, device=device, generator=g) * 8).to(E4M3)
-    expert_scales = torch.tensor([0.5, 2.0, 0.25, 4.0], device=device)
-    a_scales = expert_scales.repeat_interleave(torch.tensor(counts, device=device))
-    b_scales = torch.tensor([1.0, 0.125, 2.0, 0.5], device=device)
-    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    counts = (40, 0, 24, 71)
+    t, k, n, e = sum(counts), 128, 64, len(counts)
+
+    def codes(*shape):
+        return (torch.randn(*shape, device=device, generator=g) * 8).to(E4M3)
+
+    def scales(m):
+        return torch.rand(m, device=device, generator=g) * 4 + 0.25
+
+    if kind == ROWS:
+        return codes(t, k), scales(t), codes(e, n, k), scales(e * n).view(e, n), counts
+    return codes(t, k), scales(e * k), codes(t, n), scales(e * n), counts
+
+
+def _self_check(kind: str, device: torch.device) -> bool:
+    a, sa, b, sb, counts = _problem(kind, device)
+    run = _by_rows if kind == ROWS else _by_features
     try:
-        got = _grouped(a, a_scales, b, b_scales, offsets, torch.bfloat16, False).float()
+        got = run(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False).float()
     except (RuntimeError, NotImplementedError) as e:  # a kernel PyTorch lacks for this device
-        warnings.warn(f"lowprec: torch._scaled_grouped_mm fails on {device} ({str(e).splitlines()[0]}); "
-                      "experts run their FP8 GEMMs one by one", stacklevel=4)
+        warnings.warn(f"lowprec: torch._scaled_grouped_mm ({kind}) fails on {device} ({str(e).splitlines()[0]}); "
+                      "those expert GEMMs run one by one", stacklevel=4)
         return False
-    want = _reference(a, a_scales, b, b_scales, counts)
+    want = _reference(kind, a, sa, b, sb, counts)
     rel = ((got - want).abs().max() / want.abs().max()).item()
     if not rel <= TOLERANCE:
-        warnings.warn(f"lowprec: torch._scaled_grouped_mm differs from the per-expert FP8 GEMMs on {device} by "
-                      f"{rel:.2e} of the output (more than {TOLERANCE:.2e}); experts run their FP8 GEMMs one by one",
-                      stacklevel=4)
+        warnings.warn(f"lowprec: torch._scaled_grouped_mm ({kind}) differs from the per-expert FP8 GEMMs on "
+                      f"{device} by {rel:.2e} of the output (more than {TOLERANCE:.2e}); those expert GEMMs run "
+                      "one by one", stacklevel=4)
         return False
     return True
 
 
-def runs_grouped(device: torch.device, a_fmt, b_fmt, k: int, n: int) -> bool:
-    """Whether the experts' forward GEMM runs as one grouped GEMM here (see [Note: one grouped GEMM for the
-    experts]): CUDA of compute capability 9.0 or newer, E4M3 operands, K and N multiples of 16, and the
-    device's first-use check passed."""
-    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or k % 16 or n % 16:
+def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int) -> bool:
+    """Whether the experts' GEMMs of ``kind`` (:data:`ROWS` or :data:`FEATURES`) run as one grouped GEMM
+    here (see [Note: one grouped GEMM for the experts]): CUDA of compute capability 9.0 or newer, E4M3
+    operands, the non-token dimensions ``dims`` multiples of 16, and the device's first-use check of that
+    kind passed."""
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or any(d % 16 for d in dims):
         return False
     if a_fmt.torch_dtype is not E4M3 or b_fmt.torch_dtype is not E4M3:
         return False
     if torch.cuda.get_device_capability(device) < (9, 0):
         return False
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    if device not in _CHECKED:
-        _CHECKED[device] = _self_check(device)
-    return _CHECKED[device]
+    if (device, kind) not in _CHECKED:
+        _CHECKED[device, kind] = _self_check(kind, device)
+    return _CHECKED[device, kind]
 
 
-def grouped_fprop(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                  counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """``(T, N)``: every expert's rows of ``a`` (E4M3 ``(T, K)``, ``a_scales`` ``(T,)`` each row's expert's
-    scale) times its weight ``b[e]`` (E4M3 ``(E, N, K)``, ``b_scales`` ``(E,)``), in one grouped GEMM."""
-    offsets = torch.tensor(counts, device=a.device).cumsum(0).to(torch.int32)
-    return _grouped(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum)
+def grouped_by_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                    counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``(T, N)``: every expert's rows of ``a`` (E4M3 ``(T, K)``, ``a_scales`` ``(T,)`` per row) times its
+    ``b[e].T`` (E4M3 ``(E, N, K)``, ``b_scales`` ``(E, N)`` per row of ``b[e]``), in one grouped GEMM."""
+    return _by_rows(a, a_scales, b, b_scales, _offsets(counts, a.device), out_dtype, fast_accum)
+
+
+def grouped_by_features(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                        counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``(E, M, N)``: for every expert, ``a[its rows].T @ b[its rows]`` (E4M3 token rows ``(T, M)`` and
+    ``(T, N)``, scales ``(E * M,)`` and ``(E * N,)`` per expert and feature), in one grouped GEMM."""
+    return _by_features(a, a_scales, b, b_scales, _offsets(counts, a.device), out_dtype, fast_accum)
 
 
 def grouped_status() -> dict[str, bool]:
-    """Each device checked so far and whether its grouped GEMM passed (for ``lowprec info`` and tests)."""
-    return {str(d): ok for d, ok in _CHECKED.items()}
+    """Each (device, kind) checked so far and whether its grouped GEMM passed (for ``lowprec info`` and
+    benchmarks)."""
+    return {f"{d} {kind}": ok for (d, kind), ok in _CHECKED.items()}
 
 
-__all__ = ["grouped_fprop", "grouped_status", "runs_grouped"]
+__all__ = ["FEATURES", "ROWS", "grouped_by_features", "grouped_by_rows", "grouped_status", "runs_grouped"]

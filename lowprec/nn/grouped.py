@@ -39,8 +39,8 @@ import torch.nn.functional as nnf
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.autocast import resolve
+from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels.gemm import GemmPath
-from lowprec.kernels.grouped_gemm import grouped_fprop, runs_grouped
 from lowprec.nn import grouped_casts as GC
 from lowprec.nn.casts import CastState, cast_operand
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
@@ -153,19 +153,26 @@ def _slices(counts: tuple[int, ...]):
         start += n
 
 
+def _rows_of(counts: tuple[int, ...]) -> list[slice]:
+    """Every expert's rows, empty ones included."""
+    ends = [sum(counts[:e + 1]) for e in range(len(counts))]
+    return [slice(end - n, end) for end, n in zip(ends, counts)]
+
+
 def _batched_forward(x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, need_dgrad: bool,
                      need_wgrad: bool):
-    """``(y, x.T casts, weight.T casts)``: every expert's forward GEMM with the casts of all experts
-    batched (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``)."""
+    """``(y, x's transposed casts, weight.T's casts)``: every expert's forward GEMM with the casts of all
+    experts batched (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``), as one grouped
+    GEMM where the device runs it (see [Note: one grouped GEMM for the experts])."""
     out_dtype = output_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         expert = GC.expert_of_rows(counts, x.device)
         qx, qx_t = GC.cast_rows(x, expert, len(counts), plan.input, True, need_wgrad)
         qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
-        if plan.fprop.path is GemmPath.CUBLAS and runs_grouped(x.device, qx.fmt, qw.fmt, *weight.shape[2:0:-1]):
-            # one launch for every expert (see [Note: one grouped GEMM for the experts])
-            y = grouped_fprop(qx.data, qx.scales[expert], qw.data, qw.scales, counts, out_dtype,
-                              plan.fprop.fast_accum)
+        _, n, k = weight.shape
+        if plan.fprop.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt, k, n):
+            y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(), counts,
+                                   out_dtype, plan.fprop.fast_accum)
             return (y + bias[expert].to(out_dtype) if bias is not None else y), qx_t, qw_t
         ys = []
         for e, rows in _slices(counts):
@@ -174,17 +181,47 @@ def _batched_forward(x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, 
     return torch.cat(ys), qx_t, qw_t
 
 
+def _pack(c: GC.ExpertCast | None):
+    return ((c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip)) if c is not None else ((None, None), None)
+
+
+def _unpack(tensors, meta) -> GC.ExpertCast | None:
+    return GC.ExpertCast(tensors[0], tensors[1], *meta) if meta is not None else None
+
+
+def _batched_dgrad(qdy, qw_t, expert, counts, plan: LayerPlan, dtype, w_shape) -> torch.Tensor:
+    """``(T, in)``: every expert's input gradient, grouped where the device runs it."""
+    if plan.dgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, expert.device, qdy.fmt, qw_t.fmt, *w_shape):
+        return GG.grouped_by_rows(qdy.data, qdy.token_scales(expert), qw_t.weight_codes(), qw_t.weight_scales(),
+                                  counts, dtype, plan.dgrad.fast_accum)
+    return torch.cat([gemm(qdy.expert(e, rows), qw_t.expert(e), plan.dgrad, dtype) for e, rows in _slices(counts)])
+
+
+def _batched_wgrad(qdy_t, qx_t, counts, plan: LayerPlan, dtype, w_shape, device) -> torch.Tensor:
+    """``(E, out, in)``: every expert's weight gradient over its own tokens (zero for an expert without)."""
+    out_f, in_f = w_shape
+    if plan.wgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f):
+        e = len(counts)
+        return GG.grouped_by_features(qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e),
+                                      counts, dtype, plan.wgrad.fast_accum)
+    dws = [torch.zeros(w_shape, dtype=dtype, device=device) for _ in counts]
+    for e, rows in _slices(counts):
+        dws[e] = gemm(qdy_t.expert(e, rows), qx_t.expert(e, rows), plan.wgrad, dtype)
+    return torch.stack(dws)
+
+
 class BatchedFunction(torch.autograd.Function):
-    """:class:`GroupedFunction` for plans whose every cast is per tensor (``lowprec.nn.grouped_casts.batches``):
-    the same numbers, each operand's casts made for all experts at once."""
+    """:class:`GroupedFunction` for plans whose casts ``lowprec.nn.grouped_casts`` batches (per tensor or
+    per row): the same numbers, each operand's casts made for all experts at once, the GEMMs grouped where
+    the device runs them."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
         y, qx_t, qw_t = _batched_forward(x, weight, bias, counts, plan, need_dgrad, need_wgrad)
-        ctx.save_for_backward(*(t for c in (qx_t, qw_t)
-                                for t in ((c.data, c.scales) if c is not None else (None, None))))
-        ctx.fmts = tuple(c.fmt if c is not None else None for c in (qx_t, qw_t))
+        (xt, xt_meta), (wt, wt_meta) = _pack(qx_t), _pack(qw_t)
+        ctx.save_for_backward(*xt, *wt)
+        ctx.metas = (xt_meta, wt_meta)
         ctx.counts, ctx.plan = counts, plan
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.w_shape = weight.shape[1:]
@@ -194,29 +231,19 @@ class BatchedFunction(torch.autograd.Function):
     def backward(ctx, dy):
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        xt_data, xt_scales, wt_data, wt_scales = ctx.saved_tensors
-        x_fmt, w_fmt = ctx.fmts
-        qx_t = GC.Cast(xt_data, xt_scales, x_fmt, x_dtype) if need_wgrad else None
-        qw_t = GC.Cast(wt_data, wt_scales, w_fmt, w_dtype) if need_dgrad else None
+        saved = ctx.saved_tensors
+        qx_t, qw_t = _unpack(saved[0:2], ctx.metas[0]), _unpack(saved[2:4], ctx.metas[1])
         plan, counts = ctx.plan, ctx.counts
-        dws = [torch.zeros(ctx.w_shape, dtype=w_dtype, device=dy.device) for _ in counts] if need_wgrad else None
-        dbs = [torch.zeros(ctx.w_shape[0], dtype=b_dtype, device=dy.device) for _ in counts] \
-            if b_dtype is not None and need_bias else None
-        dxs = []
+        dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            qdy, qdy_t = GC.cast_rows(dy, GC.expert_of_rows(counts, dy.device), len(counts), plan.grad_output,
-                                      need_dgrad, need_wgrad)
-            for e, rows in _slices(counts):
-                if need_dgrad:
-                    dxs.append(gemm(qdy.expert(e, rows), qw_t.expert(e, transposed=True), plan.dgrad, x_dtype))
-                if need_wgrad:
-                    dws[e] = gemm(qdy_t.expert(e, rows, transposed=True), qx_t.expert(e, rows, transposed=True),
-                                  plan.wgrad, w_dtype)
-                if dbs is not None:
-                    dbs[e] = dy[rows].sum(0).to(b_dtype)
-        dx = torch.cat(dxs) if need_dgrad else None  # (T, in)
-        dw = torch.stack(dws) if need_wgrad else None  # (E, out, in)
-        db = torch.stack(dbs) if dbs is not None else None  # (E, out)
+            expert = GC.expert_of_rows(counts, dy.device)
+            qdy, qdy_t = GC.cast_rows(dy, expert, len(counts), plan.grad_output, need_dgrad, need_wgrad)
+            if need_dgrad:
+                dx = _batched_dgrad(qdy, qw_t, expert, counts, plan, x_dtype, ctx.w_shape)  # (T, in)
+            if need_wgrad:
+                dw = _batched_wgrad(qdy_t, qx_t, counts, plan, w_dtype, ctx.w_shape, dy.device)  # (E, out, in)
+            if b_dtype is not None and need_bias:  # each expert's sum, as the loop sums it
+                db = torch.stack([dy[rows].sum(0).to(b_dtype) for rows in _rows_of(counts)])  # (E, out)
         return dx, dw, db, None, None
 
 

@@ -1,31 +1,31 @@
-"""Every expert's per-tensor casts of one operand in a few kernels, for all experts at once.
+"""Every expert's casts of one operand in a few kernels, for all experts at once: per tensor and per row.
 
 [Note: batched per-expert casts]
-A ``GroupedLinear`` under a recipe whose every cast is per tensor (``fp8-current``: one scale per
-operand, from its amax) casts each expert's operands with scales of its own: expert ``e``'s rows of the
-input with the amax of those rows, its weight with the amax of ``weight[e]``. Casting expert by expert
-costs a handful of kernel launches per expert, per operand, per GEMM: on a GPU, for 32 or 64 small
-experts, the launches and not the arithmetic set the time. The casts here give the same bits in a
-fixed number of kernels whatever the number of experts:
+A ``GroupedLinear`` casts each expert's operands with scales of its own: under a per-tensor recipe
+(``fp8-current``) expert ``e``'s rows of the input take the amax of those rows, its weight the amax of
+``weight[e]``; under a row-wise one (``fp8-rowwise``) every row takes its own amax, and the transposed
+operands of the weight gradient (``x_e.T``, ``dy_e.T``, cast along the tokens) take the amax of each
+feature over the expert's tokens only. Casting expert by expert costs a handful of kernel launches per
+expert, per operand, per GEMM: on a GPU, for 32 or 64 small experts, the launches and not the arithmetic
+set the time. The casts here give the same bits in a fixed number of kernels whatever the number of
+experts:
 
-1. each expert's amax: the rows' amaxes reduced by expert (``scatter_reduce``, a maximum: exact in any
-   order, NaN kept), or the weight's over its last two dimensions;
-2. each expert's scale from its amax, by the same function a per-tensor cast uses
-   (``lowprec.quant.scales.amax_scale``);
-3. every row divided by its expert's scale and rounded, in one pass: on a GPU the row-wise cast's
-   Triton kernel given each row's expert amax instead of its own (``kernels.triton_quant.rows_by_amax``),
-   elsewhere ``quantize`` given each row's expert scale; the same division and the same rounding,
-   element by element, as expert ``e``'s own cast (``kernels.route.grouped_rows_backend`` chooses).
+- **per tensor**: each expert's amax (the rows' amaxes reduced by expert with ``scatter_reduce``, a
+  maximum: exact in any order; NaN kept), its scale by the function a per-tensor cast uses
+  (``lowprec.quant.scales.amax_scale``), and every row divided by its expert's scale in one pass: on a GPU
+  the row-wise cast's Triton kernel given each row's expert amax instead of its own
+  (``kernels.triton_quant.rows_by_amax``), elsewhere ``quantize`` given each row's expert scale
+  (``kernels.route.grouped_rows_backend`` chooses). An operand's transposed side is the same codes
+  transposed where its format is the same (the scale does not depend on the layout);
+- **per row**: the rows of the input and of the output gradient are independent of the experts, so one
+  row-wise cast of all of them (``kernels.quantize``) is every expert's; the weights' rows likewise, and
+  ``weight[e].T``'s from one transposed copy of the weights; the tokens' transposed sides take the amax of
+  each (expert, feature) pair (``scatter_reduce`` again) and one division by those scales.
 
-So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``
-holds that for every format pair the per-tensor recipes use, zero-token experts, and non-finite
-values). An operand's transposed cast (backward's ``x.T`` and ``weight.T``) is the same codes
-transposed where its format is the along-K side's (per tensor, the scale does not depend on the
-layout), else a second cast from the same amaxes.
-
-The GEMMs then run per expert on views of these codes (:func:`expert`), through the layer plan's own
-GEMM path, so each equals the loop's bit for bit on the CPU. Only the casts are batched today; a grouped
-scaled GEMM (``torch._scaled_grouped_mm``) over the same codes is the next step.
+So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``:
+every side of both kinds, zero-token experts, non-finite values). :meth:`ExpertCast.expert` hands each
+expert's operand to the layer plan's GEMM path, so on the CPU each expert's GEMM equals the loop's bit for
+bit; on a GPU the grouped GEMMs of ``lowprec.kernels.grouped_gemm`` read the same codes and scales.
 """
 from __future__ import annotations
 
@@ -34,56 +34,102 @@ from dataclasses import dataclass, field
 import torch
 
 from lowprec import formats as F
+from lowprec.kernels import quantize as routed_quantize
 from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend
 from lowprec.nn.plan import LayerPlan, OperandPlan
-from lowprec.quant import QuantizedTensor, quantize, rowwise, tensorwise
+from lowprec.quant import QuantizedTensor, blockwise, quantize, rowwise, tensorwise
 from lowprec.quant.granularity import GranularityKind, ScaleRule
 from lowprec.quant.scales import amax_scale
 
+TENSOR, ROW = GranularityKind.TENSOR, GranularityKind.ROW
 
-def batches(plan: LayerPlan) -> bool:
-    """Whether every cast of ``plan`` is one this module makes: quantized, per tensor, scaled by its
-    current amax, rounded to nearest, without a Hadamard rotation."""
+
+def batched_kind(plan: LayerPlan) -> GranularityKind | None:
+    """``TENSOR`` or ``ROW`` where every cast of ``plan`` is one this module makes (quantized, all per
+    tensor or all per row, scaled by its current amax, rounded to nearest, no Hadamard rotation); None
+    otherwise."""
+    kinds = set()
     for op in (plan.input, plan.weight, plan.grad_output):
         if op is None or op.delayed:
-            return False
+            return None
         for c in (op.cast_k, op.cast_t):
             g = c.granularity
-            if (c.fmt is None or g is None or g.kind is not GranularityKind.TENSOR or g.rule is not ScaleRule.AMAX
-                    or F.as_rounding(c.rounding) is not F.Rounding.NEAREST or c.hadamard):
-                return False
-    return True
+            if (c.fmt is None or g is None or g.rule is not ScaleRule.AMAX or c.hadamard
+                    or F.as_rounding(c.rounding) is not F.Rounding.NEAREST):
+                return None
+            kinds.add(g.kind)
+    return kinds.pop() if len(kinds) == 1 and kinds <= {TENSOR, ROW} else None
+
+
+def batches(plan: LayerPlan) -> bool:
+    """Whether :func:`batched_kind` covers ``plan``."""
+    return batched_kind(plan) is not None
+
+
+def _aligned(scales: torch.Tensor) -> torch.Tensor:
+    """``(n, 4)`` float32, column 0 the scales: each at a 16-byte boundary, as cuBLAS reads a scale (a view
+    of ``scales[e]`` alone sits 4 bytes after ``scales[e - 1]`` and is refused)."""
+    out = scales.new_zeros(scales.shape[0], 4)
+    out[:, 0] = scales
+    return out
 
 
 @dataclass(frozen=True, slots=True)
-class Cast:
-    """One side of an operand cast for every expert: the codes of all rows (or of the transposed
-    weights) and each expert's scale."""
+class ExpertCast:
+    """One side of an operand's casts for every expert.
+
+    ``data``: codes of the token rows ``(T, K)``, or of the weights ``(E, R, K)``. ``scales``: per
+    ``kind``: ``TENSOR`` ``(E,)`` one per expert; ``ROW`` one per row of ``data`` (``(T,)`` or
+    ``(E * R,)``); ``COLUMN`` ``(E, K)`` one per expert and feature (a token side cast along the tokens).
+    ``flip``: the expert's operand is its codes transposed (a per-tensor side whose transposed codes are
+    the same bits)."""
 
     data: torch.Tensor
-    """Rows ``(T, K)`` of every expert, or weights ``(E, rows, K)``, in the format's storage dtype."""
     scales: torch.Tensor
-    """``(E,)`` float32: expert ``e``'s per-tensor scale."""
     fmt: F.Format
-    shape_dtype: torch.dtype
+    dtype: torch.dtype
     """The dtype of the tensor cast (what ``dequantize`` gives back)."""
-    aligned: torch.Tensor = field(init=False, repr=False)
-    """``(E, 4)`` float32, column 0 the scales: expert ``e``'s scale at a 16-byte boundary, as cuBLAS
-    reads a scale (a view of ``scales[e]`` alone sits 4 bytes after expert ``e - 1``'s and is refused)."""
+    kind: str
+    flip: bool = False
+    aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        aligned = self.scales.new_zeros(self.scales.shape[0], 4)
-        aligned[:, 0] = self.scales
-        object.__setattr__(self, "aligned", aligned)
+        if self.kind == "tensor":
+            object.__setattr__(self, "aligned", _aligned(self.scales))
 
-    def expert(self, e: int, rows: slice | None = None, transposed: bool = False) -> QuantizedTensor:
-        """Expert ``e``'s operand, as its own per-tensor cast would make it: its rows (``rows``, for a
-        cast of token rows) or its weight, transposed (codes ``(K, n)``, contiguous) or not."""
+    def expert(self, e: int, rows: slice | None = None) -> QuantizedTensor:
+        """Expert ``e``'s operand, as its own cast would make it: its token rows ``rows``, or its weight."""
         codes = self.data[rows] if rows is not None else self.data[e]
-        if transposed:
+        if self.kind == "tensor":
+            scale, g = self.aligned[e, :1].view(1, 1), tensorwise()
+        elif self.kind == "row":
+            n = codes.shape[0]
+            first = rows.start if rows is not None else e * n
+            scale, g = self.scales[first:first + n].unsqueeze(1).clone(), rowwise()  # its own, aligned
+        else:  # column: the tokens' side cast along the tokens, one scale per feature
+            scale, g = self.scales[e].unsqueeze(1).clone(), rowwise()
+        if self.flip or self.kind == "column":
             codes = codes.t().contiguous()
-        return QuantizedTensor(codes, self.aligned[e, :1].view(1, 1), self.fmt, tensorwise(), codes.shape,
-                               self.shape_dtype)
+        return QuantizedTensor(codes, scale, self.fmt, g, codes.shape, self.dtype)
+
+    def token_scales(self, expert: torch.Tensor) -> torch.Tensor:
+        """``(T,)``: each token row's scale (a side cast along K)."""
+        return self.scales[expert] if self.kind == "tensor" else self.scales
+
+    def weight_codes(self) -> torch.Tensor:
+        """``(E, R, K)``: every expert's operand codes, as a grouped GEMM's second operand reads them."""
+        return self.data.transpose(1, 2).contiguous() if self.flip else self.data
+
+    def weight_scales(self) -> torch.Tensor:
+        """``(E, R)``: the scale of each row of every expert's :meth:`weight_codes`."""
+        e, r = self.data.shape[0], self.data.shape[2 if self.flip else 1]
+        return self.scales[:, None].expand(e, r) if self.kind == "tensor" else self.scales.view(e, r)
+
+    def feature_scales(self, n_experts: int) -> torch.Tensor:
+        """``(E * K,)``: the scale of each feature of each expert (a token side cast along the tokens)."""
+        if self.kind == "tensor":
+            return self.scales[:, None].expand(n_experts, self.data.shape[1]).reshape(-1)
+        return self.scales.reshape(-1)
 
 
 def expert_of_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -92,58 +138,99 @@ def expert_of_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tenso
                                    torch.tensor(counts, device=device))
 
 
-def _sides(op: OperandPlan, need_k: bool, need_t: bool):
-    return (op.cast_k.fmt if need_k else None), (op.cast_t.fmt if need_t else None)
+def _amax_by(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """The maximum of ``values`` (``(T,)`` or ``(T, K)``, non-negative) over the rows of each index
+    ``0 .. n-1`` (0 where none), NaN where one of them is NaN (whatever the device's maximum does)."""
+    shape = (n, *values.shape[1:])
+    idx = index if values.dim() == 1 else index[:, None].expand_as(values)
+    amax = values.new_zeros(shape).scatter_reduce(0, idx, values, "amax")
+    nan = values.new_zeros(shape).scatter_reduce(0, idx, values.isnan().float(), "amax")
+    return torch.where(nan > 0, torch.nan, amax)
 
 
-def _cast(x2: torch.Tensor, row_amax: torch.Tensor, row_scales: torch.Tensor, scales: torch.Tensor,
-          fmt: F.Format) -> Cast:
-    """``x2``'s rows, row ``i`` scaled by ``row_scales[i]`` (its expert's scale, from its expert's amax
-    ``row_amax[i]``): on the route's backend, the same bits either way."""
+def _per_tensor(x2: torch.Tensor, amax: torch.Tensor, per_row, fmt: F.Format, flip: bool) -> ExpertCast:
+    """``x2``'s rows, each divided by its expert's scale (``per_row`` spreads an ``(E,)`` vector over the
+    rows); see [Note: batched per-expert casts]."""
+    scales = amax_scale(amax, fmt)  # (E,) as a per-tensor cast computes it from its amax
     spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
     if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
         from lowprec.kernels import triton_quant  # Triton: imported where it runs
 
-        data = triton_quant.rows_by_amax(x2, spec, row_amax)
+        data = triton_quant.rows_by_amax(x2, spec, per_row(amax))
     else:  # the division and rounding of a per-tensor cast, given each row's scale
-        data = quantize(x2, fmt, rowwise(), scale=row_scales).data
-    return Cast(data, scales, fmt, x2.dtype)
+        data = quantize(x2, fmt, rowwise(), scale=per_row(scales).unsqueeze(1)).data
+    return ExpertCast(data, scales, fmt, x2.dtype, "tensor", flip)
+
+
+def _rows(x2: torch.Tensor, fmt: F.Format) -> ExpertCast:
+    q = routed_quantize(x2, fmt, rowwise())  # rows are independent of the experts
+    return ExpertCast(q.data, q.scale.reshape(-1), fmt, x2.dtype, "row")
+
+
+def _columns(x2: torch.Tensor, expert: torch.Tensor, n_experts: int, fmt: F.Format) -> ExpertCast:
+    """The token rows' transposed side per expert: each (expert, feature) scaled by its amax over the
+    expert's tokens; codes kept in the rows' layout."""
+    amax = _amax_by(x2.detach().abs().float(), expert, n_experts)  # (E, K)
+    scales = amax_scale(amax, fmt)
+    data = quantize(x2, fmt, blockwise(1, 1), scale=scales[expert]).data  # each element by its scale
+    return ExpertCast(data, scales, fmt, x2.dtype, "column")
+
+
+def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | None, F.Format | None]:
+    return (op.cast_k.fmt if need_k else None), (op.cast_t.fmt if need_t else None)
 
 
 def cast_rows(x2: torch.Tensor, expert: torch.Tensor, n_experts: int, op: OperandPlan, need_k: bool,
-              need_t: bool) -> tuple[Cast | None, Cast | None]:
-    """Rows ``x2`` (T, K) grouped by expert (``expert``: each row's) cast along K and for the transposed
-    side, each expert with its own scale; see [Note: batched per-expert casts]. The transposed side's
-    codes stay in the rows' layout (``Cast.expert(..., transposed=True)`` transposes an expert's)."""
-    row_amax = x2.detach().abs().amax(dim=1).float()  # (T,)
-    amax = torch.zeros(n_experts, device=x2.device).scatter_reduce(0, expert, row_amax, "amax")  # (E,)
-    # NaN kept whatever the device's maximum does with it: a per-tensor cast's amax of a NaN is NaN
-    nan = torch.zeros(n_experts, device=x2.device).scatter_reduce(0, expert, row_amax.isnan().float(), "amax")
-    amax = torch.where(nan > 0, torch.nan, amax)
-    return _both(x2, amax, lambda s: s[expert], op, need_k, need_t)
+              need_t: bool) -> tuple[ExpertCast | None, ExpertCast | None]:
+    """Token rows ``x2`` (T, K) grouped by expert (``expert``: each row's) cast along K and for the
+    transposed side (the weight gradient's, along the tokens), as ``op`` says; see [Note: batched
+    per-expert casts]."""
+    fk, ft = _formats(op, need_k, need_t)
+    if op.cast_k.granularity.kind is ROW:
+        return (_rows(x2, fk) if fk is not None else None,
+                _columns(x2, expert, n_experts, ft) if ft is not None else None)
+    amax = _amax_by(x2.detach().abs().amax(dim=1).float(), expert, n_experts)  # (E,)
+    k = _per_tensor(x2, amax, lambda v: v[expert], fk, False) if fk is not None else None
+    if ft is None:
+        return k, None
+    if ft == fk:  # the same codes, transposed per expert
+        return k, ExpertCast(k.data, k.scales, k.fmt, k.dtype, "tensor", True)
+    return k, _per_tensor(x2, amax, lambda v: v[expert], ft, True)
 
 
 def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
-                 need_t: bool) -> tuple[Cast | None, Cast | None]:
-    """Experts' weights ``(E, out, in)`` cast per expert: along K (codes ``(E, out, in)``) and for the
-    transposed side (codes ``(E, out, in)`` too, transposed per expert by ``Cast.expert``)."""
+                 need_t: bool) -> tuple[ExpertCast | None, ExpertCast | None]:
+    """Experts' weights ``(E, out, in)`` cast along K (``weight[e]``) and transposed (``weight[e].T``, for
+    the input gradient), each expert with its own scales."""
     e, out, k = weight.shape
-    amax = weight.detach().abs().float().amax(dim=(1, 2))  # (E,)
-    flat = weight.detach().reshape(e * out, k)
-    kc, tc = _both(flat, amax, lambda s: s.repeat_interleave(out), op, need_k, need_t)
-    return tuple(None if c is None else Cast(c.data.view(e, out, k), c.scales, c.fmt, c.shape_dtype)
-                 for c in (kc, tc))
+    fk, ft = _formats(op, need_k, need_t)
+    w = weight.detach()
+    if op.cast_k.granularity.kind is ROW:
+        kc = tc = None
+        if fk is not None:
+            kc = _rows(w.reshape(e * out, k), fk)
+            kc = ExpertCast(kc.data.view(e, out, k), kc.scales, fk, weight.dtype, "row")
+        if ft is not None:  # weight[e].T's rows are weight[e]'s columns: one transposed copy
+            tc = _rows(w.transpose(1, 2).reshape(e * k, out), ft)
+            tc = ExpertCast(tc.data.view(e, k, out), tc.scales, ft, weight.dtype, "row")
+        return kc, tc
+    amax = w.abs().float().amax(dim=(1, 2))  # (E,)
+    flat = w.reshape(e * out, k)
+
+    def spread(v):
+        return v.repeat_interleave(out)
+
+    out_casts = []
+    for fmt, flip in ((fk, False), (ft, True)):
+        if fmt is None:
+            out_casts.append(None)
+        elif flip and fmt == fk and out_casts[0] is not None:  # the same codes, transposed per expert
+            c = out_casts[0]
+            out_casts.append(ExpertCast(c.data, c.scales, c.fmt, c.dtype, "tensor", True))
+        else:
+            c = _per_tensor(flat, amax, spread, fmt, flip)
+            out_casts.append(ExpertCast(c.data.view(e, out, k), c.scales, fmt, weight.dtype, "tensor", flip))
+    return out_casts[0], out_casts[1]
 
 
-def _both(x2, amax, per_row, op: OperandPlan, need_k: bool, need_t: bool) -> tuple[Cast | None, Cast | None]:
-    """The sides asked for, one cast per format; ``per_row`` spreads an (E,) vector over x2's rows."""
-    fk, ft = _sides(op, need_k, need_t)
-    out: dict[F.Format, Cast] = {}
-    for fmt in (fk, ft):
-        if fmt is not None and fmt not in out:
-            scales = amax_scale(amax, fmt)  # (E,) as a per-tensor cast computes it from its amax
-            out[fmt] = _cast(x2, per_row(amax), per_row(scales).unsqueeze(1), scales, fmt)
-    return (out[fk] if fk is not None else None), (out[ft] if ft is not None else None)
-
-
-__all__ = ["Cast", "batches", "cast_rows", "cast_weights", "expert_of_rows"]
+__all__ = ["ExpertCast", "batched_kind", "batches", "cast_rows", "cast_weights", "expert_of_rows"]
