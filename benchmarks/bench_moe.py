@@ -15,8 +15,8 @@ Variants (all on the same routed rows, grouped by expert, with random unbalanced
 - ``<recipe> grouped``: batched casts, the GEMMs in ``torch._scaled_grouped_mm`` where it takes them (E4M3
   operands: fp8-current's forward alone, fp8-rowwise's three GEMMs).
 
-Checks first: each variant's output, input gradient and ``w2`` weight gradient against its recipe's loop (relative error), and the
-loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the SwiGLU experts
+Checks first: each variant's output, input gradient and ``w2`` weight gradient against its recipe's loop
+(relative error), and the loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the SwiGLU experts
 (w1, w3, w2), and each variant's speed relative to ``bf16 grouped_mm``.
 """
 from __future__ import annotations
