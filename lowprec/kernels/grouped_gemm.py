@@ -6,7 +6,8 @@ Experts cast by ``lowprec.nn.grouped_casts`` hold the E4M3 codes of all their to
 with their scales. PyTorch's grouped FP8 GEMM takes row-wise scales, and two kinds of groups: token rows
 times each expert's weight (:data:`ROWS`: forward, input gradient; a scale per token row and per row of
 each weight), and each expert's features over its own tokens (:data:`FEATURES`: the weight gradient,
-grouped along K; a scale per expert and feature on both sides). Row-wise casts are such scales; an
+grouped along K; a scale per expert and feature on both sides; each expert's tokens are padded with zero
+codes to a multiple of 16, where the kernel's K groups must start). Row-wise casts are such scales; an
 expert's per-tensor scale repeated over its rows and features is too. So one launch computes every
 expert's GEMM with the values of the per-expert GEMMs; the accumulation inside the tensor cores and the
 epilogue (``acc * row scale * column scale``, against ``acc * (scale_a * scale_b)`` in cuBLAS's per-tensor
@@ -47,11 +48,26 @@ def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> 
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def _by_features(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> torch.Tensor:
+def _padded_tokens(t: torch.Tensor, counts: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Token rows ``t`` with each expert's rows followed by zero rows up to a multiple of 16 (the grouped
+    GEMM's K groups must start at 16-aligned columns); zero codes add nothing to a product."""
+    padded = tuple(-(-n // 16) * 16 for n in counts)
+    if padded == counts:
+        return t, counts
+    starts = torch.tensor([0, *padded[:-1]], device=t.device).cumsum(0)
+    dest = torch.repeat_interleave(starts - torch.tensor([0, *counts[:-1]], device=t.device).cumsum(0),
+                                   torch.tensor(counts, device=t.device)) + torch.arange(t.shape[0], device=t.device)
+    out = torch.zeros(sum(padded), t.shape[1], dtype=torch.uint8, device=t.device)
+    out[dest] = t.view(torch.uint8)
+    return out.view(t.dtype), padded
+
+
+def _by_features(a, a_scales, b, b_scales, counts, out_dtype, fast_accum: bool) -> torch.Tensor:
     """``(E, M, N)``: ``a[rows of e].T @ b[rows of e]`` for token rows ``a`` ``(T, M)`` and ``b`` ``(T, N)``;
     ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)`` per expert and feature."""
+    (a, padded), (b, _) = _padded_tokens(a, counts), _padded_tokens(b, counts)
     return torch._scaled_grouped_mm(a.t().contiguous(), b.t().contiguous().t(), a_scales.contiguous(),
-                                    b_scales.contiguous(), offs=offsets, out_dtype=out_dtype,
+                                    b_scales.contiguous(), offs=_offsets(padded, a.device), out_dtype=out_dtype,
                                     use_fast_accum=fast_accum)
 
 
@@ -89,9 +105,11 @@ def _problem(kind: str, device: torch.device):
 
 def _self_check(kind: str, device: torch.device) -> bool:
     a, sa, b, sb, counts = _problem(kind, device)
-    run = _by_rows if kind == ROWS else _by_features
     try:
-        got = run(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False).float()
+        if kind == ROWS:
+            got = _by_rows(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False).float()
+        else:
+            got = _by_features(a, sa, b, sb, counts, torch.bfloat16, False).float()
     except (RuntimeError, NotImplementedError) as e:  # a kernel PyTorch lacks for this device
         warnings.warn(f"lowprec: torch._scaled_grouped_mm ({kind}) fails on {device} ({str(e).splitlines()[0]}); "
                       "those expert GEMMs run one by one", stacklevel=4)
@@ -134,7 +152,7 @@ def grouped_by_features(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
                         counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """``(E, M, N)``: for every expert, ``a[its rows].T @ b[its rows]`` (E4M3 token rows ``(T, M)`` and
     ``(T, N)``, scales ``(E * M,)`` and ``(E * N,)`` per expert and feature), in one grouped GEMM."""
-    return _by_features(a, a_scales, b, b_scales, _offsets(counts, a.device), out_dtype, fast_accum)
+    return _by_features(a, a_scales, b, b_scales, counts, out_dtype, fast_accum)
 
 
 def grouped_status() -> dict[str, bool]:

@@ -1,0 +1,47 @@
+"""The grouped FP8 GEMM's host-side parts (see [Note: one grouped GEMM for the experts] in
+``lowprec.kernels.grouped_gemm``), which run anywhere: the token padding of the weight gradient's groups,
+the self-check's reference, and the refusal off CUDA. The GEMM itself runs on the GPU only
+(``benchmarks/bench_moe.py`` checks it against the per-expert loop)."""
+from __future__ import annotations
+
+import torch
+
+from lowprec import formats as F
+from lowprec.kernels import grouped_gemm as GG
+
+
+def test_each_experts_tokens_are_padded_to_16_with_zero_codes():
+    t = (torch.arange(10 * 3, dtype=torch.float32).view(10, 3) + 1).to(torch.float8_e4m3fn)
+    padded, counts = GG._padded_tokens(t, (3, 0, 7))
+    assert counts == (16, 0, 16)
+    assert padded.dtype == t.dtype
+    v = padded.float()
+    assert torch.equal(v[:3], t[:3].float()) and not v[3:16].any()
+    assert torch.equal(v[16:23], t[3:].float()) and not v[23:].any()
+    same, same_counts = GG._padded_tokens(t[:0], ())
+    assert same_counts == ()
+
+
+def test_aligned_tokens_are_left_as_they_are():
+    t = torch.zeros(32, 4).to(torch.float8_e4m3fn)
+    padded, counts = GG._padded_tokens(t, (16, 16))
+    assert padded is t and counts == (16, 16)
+
+
+def test_the_self_checks_reference_is_each_experts_product():
+    a, sa, b, sb, counts = GG._problem(GG.FEATURES, torch.device("cpu"))
+    ref = GG._reference(GG.FEATURES, a, sa, b, sb, counts)
+    start = 0
+    for e, n in enumerate(counts):
+        m_a, n_b = a.shape[1], b.shape[1]
+        want = (a[start:start + n].float().t() @ b[start:start + n].float()) * sa[e * m_a:(e + 1) * m_a, None] \
+            * sb[e * n_b:(e + 1) * n_b]
+        assert torch.equal(ref[e], want)
+        start += n
+    assert not ref[1].any()  # the expert without tokens
+
+
+def test_no_grouped_gemm_off_cuda():
+    e4m3 = F.get("e4m3")
+    assert not GG.runs_grouped(GG.ROWS, torch.device("cpu"), e4m3, e4m3, 128, 128)
+    assert GG.grouped_status() == {}
