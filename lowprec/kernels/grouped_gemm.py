@@ -48,26 +48,38 @@ def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> 
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def _padded_tokens(t: torch.Tensor, counts: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """Token rows ``t`` with each expert's rows followed by zero rows up to a multiple of 16 (the grouped
-    GEMM's K groups must start at 16-aligned columns); zero codes add nothing to a product."""
-    padded = tuple(-(-n // 16) * 16 for n in counts)
-    if padded == counts:
-        return t, counts
-    starts = torch.tensor([0, *padded[:-1]], device=t.device).cumsum(0)
-    dest = torch.repeat_interleave(starts - torch.tensor([0, *counts[:-1]], device=t.device).cumsum(0),
-                                   torch.tensor(counts, device=t.device)) + torch.arange(t.shape[0], device=t.device)
-    out = torch.zeros(sum(padded), t.shape[1], dtype=torch.uint8, device=t.device)
+def _padding(counts: tuple[int, ...], lengths: torch.Tensor) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+    """(each row's place among the padded rows or None, the padded row count, the padded offsets): each
+    expert's rows followed by zero rows up to a multiple of 16 (the grouped GEMM's K groups must start
+    at 16-aligned columns; zero codes add nothing to a product). Computed on the rows' device."""
+    padded = (lengths + 15) // 16 * 16  # (E,)
+    ends = padded.cumsum(0)
+    total = sum(-(-n // 16) * 16 for n in counts)
+    if total == sum(counts):
+        return None, total, ends.to(torch.int32)
+    shift = (ends - padded) - (lengths.cumsum(0) - lengths)  # (E,) where each expert's rows move
+    rows = sum(counts)
+    dest = torch.repeat_interleave(shift, lengths, output_size=rows) + torch.arange(rows, device=lengths.device)
+    return dest, total, ends.to(torch.int32)
+
+
+def _padded_tokens(t: torch.Tensor, dest: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Token rows ``t`` moved to their padded places ``dest`` among ``total`` rows of zero codes."""
+    if dest is None:
+        return t
+    out = torch.zeros(total, t.shape[1], dtype=torch.uint8, device=t.device)
     out[dest] = t.view(torch.uint8)
-    return out.view(t.dtype), padded
+    return out.view(t.dtype)
 
 
-def _by_features(a, a_scales, b, b_scales, counts, out_dtype, fast_accum: bool) -> torch.Tensor:
-    """``(E, M, N)``: ``a[rows of e].T @ b[rows of e]`` for token rows ``a`` ``(T, M)`` and ``b`` ``(T, N)``;
-    ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)`` per expert and feature."""
-    (a, padded), (b, _) = _padded_tokens(a, counts), _padded_tokens(b, counts)
+def _by_features(a, a_scales, b, b_scales, counts, lengths, out_dtype, fast_accum: bool) -> torch.Tensor:
+    """``(E, M, N)``: ``a[rows of e].T @ b[rows of e]`` for token rows ``a`` ``(T, M)`` and ``b`` ``(T, N)``
+    grouped with ``counts`` (``lengths`` on the device); ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)``
+    per expert and feature."""
+    dest, total, offsets = _padding(counts, lengths)
+    a, b = _padded_tokens(a, dest, total), _padded_tokens(b, dest, total)
     return torch._scaled_grouped_mm(a.t().contiguous(), b.t().contiguous().t(), a_scales.contiguous(),
-                                    b_scales.contiguous(), offs=_offsets(padded, a.device), out_dtype=out_dtype,
+                                    b_scales.contiguous(), offs=offsets, out_dtype=out_dtype,
                                     use_fast_accum=fast_accum)
 
 
@@ -109,7 +121,8 @@ def _self_check(kind: str, device: torch.device) -> bool:
         if kind == ROWS:
             got = _by_rows(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False).float()
         else:
-            got = _by_features(a, sa, b, sb, counts, torch.bfloat16, False).float()
+            lengths = torch.tensor(counts, device=device)
+            got = _by_features(a, sa, b, sb, counts, lengths, torch.bfloat16, False).float()
     except (RuntimeError, NotImplementedError) as e:  # a kernel PyTorch lacks for this device
         warnings.warn(f"lowprec: torch._scaled_grouped_mm ({kind}) fails on {device} ({str(e).splitlines()[0]}); "
                       "those expert GEMMs run one by one", stacklevel=4)
@@ -142,17 +155,20 @@ def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int) -> b
 
 
 def grouped_by_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                    counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """``(T, N)``: every expert's rows of ``a`` (E4M3 ``(T, K)``, ``a_scales`` ``(T,)`` per row) times its
-    ``b[e].T`` (E4M3 ``(E, N, K)``, ``b_scales`` ``(E, N)`` per row of ``b[e]``), in one grouped GEMM."""
-    return _by_rows(a, a_scales, b, b_scales, _offsets(counts, a.device), out_dtype, fast_accum)
+                    offsets: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """``(T, N)``: every expert's rows of ``a`` (E4M3 ``(T, K)``, ``a_scales`` ``(T,)`` per row; ``offsets``
+    int32, cumulative) times its ``b[e].T`` (E4M3 ``(E, N, K)``, ``b_scales`` ``(E, N)`` per row of
+    ``b[e]``), in one grouped GEMM."""
+    return _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum)
 
 
 def grouped_by_features(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+                        counts: tuple[int, ...], lengths: torch.Tensor, out_dtype: torch.dtype,
+                        fast_accum: bool) -> torch.Tensor:
     """``(E, M, N)``: for every expert, ``a[its rows].T @ b[its rows]`` (E4M3 token rows ``(T, M)`` and
-    ``(T, N)``, scales ``(E * M,)`` and ``(E * N,)`` per expert and feature), in one grouped GEMM."""
-    return _by_features(a, a_scales, b, b_scales, counts, out_dtype, fast_accum)
+    ``(T, N)`` grouped with ``counts``, ``lengths`` the same on the device; scales ``(E * M,)`` and
+    ``(E * N,)`` per expert and feature), in one grouped GEMM."""
+    return _by_features(a, a_scales, b, b_scales, counts, lengths, out_dtype, fast_accum)
 
 
 def grouped_status() -> dict[str, bool]:

@@ -159,20 +159,19 @@ def _rows_of(counts: tuple[int, ...]) -> list[slice]:
     return [slice(end - n, end) for end, n in zip(ends, counts)]
 
 
-def _batched_forward(x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, need_dgrad: bool,
-                     need_wgrad: bool):
+def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad: bool, need_wgrad: bool):
     """``(y, x's transposed casts, weight.T's casts)``: every expert's forward GEMM with the casts of all
     experts batched (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``), as one grouped
     GEMM where the device runs it (see [Note: one grouped GEMM for the experts])."""
     out_dtype = output_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        expert = GC.expert_of_rows(counts, x.device)
-        qx, qx_t = GC.cast_rows(x, expert, len(counts), plan.input, True, need_wgrad)
+        counts, expert = g.counts, g.expert
+        qx, qx_t = GC.cast_rows(x, g, plan.input, True, need_wgrad)
         qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
         _, n, k = weight.shape
         if plan.fprop.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt, k, n):
-            y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(), counts,
-                                   out_dtype, plan.fprop.fast_accum)
+            y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(),
+                                   g.offsets, out_dtype, plan.fprop.fast_accum)
             return (y + bias[expert].to(out_dtype) if bias is not None else y), qx_t, qw_t
         ys = []
         for e, rows in _slices(counts):
@@ -189,21 +188,22 @@ def _unpack(tensors, meta) -> GC.ExpertCast | None:
     return GC.ExpertCast(tensors[0], tensors[1], *meta) if meta is not None else None
 
 
-def _batched_dgrad(qdy, qw_t, expert, counts, plan: LayerPlan, dtype, w_shape) -> torch.Tensor:
+def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> torch.Tensor:
     """``(T, in)``: every expert's input gradient, grouped where the device runs it."""
-    if plan.dgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, expert.device, qdy.fmt, qw_t.fmt, *w_shape):
-        return GG.grouped_by_rows(qdy.data, qdy.token_scales(expert), qw_t.weight_codes(), qw_t.weight_scales(),
-                                  counts, dtype, plan.dgrad.fast_accum)
-    return torch.cat([gemm(qdy.expert(e, rows), qw_t.expert(e), plan.dgrad, dtype) for e, rows in _slices(counts)])
+    if plan.dgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
+        return GG.grouped_by_rows(qdy.data, qdy.token_scales(g.expert), qw_t.weight_codes(), qw_t.weight_scales(),
+                                  g.offsets, dtype, plan.dgrad.fast_accum)
+    return torch.cat([gemm(qdy.expert(e, rows), qw_t.expert(e), plan.dgrad, dtype) for e, rows in _slices(g.counts)])
 
 
-def _batched_wgrad(qdy_t, qx_t, counts, plan: LayerPlan, dtype, w_shape, device) -> torch.Tensor:
+def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> torch.Tensor:
     """``(E, out, in)``: every expert's weight gradient over its own tokens (zero for an expert without)."""
     out_f, in_f = w_shape
+    device, counts = g.expert.device, g.counts
     if plan.wgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f):
         e = len(counts)
         return GG.grouped_by_features(qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e),
-                                      counts, dtype, plan.wgrad.fast_accum)
+                                      counts, g.lengths, dtype, plan.wgrad.fast_accum)
     dws = [torch.zeros(w_shape, dtype=dtype, device=device) for _ in counts]
     for e, rows in _slices(counts):
         dws[e] = gemm(qdy_t.expert(e, rows), qx_t.expert(e, rows), plan.wgrad, dtype)
@@ -216,13 +216,13 @@ class BatchedFunction(torch.autograd.Function):
     the device runs them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan):
+    def forward(ctx, x, weight, bias, g: GC.Groups, plan: LayerPlan):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        y, qx_t, qw_t = _batched_forward(x, weight, bias, counts, plan, need_dgrad, need_wgrad)
+        y, qx_t, qw_t = _batched_forward(x, weight, bias, g, plan, need_dgrad, need_wgrad)
         (xt, xt_meta), (wt, wt_meta) = _pack(qx_t), _pack(qw_t)
         ctx.save_for_backward(*xt, *wt)
         ctx.metas = (xt_meta, wt_meta)
-        ctx.counts, ctx.plan = counts, plan
+        ctx.groups, ctx.plan = g, plan
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.w_shape = weight.shape[1:]
         return y
@@ -233,17 +233,16 @@ class BatchedFunction(torch.autograd.Function):
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         saved = ctx.saved_tensors
         qx_t, qw_t = _unpack(saved[0:2], ctx.metas[0]), _unpack(saved[2:4], ctx.metas[1])
-        plan, counts = ctx.plan, ctx.counts
+        plan, g = ctx.plan, ctx.groups
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            expert = GC.expert_of_rows(counts, dy.device)
-            qdy, qdy_t = GC.cast_rows(dy, expert, len(counts), plan.grad_output, need_dgrad, need_wgrad)
+            qdy, qdy_t = GC.cast_rows(dy, g, plan.grad_output, need_dgrad, need_wgrad)
             if need_dgrad:
-                dx = _batched_dgrad(qdy, qw_t, expert, counts, plan, x_dtype, ctx.w_shape)  # (T, in)
+                dx = _batched_dgrad(qdy, qw_t, g, plan, x_dtype, ctx.w_shape)  # (T, in)
             if need_wgrad:
-                dw = _batched_wgrad(qdy_t, qx_t, counts, plan, w_dtype, ctx.w_shape, dy.device)  # (E, out, in)
+                dw = _batched_wgrad(qdy_t, qx_t, g, plan, w_dtype, ctx.w_shape)  # (E, out, in)
             if b_dtype is not None and need_bias:  # each expert's sum, as the loop sums it
-                db = torch.stack([dy[rows].sum(0).to(b_dtype) for rows in _rows_of(counts)])  # (E, out)
+                db = torch.stack([dy[rows].sum(0).to(b_dtype) for rows in _rows_of(g.counts)])  # (E, out)
         return dx, dw, db, None, None
 
 
@@ -335,9 +334,10 @@ class GroupedLinear(nn.Module):
         params = (weight, bias) if bias is not None else (weight,)
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
         if GC.batches(plan) and probe() is None:  # a sampled step takes the loop: telemetry per expert
+            g = GC.Groups.of(counts, offsets.to(x.device))
             if grad:
-                return BatchedFunction.apply(x, weight, bias, counts, plan)
-            return _batched_forward(x, weight, bias, counts, plan, False, False)[0]
+                return BatchedFunction.apply(x, weight, bias, g, plan)
+            return _batched_forward(x, weight, bias, g, plan, False, False)[0]
         if grad:
             return GroupedFunction.apply(x, weight, bias, counts, plan, states)
         fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)

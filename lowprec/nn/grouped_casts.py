@@ -10,8 +10,8 @@ expert, per operand, per GEMM: on a GPU, for 32 or 64 small experts, the launche
 set the time. The casts here give the same bits in a fixed number of kernels whatever the number of
 experts:
 
-- **per tensor**: each expert's amax (the rows' amaxes reduced by expert with ``scatter_reduce``, a
-  maximum: exact in any order; NaN kept), its scale by the function a per-tensor cast uses
+- **per tensor**: each expert's amax (the rows' amaxes reduced over each expert's rows by one segmented
+  reduction, a maximum: exact in any order; NaN kept), its scale by the function a per-tensor cast uses
   (``lowprec.quant.scales.amax_scale``), and every row divided by its expert's scale in one pass: on a GPU
   the row-wise cast's Triton kernel given each row's expert amax instead of its own
   (``kernels.triton_quant.rows_by_amax``), elsewhere ``quantize`` given each row's expert scale
@@ -20,7 +20,7 @@ experts:
 - **per row**: the rows of the input and of the output gradient are independent of the experts, so one
   row-wise cast of all of them (``kernels.quantize``) is every expert's; the weights' rows likewise, and
   ``weight[e].T``'s from one transposed copy of the weights; the tokens' transposed sides take the amax of
-  each (expert, feature) pair (``scatter_reduce`` again) and one division by those scales.
+  each (expert, feature) pair (the segmented reduction again) and one division by those scales.
 
 So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``:
 every side of both kinds, zero-token experts, non-finite values). :meth:`ExpertCast.expert` hands each
@@ -132,19 +132,42 @@ class ExpertCast:
         return self.scales.reshape(-1)
 
 
-def expert_of_rows(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``(T,)`` int64: the expert of each row of tokens grouped by expert with ``counts`` rows each."""
-    return torch.repeat_interleave(torch.arange(len(counts), device=device),
-                                   torch.tensor(counts, device=device))
+@dataclass(frozen=True, slots=True)
+class Groups:
+    """Token rows grouped by expert, on the host and on the rows' device (made once per forward from the
+    offsets the layer is given, so that nothing waits for the device again)."""
+
+    counts: tuple[int, ...]
+    """Each expert's rows (host)."""
+    lengths: torch.Tensor
+    """``(E,)`` int64: the same on the device."""
+    offsets: torch.Tensor
+    """``(E,)`` int32: cumulative, as the grouped GEMMs take them."""
+    expert: torch.Tensor
+    """``(T,)`` int64: each row's expert."""
+
+    @staticmethod
+    def of(counts: tuple[int, ...], offsets: torch.Tensor) -> Groups:
+        ends = offsets.to(torch.int64)
+        lengths = torch.diff(ends, prepend=ends.new_zeros(1))
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=offsets.device), lengths,
+                                         output_size=sum(counts))
+        return Groups(counts, lengths, offsets.to(torch.int32), expert)
 
 
-def _amax_by(values: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
-    """The maximum of ``values`` (``(T,)`` or ``(T, K)``, non-negative) over the rows of each index
-    ``0 .. n-1`` (0 where none), NaN where one of them is NaN (whatever the device's maximum does)."""
-    shape = (n, *values.shape[1:])
-    idx = index if values.dim() == 1 else index[:, None].expand_as(values)
-    amax = values.new_zeros(shape).scatter_reduce(0, idx, values, "amax")
-    nan = values.new_zeros(shape).scatter_reduce(0, idx, values.isnan().float(), "amax")
+def groups(counts: tuple[int, ...], device: torch.device | str = "cpu") -> Groups:
+    """:class:`Groups` of ``counts`` on ``device`` (for callers without the offsets on the device)."""
+    return Groups.of(tuple(counts), torch.tensor(counts, device=device, dtype=torch.int64).cumsum(0))
+
+
+def _amax_by(values: torch.Tensor, g: Groups) -> torch.Tensor:
+    """The maximum of ``values`` (``(T,)`` or ``(T, K)``, non-negative, rows grouped as ``g``) over each
+    expert's rows: ``(E,)`` or ``(E, K)``, 0 for an expert without rows, NaN where one of its values is
+    NaN (whatever the device's maximum does with NaN). A segmented reduction: a maximum is exact in any
+    order, and no two experts write one place."""
+    lengths = g.lengths
+    amax = torch.segment_reduce(values, "max", lengths=lengths, axis=0, initial=0.0, unsafe=True)
+    nan = torch.segment_reduce(values.isnan().float(), "max", lengths=lengths, axis=0, initial=0.0, unsafe=True)
     return torch.where(nan > 0, torch.nan, amax)
 
 
@@ -167,12 +190,12 @@ def _rows(x2: torch.Tensor, fmt: F.Format) -> ExpertCast:
     return ExpertCast(q.data, q.scale.reshape(-1), fmt, x2.dtype, "row")
 
 
-def _columns(x2: torch.Tensor, expert: torch.Tensor, n_experts: int, fmt: F.Format) -> ExpertCast:
+def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     """The token rows' transposed side per expert: each (expert, feature) scaled by its amax over the
     expert's tokens; codes kept in the rows' layout."""
-    amax = _amax_by(x2.detach().abs().float(), expert, n_experts)  # (E, K)
+    amax = _amax_by(x2.detach().abs().float(), g)  # (E, K)
     scales = amax_scale(amax, fmt)
-    data = quantize(x2, fmt, blockwise(1, 1), scale=scales[expert]).data  # each element by its scale
+    data = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
     return ExpertCast(data, scales, fmt, x2.dtype, "column")
 
 
@@ -180,16 +203,16 @@ def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | No
     return (op.cast_k.fmt if need_k else None), (op.cast_t.fmt if need_t else None)
 
 
-def cast_rows(x2: torch.Tensor, expert: torch.Tensor, n_experts: int, op: OperandPlan, need_k: bool,
+def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
               need_t: bool) -> tuple[ExpertCast | None, ExpertCast | None]:
-    """Token rows ``x2`` (T, K) grouped by expert (``expert``: each row's) cast along K and for the
-    transposed side (the weight gradient's, along the tokens), as ``op`` says; see [Note: batched
-    per-expert casts]."""
+    """Token rows ``x2`` (T, K) grouped by expert as ``g`` says, cast along K and for the transposed side
+    (the weight gradient's, along the tokens), as ``op`` says; see [Note: batched per-expert casts]."""
     fk, ft = _formats(op, need_k, need_t)
     if op.cast_k.granularity.kind is ROW:
         return (_rows(x2, fk) if fk is not None else None,
-                _columns(x2, expert, n_experts, ft) if ft is not None else None)
-    amax = _amax_by(x2.detach().abs().amax(dim=1).float(), expert, n_experts)  # (E,)
+                _columns(x2, g, ft) if ft is not None else None)
+    expert = g.expert
+    amax = _amax_by(x2.detach().abs().amax(dim=1).float(), g)  # (E,)
     k = _per_tensor(x2, amax, lambda v: v[expert], fk, False) if fk is not None else None
     if ft is None:
         return k, None
@@ -233,4 +256,4 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
     return out_casts[0], out_casts[1]
 
 
-__all__ = ["ExpertCast", "batched_kind", "batches", "cast_rows", "cast_weights", "expert_of_rows"]
+__all__ = ["ExpertCast", "Groups", "batched_kind", "batches", "cast_rows", "cast_weights", "groups"]

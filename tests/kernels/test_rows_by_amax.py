@@ -26,7 +26,7 @@ def _rows(dtype, poison: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.cat([randn(n, 96, seed=30 + e) * 2.0 ** (5 * e - 9) for e, n in enumerate(COUNTS)]).to(dtype)
     if poison is not None:
         x[8, 5] = poison  # expert 2
-    expert = GC.expert_of_rows(COUNTS, x.device)
+    expert = GC.groups(COUNTS).expert
     amax = torch.stack([x[expert == e].float().abs().amax() if n else torch.tensor(0.0)
                         for e, n in enumerate(COUNTS)])
     return x, amax[expert]
@@ -50,7 +50,7 @@ def test_the_layer_casts_take_the_kernel_where_the_route_says(monkeypatch):
     real = triton_quant.rows_by_amax
     monkeypatch.setattr(triton_quant, "rows_by_amax", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)
-    k, _ = GC.cast_rows(x, GC.expert_of_rows(COUNTS, x.device), len(COUNTS), op, True, False)
+    k, _ = GC.cast_rows(x, GC.groups(COUNTS), op, True, False)
     assert calls == [1]
     start = 0
     for e, n in enumerate(COUNTS):

@@ -58,7 +58,7 @@ def test_rows_cast_as_each_expert_alone(recipe, fmts, poison, dtype):
     op = _plan(recipe).input
     op = dataclasses.replace(op, cast_k=R.Cast(format=fmts[0], granularity=GRANULARITY[recipe]),
                              cast_t=R.Cast(format=fmts[1], granularity=GRANULARITY[recipe]))
-    k, t = GC.cast_rows(x, GC.expert_of_rows(COUNTS, x.device), len(COUNTS), op, True, True)
+    k, t = GC.cast_rows(x, GC.groups(COUNTS), op, True, True)
     start = 0
     for e, n in enumerate(COUNTS):
         rows = slice(start, start + n)
