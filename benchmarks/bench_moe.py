@@ -16,8 +16,8 @@ Variants (all on the same routed rows, grouped by expert, with random unbalanced
   operands: fp8-current's forward alone, fp8-rowwise's three GEMMs).
 
 Checks first: each variant's output, input gradient and ``w2`` weight gradient against its recipe's loop
-(relative error), and the loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the SwiGLU experts
-(w1, w3, w2), and each variant's speed relative to ``bf16 grouped_mm``.
+(relative error), and the loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the
+SwiGLU experts (w1, w3, w2), and each variant's speed relative to ``bf16 grouped_mm``.
 """
 from __future__ import annotations
 
@@ -96,7 +96,8 @@ def main() -> None:
                                              for a, b in zip(outs[f"{r} {mode}"], ref))])
         checks.append([f"{r} loop vs bf16 (SQNR dB)", *(f"{C.sqnr(b, a):.1f}"
                                                          for a, b in zip(ref, outs["bf16 grouped_mm"]))])
-    C.print_table("checks: relative error against the recipe's loop", ["variant", "output", "input grad", "w2 grad"], checks)
+    C.print_table("checks: relative error against the recipe's loop", ["variant", "output", "input grad", "w2 grad"],
+                  checks)
     print("grouped GEMM self-check:", grouped_gemm.grouped_status())
     base_ms = times["bf16 grouped_mm"]
     table = [[n, f"{times[n]:.2f}", f"{base_ms / times[n]:.2f}x"] for n in variants]
