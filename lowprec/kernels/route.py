@@ -34,7 +34,7 @@ what it decides and called where the work runs, from what that place knows:
                                    (``nn.saved``), by device, dtype and granularity
 :func:`fused_adamw_step`           whether AdamWLP's step takes the fused Triton kernel (``optim.adamw_lp``)
 :func:`grouped_rows_backend`       the batched per-expert casts of a ``GroupedLinear`` (``nn.grouped_casts``):
-                                   the row-wise kernel given each row's expert amax, or the reference
+                                   Triton kernels given each expert's amaxes, or the reference
 =================================  ==========================================================================
 
 A converted layer asks :func:`route` when its plan is made; the others are asked at each call, from
@@ -239,10 +239,10 @@ def saved_dequantize_backend(device: torch.device | str, dtype: torch.dtype, gra
 
 
 def grouped_rows_backend(spec: CastSpec, device: torch.device | str) -> Backend:
-    """Whether the batched per-expert casts of ``lowprec.nn.grouped_casts`` run the row-wise cast's
-    Triton kernel with each row given its expert's amax (``triton_quant.rows_by_amax``), or the
-    reference's ops with each row given its expert's scale: ``spec`` is the row-wise twin of the
-    experts' per-tensor cast, and Triton runs it where it covers that cast."""
+    """Whether the batched per-expert casts of ``lowprec.nn.grouped_casts`` run on Triton (the row-wise
+    cast's kernel with each row given its expert's amax, ``triton_quant.rows_by_amax``; the tokens'
+    per-(expert, feature) cast, ``triton_grouped.columns_by_group``) or on the reference's ops given the
+    scales: ``spec`` is the row-wise cast of the experts' format, and Triton runs where it covers it."""
     return backend_for(spec, device)
 
 

@@ -20,7 +20,8 @@ experts:
 - **per row**: the rows of the input and of the output gradient are independent of the experts, so one
   row-wise cast of all of them (``kernels.quantize``) is every expert's; the weights' rows likewise, and
   ``weight[e].T``'s from one transposed copy of the weights; the tokens' transposed sides take the amax of
-  each (expert, feature) pair (the segmented reduction again) and one division by those scales.
+  each (expert, feature) pair (the segmented reduction again) and one pass dividing by those scales (on a
+  GPU ``kernels.triton_grouped.columns_by_group``, elsewhere ``quantize`` given a scale per element).
 
 So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``:
 every side of both kinds, zero-token experts, non-finite values). :meth:`ExpertCast.expert` hands each
@@ -195,7 +196,13 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     expert's tokens; codes kept in the rows' layout."""
     amax = _amax_by(x2.detach().abs().float(), g)  # (E, K)
     scales = amax_scale(amax, fmt)
-    data = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
+    spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
+    if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
+        from lowprec.kernels import triton_grouped  # Triton: imported where it runs
+
+        data = triton_grouped.columns_by_group(x2.detach(), g.expert, amax, fmt)
+    else:
+        data = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
     return ExpertCast(data, scales, fmt, x2.dtype, "column")
 
 

@@ -1,7 +1,7 @@
-"""``triton_quant.rows_by_amax`` (the batched per-expert casts' kernel, see [Note: batched per-expert casts]
-in ``lowprec.nn.grouped_casts``) through Triton's interpreter: each row cast with the scale of the amax
-it is given equals the reference given that scale, bit for bit, and the layer's casts take it where the
-route says Triton."""
+"""The batched per-expert casts' kernels (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``)
+through Triton's interpreter: ``triton_quant.rows_by_amax`` (each row cast with the scale of the amax it is
+given) and ``triton_grouped.columns_by_group`` (each element with its expert's feature scale) equal the
+reference given those scales, bit for bit, and the layer's casts take them where the route says Triton."""
 from __future__ import annotations
 
 import math
@@ -62,3 +62,40 @@ def test_the_layer_casts_take_the_kernel_where_the_route_says(monkeypatch):
 
 def _plan():
     return GroupedLinear(len(COUNTS), 96, 128, recipe="fp8-current").plan()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("poison", [None, math.inf, math.nan])
+def test_each_element_cast_by_its_experts_feature_amax(fmt, dtype, poison):
+    """``triton_grouped.columns_by_group``: the tokens' transposed side of a row-wise recipe, each
+    (expert, feature) with its own scale, equals the reference given those scales per element."""
+    from lowprec.kernels import triton_grouped
+    from lowprec.quant import blockwise
+
+    x, _ = _rows(dtype, poison)
+    g = GC.groups(COUNTS)
+    amax = GC._amax_by(x.abs().float(), g)  # (E, K)
+    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt))
+    scales = amax_scale(amax, F.get(fmt))
+    want = quantize(x, fmt, blockwise(1, 1), scale=scales[g.expert]).data
+    assert torch.equal(bits(got), bits(want))
+
+
+def test_the_row_wise_layer_casts_take_the_columns_kernel_where_the_route_says(monkeypatch):
+    from lowprec.kernels import triton_grouped
+
+    x, _ = _rows(torch.bfloat16, None)
+    op = GroupedLinear(len(COUNTS), 96, 128, recipe="fp8-rowwise").plan().input
+    calls = []
+    real = triton_grouped.columns_by_group
+    monkeypatch.setattr(triton_grouped, "columns_by_group", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)
+    _, t = GC.cast_rows(x, GC.groups(COUNTS), op, False, True)
+    assert calls == [1]
+    start = 0
+    for e, n in enumerate(COUNTS):
+        if n:
+            alone = quantize(x[start:start + n].t(), op.cast_t.fmt, rowwise())
+            assert torch.equal(bits(t.expert(e, slice(start, start + n)).data), bits(alone.data))
+        start += n
