@@ -26,13 +26,14 @@ BM, BK = 64, 64
 @triton.jit
 def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, out_ptr,
                    BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr,
-                   SPECIAL: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, HW: tl.constexpr):
+                   SPECIAL: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr,
+                   HW: tl.constexpr):
     x, pid_m, pid_k, offs_m, offs_k = _tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
     v = _to_f32(x)
     in_view = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     grp = tl.load(group_ptr + offs_m, mask=offs_m < M, other=0)
     a = tl.load(amax_ptr + grp[:, None] * K + offs_k[None, :], mask=in_view, other=0)  # amax bits
-    s = scale_from_amax(a, 1.0, RULE_AMAX, FMAX, EMAX)
+    s = scale_from_amax(a, 1.0, RULE, FMAX, EMAX)
     d, r, dead, ok = _divisor(s)
     scaled = _divide(v, d, r, ok, 1)
     nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
@@ -56,7 +57,8 @@ def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, 
     bits = amax.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF  # as the amax kernel's
     grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
     meta = dict(BM=BM, BK=BK, EVEN=int(m % BM == 0 and k % BK == 0), EXP=fmt.exp_bits, MAN=fmt.man_bits,
-                SPECIAL=_SPECIALS[fmt.special], FMAX=fmt.max, EMAX=fmt.emax, HW=int(x2.is_cuda), num_warps=4)
+                SPECIAL=_SPECIALS[fmt.special], FMAX=fmt.max, EMAX=fmt.emax, RULE=RULE_AMAX,
+                HW=int(x2.is_cuda), num_warps=4)
     args = (x2, x2.stride(0), x2.stride(1), m, k, group.contiguous(), bits, out)
     if x2.is_cuda:
         launch.run(columns_kernel, grid, args, meta, ("columns", fmt.name))
