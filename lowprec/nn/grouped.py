@@ -10,13 +10,21 @@ backward: every operand is cast along its own K with scales of its own (per tens
 NVFP4 are all per expert), and each expert's weight gradient runs over its own tokens only. An expert
 that received no token casts nothing (the casts take no empty tensor) and its gradient is zero.
 
-Today every expert is its own GEMM: the function below loops over the experts and calls the same plan,
-casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``, ``gemm``), so each runs on the
-layer plan's path (emulated on the CPU, cuBLAS per expert for FP8 on a GPU that has it). Later, where
-PyTorch supports the recipe's scaling on the device, the E GEMMs of each of fprop, dgrad and wgrad become
-one ``torch._scaled_grouped_mm`` on the concatenated casts with the same ``offsets`` (wgrad grouped along
-the tokens, its K); the casts stay per expert, so the values do not change, only the launch count.
-Not wired yet. The host reads ``offsets`` once per forward (the loop needs the counts).
+How the experts run (the values above hold on every path):
+
+* recipes whose casts are all per tensor or all per row (``fp8-current``, ``fp8-rowwise``): every
+  operand's casts are made for all experts at once (see [Note: batched per-expert casts] in
+  ``lowprec.nn.grouped_casts``; the same bits as expert by expert), and each GEMM whose operands are
+  E4M3 runs as one ``torch._scaled_grouped_mm`` on a GPU that checks it on first use (see [Note: one
+  grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``); the other GEMMs, and all of them on
+  the CPU, per expert on views of the batched codes (:class:`BatchedFunction`). A sampled telemetry step
+  takes the loop below, which reports every expert's operands;
+* every other recipe: the loop over the experts in :class:`GroupedFunction`, which calls the same plan,
+  casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``, ``gemm``) on each expert's rows;
+* no recipe, or BF16 GEMMs: one ``linear`` per expert, or on a GPU one ``torch._grouped_mm``
+  (:func:`_grouped_bf16`).
+
+The host reads ``offsets`` once per forward (the loops and the grouped GEMMs' padding need the counts).
 
 Under expert parallelism (``lowprec.distributed.expert_parallel``) ``weight`` (and ``bias``) are DTensors
 split by experts (``Shard(0)``) over the expert-parallel group: this process computes with its local
