@@ -98,7 +98,11 @@ def _moe_ffn(walked: WalkedModel, model: Transformer, i: int, masters: Masters, 
         walked.linears += experts(names, f"{source}.experts.{ours}", getattr(ffn.experts, ours), masters, device)
     if ffn.shared is not None:
         _dense_ffn(walked, f"{prefix}.shared_experts", f"{source}.shared", ffn.shared, masters, device)
-    walked.tensors[f"{prefix}.moe_statics.e_score_correction_bias"] = torch.zeros(1, n)
+    # the routing bias of auxiliary-loss-free balancing (zeros without): ERNIE 4.5 adds it to the
+    # probabilities to choose the experts and weighs them without it, as lowprec's layer does
+    bias = getattr(ffn, "expert_bias", None)
+    walked.tensors[f"{prefix}.moe_statics.e_score_correction_bias"] = (
+        bias.detach().float().cpu().reshape(1, n).clone() if bias is not None else torch.zeros(1, n))
 
 
 def walk_reference(model: Transformer, masters: Masters, device: torch.device | None) -> WalkedModel:

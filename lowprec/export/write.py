@@ -38,6 +38,10 @@ HP_DTYPE = torch.bfloat16
 """What everything the format does not quantize is written in."""
 
 
+FP32_TENSORS = ("e_score_correction_bias",)
+"""Tensors written in FP32, as their architecture holds them: ERNIE 4.5's routing bias is added to FP32
+probabilities to choose the experts, and BF16 would round it (a bias of 0.1 by 2^-11) into another choice."""
+
 def _walk(model: nn.Module, masters: Masters, device: torch.device | None) -> WalkedModel:
     if isinstance(model, Transformer):
         return walk_reference(model, masters, device)
@@ -168,7 +172,7 @@ def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: st
     rows = [_linear(lin, layout, tensors) for lin in walked.linears]
     for name, t in walked.tensors.items():
         _check_finite(name, t)
-        tensors[name] = t.to(HP_DTYPE).contiguous()
+        tensors[name] = t.to(torch.float32 if name.endswith(FP32_TENSORS) else HP_DTYPE).contiguous()
     fused = {lin.weight.name for lin in walked.linears if lin.weight.fused is not None}
     kept = list(dict.fromkeys([_kept_module(r, r.name in fused) for r in rows if r.how == KEPT]
                               + walked.kept_modules))

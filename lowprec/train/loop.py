@@ -63,7 +63,7 @@ from lowprec.train.data import TokenData
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.logs import RunLog
 from lowprec.train.memory import PeakMemory
-from lowprec.train.moe_model import parallelize_experts
+from lowprec.train.moe_model import balance_experts, parallelize_experts
 from lowprec.train.recompute import recompute_blocks
 from lowprec.train.result import RunResult
 from lowprec.train.run_state import RunState, restore, save
@@ -153,6 +153,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     # the global batch's loss: logged, and checked and watched for spikes alike on every rank
     loss_mean = mean_over_ranks(loss_sum / cfg.grad_accum, run.ranks)
     result = run.opt.step(loss=loss_mean)  # the loss check shares the step's one host sync
+    balance_experts(unwrap(run.model), taken=not result.skipped)  # routing biases, where a MoE layer balances
     if run.ranks.distributed:
         precompute_fp8_scales(run.model)  # FP8-all-gathered weights' next scales: one all-reduce, if any
     loss_value = result.loss

@@ -100,9 +100,10 @@ PRESETS: dict[str, ModelConfig] = {
     "moe-tiny": ModelConfig(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=1024,
                             moe=MoEConfig(n_experts=8, top_k=2, n_shared=1)),
     # ~0.95B with a 32k-token vocabulary, ~0.24B active per token: 32 experts of width 512, 4 per token, 1
-    # shared, in each of 16 blocks of width 1024 (DeepSeek-style fine-grained experts, for one GPU)
+    # shared, in each of 16 blocks of width 1024 (DeepSeek-style fine-grained experts balanced without a
+    # loss, for one GPU)
     "moe-1b": ModelConfig(dim=1024, n_layers=16, n_heads=16, n_kv_heads=8, ffn_dim=512,
-                          moe=MoEConfig(n_experts=32, top_k=4, n_shared=1)),
+                          moe=MoEConfig(n_experts=32, top_k=4, n_shared=1, balance_rate=0.001)),
 }
 
 
@@ -202,7 +203,8 @@ class Transformer(nn.Module):
 
 
 def init_weights(model: Transformer, seed: int) -> Transformer:
-    """Normal(0, 0.02) weights, residual projections scaled by 1/sqrt(2 n_layers) (GPT-2), norms 1.
+    """Normal(0, 0.02) weights, residual projections scaled by 1/sqrt(2 n_layers) (GPT-2), norms 1, MoE
+    routing biases 0.
 
     Draws from its own generator, so the initialisation depends on ``seed`` alone and not on
     whatever used the global random state before.
@@ -217,6 +219,9 @@ def init_weights(model: Transformer, seed: int) -> Transformer:
             std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
             # drawn on the CPU in fp32 so every device and dtype starts from the same numbers
             p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for m in model.modules():
+            if isinstance(m, MoEFeedForward):
+                m.reset_balance()  # the routing biases and their counts start at zero
     return model
 
 

@@ -18,22 +18,39 @@ Under expert parallelism (:func:`parallelize_experts`; see [Note: expert paralle
 ``lowprec.distributed.expert_parallel``) each rank holds a slice of the experts: the grouped rows go to
 their experts' ranks by all-to-all and come back before the combine, which is unchanged.
 
-No auxiliary balancing loss is computed (the training loop's loss is the language model's alone), and
-there is no auxiliary-loss-free bias: with few steps the experts stay near the balance of their random
-initialisation. An expert that receives no token is handled by ``GroupedLinear`` (its gradient is zero).
+No auxiliary balancing loss is computed (the training loop's loss is the language model's alone). With
+``MoEConfig.balance_rate`` > 0 the layer balances its experts as DeepSeek-V3 does, without a loss (see
+[Note: auxiliary-loss-free balancing]); at 0 (``moe-tiny``) the experts stay near the balance of their
+random initialisation. An expert that receives no token is handled by ``GroupedLinear`` (its gradient is
+zero).
+
+[Note: auxiliary-loss-free balancing]
+Each layer keeps a bias per expert (the buffer ``expert_bias``, float32, zero at first) that is added to the
+routing probabilities to choose each token's ``top_k`` experts, and only for that: the chosen experts'
+weights are their probabilities without it, renormalised. Training forwards (not evaluation, not a
+recomputed forward) count the tokens each expert received (``expert_load``); after each optimizer step
+that was taken, :func:`balance_experts` moves every bias by ``balance_rate`` toward balance (up for an
+expert that received fewer tokens than the mean over the experts, down for more, unchanged at the mean)
+and clears the counts; a skipped step clears them without moving the biases (its weights did not move
+either). Under data or expert parallelism the counts are summed over the ranks first, in one all-reduce
+for every layer, so every rank moves its biases alike. The bias is part of the model's state (saved,
+resumed, exported as ERNIE 4.5's ``e_score_correction_bias``, which routes the same way).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.expert_parallel import ExpertParallel, shard_grouped
 from lowprec.nn import GroupedLinear, SwiGLU
+from lowprec.nn.recomputation import recomputing
 
-__all__ = ["MoEConfig", "MoEFeedForward", "RoutedExperts", "parallelize_experts"]
+__all__ = ["MoEConfig", "MoEFeedForward", "RoutedExperts", "balance_experts", "parallelize_experts"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +63,9 @@ class MoEConfig:
     """Routed experts each token passes through."""
     n_shared: int = 1
     """Shared experts every token passes through (one SwiGLU ``n_shared * ffn_dim`` wide); 0 for none."""
+    balance_rate: float = 0.0
+    """Auxiliary-loss-free balancing: how far each expert's routing bias moves per optimizer step (DeepSeek-V3
+    uses 0.001); 0 for no bias. See [Note: auxiliary-loss-free balancing]."""
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "n_shared"):
@@ -54,6 +74,9 @@ class MoEConfig:
                 fail(f"moe.{name}", "a positive int" if name != "n_shared" else "a non-negative int", describe(v))
         if self.top_k > self.n_experts:
             fail("moe.top_k", f"at most n_experts={self.n_experts}", self.top_k)
+        r = self.balance_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r < 0:
+            fail("moe.balance_rate", "a finite number >= 0", describe(r))
 
 
 class RoutedExperts(nn.Module):
@@ -77,16 +100,31 @@ class MoEFeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int, moe: MoEConfig, shared: nn.Module | None) -> None:
         super().__init__()
         self.top_k = moe.top_k
+        self.balance_rate = float(moe.balance_rate)
         self.router = nn.Linear(dim, moe.n_experts, bias=False)
+        if self.balance_rate > 0:  # see [Note: auxiliary-loss-free balancing]
+            self.register_buffer("expert_bias", torch.zeros(moe.n_experts))
+            self.register_buffer("expert_load", torch.zeros(moe.n_experts), persistent=False)
         self.experts = RoutedExperts(moe.n_experts, dim, hidden)
         self.shared = shared
         self.ep: ExpertParallel | None = None
         """Set by :func:`parallelize_experts`: the group this layer's experts are split over."""
 
+    def reset_balance(self) -> None:
+        """Zero routing biases and token counts (see [Note: auxiliary-loss-free balancing]); nothing without."""
+        if self.balance_rate > 0:
+            with torch.no_grad():
+                self.expert_bias.zero_()
+                self.expert_load.zero_()
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's ``top_k`` experts and their weights (renormalised probabilities), each (N, k)."""
         probs = self.router(x).float().softmax(dim=-1)  # (N, E)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
+        if self.balance_rate > 0:  # the bias chooses, the probabilities weigh
+            experts = (probs + self.expert_bias).topk(self.top_k, dim=-1).indices  # (N, k)
+            weights = probs.gather(1, experts)
+        else:
+            weights, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
         return weights / weights.sum(dim=-1, keepdim=True), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +134,8 @@ class MoEFeedForward(nn.Module):
         pairs = experts.flatten()  # (N*k,) the expert of each (token, slot)
         order = pairs.argsort(stable=True)  # (N*k,) pairs grouped by expert
         counts = torch.bincount(pairs, minlength=self.experts.w1.num_experts)  # (E,)
+        if self.balance_rate > 0 and self.training and torch.is_grad_enabled() and not recomputing():
+            self.expert_load += counts
         rows = flat[order // self.top_k]  # (N*k, D) in expert order
         y = self.experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self.experts, rows, counts)
         y = y[order.argsort()].view(B * T, self.top_k, D)  # (N, k, D) back in token order
@@ -116,4 +156,24 @@ def parallelize_experts(model: nn.Module, ep: ExpertParallel) -> int:
         for lin in (m.experts.w1, m.experts.w3, m.experts.w2):
             shard_grouped(lin, ep.group)
         m.ep = ep
+    return len(layers)
+
+
+def balance_experts(model: nn.Module, taken: bool = True, group: dist.ProcessGroup | None = None) -> int:
+    """After an optimizer step: move the routing bias of every balancing :class:`MoEFeedForward` of
+    ``model`` toward balance by the tokens counted since the last call (``taken``: the step was taken; a
+    skipped one only clears the counts), the counts summed over ``group``'s ranks when torch.distributed is
+    initialized (one all-reduce for all layers); the number of layers. See [Note: auxiliary-loss-free
+    balancing]."""
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward) and m.balance_rate > 0]
+    if not layers:
+        return 0
+    if taken:
+        loads = torch.stack([m.expert_load for m in layers])  # (L, E)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(loads, group=group)  # a sum: every rank moves its biases alike
+        for m, load in zip(layers, loads):
+            m.expert_bias += m.balance_rate * torch.sign(load.mean() - load)
+    for m in layers:
+        m.expert_load.zero_()
     return len(layers)

@@ -83,4 +83,25 @@ def ep_nan(rank: int, world: int) -> dict:
             "unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
 
 
-__all__ = ["ep_exchange", "ep_nan", "ep_train"]
+@check
+def ep_balance(rank: int, world: int) -> dict:
+    """Loss-free balancing on two ranks that route different tokens: each rank's own counts, and the bias
+    every rank holds after one step."""
+    import dataclasses
+
+    from lowprec.train.model import PRESETS, build_model
+    from lowprec.train.moe_model import balance_experts
+
+    cfg = dataclasses.replace(PRESETS["moe-tiny"], moe=dataclasses.replace(PRESETS["moe-tiny"].moe,
+                                                                           balance_rate=0.01))
+    model = build_model(cfg, seed=0)
+    ff = model.layers[0].feed_forward
+    x = torch.randn(2, 16, cfg.dim, generator=torch.Generator().manual_seed(60 + rank))
+    model.train()
+    ff(x)
+    local = ff.expert_load.clone()
+    balance_experts(model)
+    return {"local": local, "bias": ff.expert_bias.clone()}
+
+
+__all__ = ["ep_balance", "ep_exchange", "ep_nan", "ep_train"]

@@ -163,3 +163,15 @@ def test_experts_are_shards_of_the_whole(dist_results):
 def test_a_nan_in_one_ranks_experts_skips_the_step_on_both(dist_results):
     for r in result(dist_results, "ep_nan"):
         assert r["skipped"] and r["unchanged"]
+
+
+def test_loss_free_balancing_moves_every_ranks_bias_by_the_summed_counts(dist_results):
+    """Each rank counts its own tokens; the biases move by the counts summed over the ranks, so both ranks
+    hold the same biases, which at least one rank's own counts would not have given."""
+    ranks = result(dist_results, "ep_balance")
+    total = ranks[0]["local"] + ranks[1]["local"]
+    want = 0.01 * torch.sign(total.mean() - total)
+    for r in ranks:
+        assert torch.equal(r["bias"], want)
+    own = [0.01 * torch.sign(r["local"].mean() - r["local"]) for r in ranks]
+    assert any(not torch.equal(o, want) for o in own)

@@ -72,6 +72,29 @@ def test_moe_tiny_loads_as_ernie_with_lowprecs_logits(moe_fp8_blockwise, tokens,
     assert (theirs - ours).abs().max() <= FP32_RTOL * ours.abs().max()
 
 
+def test_the_routing_bias_of_loss_free_balancing_is_exported_and_routes_alike(moe_fp8_blockwise, tokens, tmp_path):
+    """A model balanced without a loss (``MoEConfig.balance_rate``) routes by its experts' biases: written
+    as ERNIE 4.5's ``e_score_correction_bias``, they choose the same experts there (biases large enough to
+    change the choice: zero ones would give other logits)."""
+    model = copy_of(moe_fp8_blockwise.model)
+    g = torch.Generator().manual_seed(5)
+    for block in model.layers:
+        ff = block.feed_forward
+        ff.balance_rate = 0.01
+        ff.register_buffer("expert_bias", torch.rand(8, generator=g) * 0.2)
+        ff.register_buffer("expert_load", torch.zeros(8), persistent=False)
+    export(model, tmp_path / "hf", "hf")
+    hf32 = _load(tmp_path / "hf", torch.float32)
+    torch.testing.assert_close(hf32.model.layers[1].mlp.gate.moe_statics.e_score_correction_bias[0],
+                               model.layers[1].feed_forward.expert_bias, rtol=0, atol=0)
+    with torch.no_grad():
+        theirs = hf32(input_ids=tokens).logits
+    ours = bf16_weights_fp32_logits(model, tokens)
+    assert (theirs - ours).abs().max() <= FP32_RTOL * ours.abs().max()
+    unbiased = bf16_weights_fp32_logits(moe_fp8_blockwise.model, tokens)
+    assert (unbiased - ours).abs().max() > 10 * FP32_RTOL * ours.abs().max()
+
+
 def test_report_is_saved_and_kept_layers_are_named(moe_fp8_blockwise, tmp_path):
     report = export(moe_fp8_blockwise.model, tmp_path / "out", "hf")
     saved = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
