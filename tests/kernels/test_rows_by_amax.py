@@ -43,25 +43,6 @@ def test_each_row_cast_by_its_given_amax(fmt, dtype, poison):
     assert torch.equal(bits(got), bits(want))
 
 
-def test_the_layer_casts_take_the_kernel_where_the_route_says(monkeypatch):
-    x, _ = _rows(torch.bfloat16, None)
-    op = _plan().input
-    calls = []
-    real = triton_quant.rows_by_amax
-    monkeypatch.setattr(triton_quant, "rows_by_amax", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)
-    k, _ = GC.cast_rows(x, GC.groups(COUNTS), op, True, False)
-    assert calls == [1]
-    start = 0
-    for e, n in enumerate(COUNTS):
-        if n:
-            alone = quantize(x[start:start + n], op.cast_k.fmt, tensorwise())
-            assert torch.equal(bits(k.expert(e, slice(start, start + n)).data), bits(alone.data))
-        start += n
-
-
-def _plan():
-    return GroupedLinear(len(COUNTS), 96, 128, recipe="fp8-current").plan()
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -82,20 +63,28 @@ def test_each_element_cast_by_its_experts_feature_amax(fmt, dtype, poison):
     assert torch.equal(bits(got), bits(want))
 
 
-def test_the_row_wise_layer_casts_take_the_columns_kernel_where_the_route_says(monkeypatch):
+@pytest.mark.parametrize(("recipe", "kernel"), [("fp8-current", "rows_by_amax"), ("fp8-rowwise", "columns_by_group")])
+def test_the_layer_casts_take_the_kernel_where_the_route_says(monkeypatch, recipe, kernel):
+    """fp8-current's rows (along K) and fp8-rowwise's tokens (transposed) through their kernel, equal to each
+    expert's own cast."""
     from lowprec.kernels import triton_grouped
 
     x, _ = _rows(torch.bfloat16, None)
-    op = GroupedLinear(len(COUNTS), 96, 128, recipe="fp8-rowwise").plan().input
+    op = GroupedLinear(len(COUNTS), 96, 128, recipe=recipe).plan().input
+    module = triton_quant if kernel == "rows_by_amax" else triton_grouped
     calls = []
-    real = triton_grouped.columns_by_group
-    monkeypatch.setattr(triton_grouped, "columns_by_group", lambda *a: calls.append(1) or real(*a))
+    real = getattr(module, kernel)
+    monkeypatch.setattr(module, kernel, lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)
-    _, t = GC.cast_rows(x, GC.groups(COUNTS), op, False, True)
+    along_k = recipe == "fp8-current"
+    k, t = GC.cast_rows(x, GC.groups(COUNTS), op, along_k, not along_k)
     assert calls == [1]
     start = 0
     for e, n in enumerate(COUNTS):
         if n:
-            alone = quantize(x[start:start + n].t(), op.cast_t.fmt, rowwise())
-            assert torch.equal(bits(t.expert(e, slice(start, start + n)).data), bits(alone.data))
+            rows = slice(start, start + n)
+            got = (k if along_k else t).expert(e, rows)
+            alone = quantize(x[rows] if along_k else x[rows].t(), op.cast_k.fmt,
+                             tensorwise() if along_k else rowwise())
+            assert torch.equal(bits(got.data), bits(alone.data))
         start += n
