@@ -7,7 +7,8 @@ against), with the same policy and weights: the policy a quality question conver
 (:func:`lowprec.policy.quality_policy`: small layers too, on every device, unless the policy sets
 ``skip_small``), and both run in evaluation mode (every cast rounded to
 nearest). For each batch, the converted model runs; every converted layer's input and output are
-caught by a forward hook, and the BF16 model's layer of the same name is run on that same input. So
+caught by a forward hook, and the BF16 model's layer of the same name is run on that same input (a
+``GroupedLinear`` of MoE experts with the same offsets: one figure for all its experts' outputs). So
 a layer's figure is the error of its own casts, not the error the layers before it passed on:
 
     SQNR (dB) = 10 log10( sum ref^2 / sum (ref - out)^2 )   over every batch, in float64
@@ -33,7 +34,7 @@ from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec._table import format_table
 from lowprec.convert import Coverage, convert
-from lowprec.nn import Linear
+from lowprec.nn import GroupedLinear, Linear
 from lowprec.policy import Policy, quality_policy
 
 DEFAULT_FLOOR_DB = 10.0
@@ -108,10 +109,16 @@ class _Energy:
         return 10.0 * math.log10(self.signal / self.noise)
 
 
-def _scaled_layers(model: nn.Module) -> dict[str, Linear]:
-    """The layers that run the recipe's scaled casts (not those the policy or their shape keep)."""
+def _scaled_layers(model: nn.Module) -> dict[str, Linear | GroupedLinear]:
+    """The layers that run the recipe's scaled casts (not those the policy or their shape keep): linears,
+    and MoE experts (a ``GroupedLinear``, measured whole: all its experts' outputs together)."""
     return {n: m for n, m in model.named_modules()
-            if isinstance(m, Linear) and m.plan() is not None and m.plan().scaled}
+            if isinstance(m, (Linear, GroupedLinear)) and m.plan() is not None and m.plan().scaled}
+
+
+def _shape(m: Linear | GroupedLinear) -> str:
+    shape = f"{m.in_features}x{m.out_features}"
+    return f"{m.num_experts} experts x {shape}" if isinstance(m, GroupedLinear) else shape
 
 
 @torch.no_grad()
@@ -136,7 +143,7 @@ def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torc
 
     def hook(name):
         def fn(module, args, out):
-            energy[name].add(ref_layers[name](args[0]), out)
+            energy[name].add(ref_layers[name](*args), out)  # a GroupedLinear's offsets too
         return fn
 
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
@@ -153,8 +160,7 @@ def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torc
             h.remove()
     if n_batches == 0:
         fail("batches", "at least one (tokens, targets) batch", "none")
-    checks = [LayerCheck(n, f"{m.in_features}x{m.out_features}", energy[n].sqnr_db, energy[n].sqnr_db < floor_db)
-              for n, m in layers.items()]
+    checks = [LayerCheck(n, _shape(m), energy[n].sqnr_db, energy[n].sqnr_db < floor_db) for n, m in layers.items()]
     flagged = tuple(c.name for c in checks if c.flagged)
     return CheckReport(recipe=recipe.name, floor_db=float(floor_db), batches=n_batches, layers=checks,
                        logits_sqnr_db=logits_energy.sqnr_db, loss_bf16=losses[0] / n_batches,

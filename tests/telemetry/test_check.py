@@ -14,7 +14,7 @@ from torch import nn
 import lowprec
 from lowprec.cli import main
 from lowprec.nn import Linear
-from lowprec.policy import Policy
+from lowprec.policy import Policy, quality_policy
 from lowprec.policy_file import load_policy
 from lowprec.telemetry.check import check
 from tests.small_rule import native_small_rule  # noqa: F401 (a fixture)
@@ -131,3 +131,33 @@ def test_check_measures_the_small_layers_a_native_device_keeps_for_speed():
     assert report.policy == Policy()
     # a policy's own skip_small wins
     assert check(Toy(), "fp8-current", _batches(1), policy=Policy(skip_small=True)).layers == []
+
+
+def test_moe_experts_are_measured_whole_on_their_routed_rows():
+    """A ``GroupedLinear``'s figure: all its experts' outputs on the rows the converted model routed to
+    them, against the BF16 experts fed the same rows and offsets (a hand computation with hooks)."""
+    from lowprec.nn import GroupedLinear
+    from lowprec.train.model import PRESETS, build_model
+
+    model = build_model(PRESETS["moe-tiny"], seed=1)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(9))
+    report = check(model, "fp8-current", [(tokens, torch.zeros_like(tokens))])
+    rows = {lc.name: lc for lc in report.layers}
+    name = "layers.1.feed_forward.experts.w2"
+    assert rows[name].shape == "8 experts x 128x128"
+    # by hand: the converted experts' input and offsets, and the BF16 experts run on them
+    converted = build_model(PRESETS["moe-tiny"], seed=1).eval()
+    lowprec.convert(converted, "fp8-current", quality_policy(Policy()))
+    caught = []
+    layer = dict(converted.named_modules())[name]
+    handle = layer.register_forward_hook(lambda m, args, out: caught.append((args, out)))
+    with torch.no_grad():
+        converted(tokens)
+    handle.remove()
+    (x, offsets), out = caught[0]
+    ref = GroupedLinear(8, 128, 128, recipe="bf16")
+    with torch.no_grad():
+        ref.weight.copy_(layer.weight)
+        want = ref.eval()(x, offsets)
+    assert rows[name].sqnr_db == pytest.approx(_sqnr([want], [out]), abs=1e-9)
+    assert 20 < rows[name].sqnr_db < 40  # FP8's range
