@@ -104,8 +104,11 @@ def test_reference_shapes(bench):
     shapes = {name: (s.config.dim, s.config.n_layers, s.config.n_heads, s.config.n_kv_heads, s.seq_len, s.batch,
                      s.config.vocab_size) for name, s in bench.SIZES.items() if name != "tiny"}
     assert shapes == {"125m": (768, 12, 12, 4, 2048, 16, 32000), "1b": (2048, 16, 16, 8, 2048, 8, 32000),
-                      "3b": (3072, 26, 24, 8, 4096, 4, 32000)}
+                      "3b": (3072, 26, 24, 8, 4096, 4, 32000), "moe-1b": (1024, 16, 16, 8, 2048, 8, 32000)}
     assert bench.SIZES["3b"].config.num_params() == pytest.approx(2.8e9, rel=0.02)
+    moe = bench.SIZES["moe-1b"].config.moe
+    assert (moe.n_experts, moe.top_k, moe.n_shared, bench.SIZES["moe-1b"].config.ffn_dim) == (32, 4, 1, 512)
+    assert bench.SIZES["moe-1b"].config.num_params() == pytest.approx(0.95e9, rel=0.01)
 
 
 @pytest.mark.parametrize("argv", [["--variants", "lowprec:fp9"], ["--variants", "torchao:mxfp8"],
