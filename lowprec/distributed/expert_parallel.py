@@ -60,7 +60,7 @@ def pack_rows(x: torch.Tensor) -> torch.Tensor:
 def unpack_rows(packed: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     """:func:`pack_rows`'s rows back as ``(n, d)`` values of ``dtype``."""
     n = packed.shape[0]
-    return unpack(packed.reshape(-1, PACKED_ROW)).view(n, -1)[:, :d].to(dtype)
+    return unpack(packed.reshape(-1, PACKED_ROW)).view(n, padded_len(d))[:, :d].to(dtype)  # n may be 0
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], group, label: str) -> torch.Tensor:

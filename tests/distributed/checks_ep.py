@@ -18,22 +18,27 @@ from tests.distributed.checks import check
 def ep_exchange(rank: int, world: int) -> dict:
     """Rows to experts split over the ranks and back, the experts scaling each row by a number of their
     own: with and without FP8 on the wire, forward and backward, with the offsets each rank's experts saw."""
-    x, counts = EP.exchange_rows(rank)
     out = {}
-    for fp8 in (False, True):
-        ep = expert_parallel(world, fp8)
-        seen: list = []
-
-        def experts(rows, offsets, seen=seen):
-            seen.append(offsets.tolist())
-            return EP.scaled_by_expert(rows, offsets, rank * EP.E // world)
-
-        xg = x.clone().requires_grad_()
-        with count_traffic() as traffic:
-            y = ep.run(experts, xg, counts)
-            y.backward(torch.ones_like(y) * (rank + 2))
-        out[fp8] = {"y": y.detach(), "grad": xg.grad, "offsets": seen, "bytes": dict(traffic)}
+    for case in EP.EXCHANGES:
+        x, counts = EP.exchange_rows(rank, case)
+        for fp8 in (False, True):
+            out[case, fp8] = _exchange(x, counts, fp8, rank, world)
     return out
+
+
+def _exchange(x, counts, fp8: bool, rank: int, world: int) -> dict:
+    ep = expert_parallel(world, fp8)
+    seen: list = []
+
+    def experts(rows, offsets):
+        seen.append(offsets.tolist())
+        return EP.scaled_by_expert(rows, offsets, rank * EP.E // world)
+
+    xg = x.clone().requires_grad_()
+    with count_traffic() as traffic:
+        y = ep.run(experts, xg, counts)
+        y.backward(torch.ones_like(y) * (rank + 2))
+    return {"y": y.detach(), "grad": xg.grad, "offsets": seen, "bytes": dict(traffic)}
 
 
 def _ep_model(recipe: str | None, parallel: str, fp8: bool):

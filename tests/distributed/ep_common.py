@@ -55,10 +55,15 @@ def train(model, opt: Optimizer, rank: int = 0, world: int = 1) -> list[float]:
     return losses
 
 
-def exchange_rows(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s rows for the exchange check, grouped by expert, and its (E,) counts: rank 0 sends
-    no row to expert 1, neither rank to expert 3, and rows span 2^-10 .. 2^10 (so FP8 blocks differ)."""
-    counts = torch.tensor([[3, 0, 5, 0], [2, 4, 1, 0]][rank])
+EXCHANGES = {"spread": ([3, 0, 5, 0], [2, 4, 1, 0]), "one rank idle": ([3, 2, 0, 0], [1, 4, 0, 0])}
+"""Each rank's rows per expert: rank 0 sends no row to expert 1 and neither rank to expert 3; or no row to
+rank 1's experts at all (rank 1 runs its experts on nothing)."""
+
+
+def exchange_rows(rank: int, case: str = "spread") -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows for the exchange check, grouped by expert, and its (E,) counts (``EXCHANGES``);
+    rows span 2^-10 .. 2^10 (so FP8 blocks differ)."""
+    counts = torch.tensor(EXCHANGES[case][rank])
     g = torch.Generator().manual_seed(40 + rank)
     x = torch.randn(int(counts.sum()), D, generator=g) * 2.0 ** torch.randint(-10, 11, (int(counts.sum()), 1),
                                                                              generator=g)

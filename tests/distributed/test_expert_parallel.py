@@ -22,18 +22,20 @@ def _destination_scale(counts: torch.Tensor) -> torch.Tensor:
     return (EP.expert_of_rows(counts) + 1).unsqueeze(1)
 
 
+@pytest.mark.parametrize("case", list(EP.EXCHANGES))
 @pytest.mark.parametrize("fp8", [False, True])
-def test_rows_reach_their_experts_and_come_back(dist_results, fp8):
+def test_rows_reach_their_experts_and_come_back(dist_results, case, fp8):
     for rank, r in enumerate(result(dist_results, "ep_exchange")):
-        x, counts = EP.exchange_rows(rank)
-        got = r[fp8]
+        x, counts = EP.exchange_rows(rank, case)
+        got = r[case, fp8]
         sent = unpack_rows(pack_rows(x), EP.D, x.dtype) if fp8 else x
         assert torch.equal(got["y"], sent * _destination_scale(counts).to(x.dtype))
         # backward sends the gradient back in its own dtype, untouched: (rank + 2) times the multiplier
         assert torch.equal(got["grad"], ((rank + 2) * _destination_scale(counts)).to(x.dtype).expand_as(x))
-        # rank 0 holds experts 0, 1: rank 0 sent them 3 and 0 rows, rank 1 sent 2 and 4; rank 1 holds
-        # experts 2, 3: 5 + 1 rows and none (no rank routed a row to expert 3)
-        assert got["offsets"] == [[[5, 9]], [[6, 6]]][rank]
+        # spread: rank 0 holds experts 0, 1: rank 0 sent them 3 and 0 rows, rank 1 sent 2 and 4; rank 1
+        # holds experts 2, 3: 5 + 1 rows and none (no rank routed a row to expert 3). One rank idle: rank 0's
+        # experts take all 10 rows, rank 1's none
+        assert got["offsets"] == {"spread": [[[5, 9]], [[6, 6]]], "one rank idle": [[[4, 10]], [[0, 0]]]}[case][rank]
 
 
 def test_fp8_rows_are_within_e4m3_of_the_rows():
@@ -55,6 +57,7 @@ def test_fp8_dispatch_counts_its_bytes(dist_results):
         _, counts = EP.exchange_rows(rank)
         rows = int(counts.sum())
         blocks = math.ceil(EP.D / 128)
+        r = {fp8: r["spread", fp8] for fp8 in (False, True)}
         assert r[True]["bytes"]["all_to_all:ep_dispatch"] == rows * blocks * PACKED_ROW
         assert r[False]["bytes"]["all_to_all:ep_dispatch"] == rows * EP.D * 2  # BF16
         received = [9, 6][rank]  # the rows this rank's experts ran (see the test above)
