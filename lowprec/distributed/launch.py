@@ -18,6 +18,7 @@ process on the same global batch. The process group uses NCCL on CUDA and gloo o
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,8 +125,22 @@ def process_group(parallel: str | Parallel, device: str, command: str = "train")
             fail("--parallel", f"ddp or fsdp2 when torchrun starts {dist.get_world_size()} processes (each would "
                  "otherwise train alone and write the same files)", "none")
         yield device
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_together()
+
+
+def leave_together() -> None:
+    """Leave the process group after a run that ended well on every rank: free what still holds the
+    group (a DDP reducer sits in reference cycles), wait until no rank has work in flight, then destroy it.
+
+    Destroying it with a wrapper's last reference still alive left gloo's worker threads to interpreter
+    shutdown, where one rank in many aborted (``terminate called without an active exception``).
+    """
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
