@@ -110,9 +110,9 @@ class ExpertParallel:
         send, recv = sent.sum(1).tolist(), got.sum(1).tolist()
         # (R, D) ordered by source rank, then local expert
         rows = _AllToAll.apply(x, send, recv, self.group, self.fp8, "ep_dispatch")
-        expert_of = torch.arange(local, device=x.device).repeat(w).repeat_interleave(got.flatten().to(x.device))
+        expert_of = torch.arange(local, device=x.device).repeat(w).repeat_interleave(got.flatten())
         order = expert_of.argsort(stable=True)  # (R,) grouped by local expert, each in rank order
-        y = experts(rows[order], got.sum(0).cumsum(0).to(x.device))[order.argsort()]  # back by source rank
+        y = experts(rows[order], got.sum(0).cumsum(0))[order.argsort()]  # back by source rank
         return _AllToAll.apply(y, recv, send, self.group, False, "ep_combine")  # (T, D_out) in x's order
 
 

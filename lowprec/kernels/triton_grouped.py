@@ -17,8 +17,8 @@ import triton.language as tl
 from lowprec import formats as F
 from lowprec.kernels import triton_launch as launch
 from lowprec.kernels.triton_numerics import RULE_AMAX, scale_from_amax, to_codes
-from lowprec.kernels.triton_plan import _SPECIALS
-from lowprec.kernels.triton_tiles import _divide, _divisor, _hw_fp8, _tile, _to_f32
+from lowprec.kernels.triton_plan import SPECIALS
+from lowprec.kernels.triton_tiles import divide, divisor_of, hw_fp8, load_tile, to_f32
 
 BM, BK = 64, 64
 
@@ -28,17 +28,17 @@ def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, out_ptr,
                    BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr,
                    SPECIAL: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr,
                    HW: tl.constexpr):
-    x, pid_m, pid_k, offs_m, offs_k = _tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
-    v = _to_f32(x)
+    x, pid_m, pid_k, offs_m, offs_k = load_tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
+    v = to_f32(x)
     in_view = (offs_m[:, None] < M) & (offs_k[None, :] < K)
     grp = tl.load(group_ptr + offs_m, mask=offs_m < M, other=0)
     a = tl.load(amax_ptr + grp[:, None] * K + offs_k[None, :], mask=in_view, other=0)  # amax bits
     s = scale_from_amax(a, 1.0, RULE, FMAX, EMAX)
-    d, r, dead, ok = _divisor(s)
-    scaled = _divide(v, d, r, ok, 1)
+    d, r, dead, ok = divisor_of(s)
+    scaled = divide(v, d, r, ok, 1)
     nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
     if HW and (MAN + EXP == 7):
-        codes = _hw_fp8(scaled, nan_sign, EXP, False)
+        codes = hw_fp8(scaled, nan_sign, EXP, False)
     else:
         codes = to_codes(scaled, nan_sign, scaled, EXP, MAN, SPECIAL, True, False)
     codes = tl.where(dead, 0, codes).to(tl.uint8)
@@ -57,7 +57,7 @@ def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, 
     bits = amax.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF  # as the amax kernel's
     grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
     meta = dict(BM=BM, BK=BK, EVEN=int(m % BM == 0 and k % BK == 0), EXP=fmt.exp_bits, MAN=fmt.man_bits,
-                SPECIAL=_SPECIALS[fmt.special], FMAX=fmt.max, EMAX=fmt.emax, RULE=RULE_AMAX,
+                SPECIAL=SPECIALS[fmt.special], FMAX=fmt.max, EMAX=fmt.emax, RULE=RULE_AMAX,
                 HW=int(x2.is_cuda), num_warps=4)
     args = (x2, x2.stride(0), x2.stride(1), m, k, group.contiguous(), bits, out)
     if x2.is_cuda:

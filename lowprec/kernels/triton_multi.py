@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from lowprec.kernels.triton_numerics import bf16_bits, bf16_value, to_codes
-from lowprec.kernels.triton_tiles import _divide, _divisor, _hw_fp8
+from lowprec.kernels.triton_tiles import divide, divisor_of, hw_fp8
 
 MAX_NUMEL = 2**31 - 2**16
 """Largest tensor a multi-tensor kernel takes: its offsets are int32."""
@@ -102,11 +102,11 @@ def requantize_kernel(rows_ptr, owner_ptr, scales_ptr, HW: tl.constexpr, BLOCK: 
     s = tl.load(scales_ptr + t)
     x = tl.load(tensor_at(row, 0, tl.float32) + offs, mask=mask, other=0.0)
     v = bf16_value(bf16_bits(x))
-    d, r, dead, ok = _divisor(tl.zeros((1,), tl.float32) + s)
-    scaled = _divide(v, d, r, ok, 2)
+    d, r, dead, ok = divisor_of(tl.zeros((1,), tl.float32) + s)
+    scaled = divide(v, d, r, ok, 2)
     nan_sign = (x.to(tl.int32, bitcast=True) >> 31) & 1  # the source's (a NaN's sign is the device's)
     if HW:
-        codes = _hw_fp8(scaled, nan_sign, 4, True)
+        codes = hw_fp8(scaled, nan_sign, 4, True)
     else:
         codes = to_codes(scaled, nan_sign, scaled, 4, 3, 1, True, False)
     tl.store(tensor_at(row, 1, tl.uint8) + offs, tl.where(dead, 0, codes).to(tl.uint8), mask=mask)

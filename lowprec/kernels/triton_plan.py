@@ -20,7 +20,7 @@ FORMATS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
 """Element formats the kernels write; a format's index is its code in a plan."""
 _RULES = {ScaleRule.AMAX: N.RULE_AMAX, ScaleRule.FLOOR: N.RULE_FLOOR, ScaleRule.CEIL: N.RULE_CEIL,
           ScaleRule.NVFP4: N.RULE_NVFP4}
-_SPECIALS = {F.Special.NONE: N.SPECIAL_NONE, F.Special.FN: N.SPECIAL_FN, F.Special.IEEE: N.SPECIAL_IEEE}
+SPECIALS = {F.Special.NONE: N.SPECIAL_NONE, F.Special.FN: N.SPECIAL_FN, F.Special.IEEE: N.SPECIAL_IEEE}
 MAX_BLOCK = 128
 """Largest block edge a tile holds (blocks must be powers of two up to this)."""
 
@@ -79,7 +79,7 @@ class Side:
 
     def kernel_args(self, suffix: str) -> dict:
         f = self.format
-        args = dict(ON=True, EXP=f.exp_bits, MAN=f.man_bits, SPECIAL=_SPECIALS[f.special], FMAX=f.max,
+        args = dict(ON=True, EXP=f.exp_bits, MAN=f.man_bits, SPECIAL=SPECIALS[f.special], FMAX=f.max,
                     EMAX=f.emax, MODE=self.mode, RULE=self.rule, BR=self.block[0], BC=self.block[1],
                     ROUND=self.rounding, HAD=int(self.hadamard), SAT=int(self.saturate))
         return {f"{k}_{suffix}": v for k, v in args.items()}

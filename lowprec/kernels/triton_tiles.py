@@ -44,7 +44,7 @@ AMAX_NONE, AMAX_TENSOR, AMAX_LINES, AMAX_FINITE_BLOCKS = 0, 1, 2, 3
 
 
 @triton.jit
-def _tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
+def load_tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr):
     """This program's tile of x; ``EVEN``: the tiles cover x exactly, so no masks."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -59,7 +59,7 @@ def _tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.co
 
 
 @triton.jit
-def _to_f32(x):
+def to_f32(x):
     """x as float32, exactly: bf16 by its bits, since Triton's interpreter flushes bf16 subnormals."""
     if x.dtype == tl.bfloat16:
         v = bf16_value(x.to(tl.int16, bitcast=True))
@@ -142,8 +142,8 @@ def amax_kernel(x_ptr, sxm, sxk, M, K, h_ptr, amax_a, amax_b,
                 KIND_A: tl.constexpr, HAD_A: tl.constexpr, BR_A: tl.constexpr, BC_A: tl.constexpr,
                 KIND_B: tl.constexpr, HAD_B: tl.constexpr, BR_B: tl.constexpr, BC_B: tl.constexpr):
     """Atomic maxima of ``|x|`` bits into int32 buffers (zero-initialized), per side."""
-    x, pid_m, pid_k, offs_m, offs_k = _tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
-    v = _to_f32(x)
+    x, pid_m, pid_k, offs_m, offs_k = load_tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
+    v = to_f32(x)
     if KIND_A != 0:
         va = _transform(v, h_ptr, x.dtype, HAD_A, False, BM, BK)
         _side_amax(va, offs_m, offs_k, M, K, amax_a, KIND_A, False, BM, BK, BR_A, BC_A)
@@ -153,10 +153,10 @@ def amax_kernel(x_ptr, sxm, sxk, M, K, h_ptr, amax_a, amax_b,
 
 
 @triton.jit
-def _divisor(eff):
+def divisor_of(eff):
     """(divisor, its reciprocal rounded to nearest, dead, in_range) for effective scales: NaN, inf
     and zero scales mark dead blocks, whose data is zero; ``in_range`` says whether every divisor
-    lies in [2^-100, 2^100], where the reciprocal is a normal number (see ``_divide``)."""
+    lies in [2^-100, 2^100], where the reciprocal is a normal number (see ``divide``)."""
     eb = abs_bits(eff)
     dead = (eb >= 0x7F800000) | (eb == 0)
     d = tl.where(dead, 1.0, eff)
@@ -166,7 +166,7 @@ def _divisor(eff):
 
 
 @triton.jit
-def _divide(v, d, r, in_range, KIND: tl.constexpr):
+def divide(v, d, r, in_range, KIND: tl.constexpr):
     """``v / d`` rounded to nearest, given ``r = RN(1/d)``.
 
     KIND 0: powers of two, a product (exact); also NVFP4, whose ``r`` is its encode scale and whose
@@ -214,11 +214,11 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
         else:
             tl.store(scale_ptr + bi[:, None] * s_cols + bj[None, :], s,
                      mask=(bi[:, None] < s_rows) & (bj[None, :] < s_cols))
-        if RULE == 3:  # elements are multiplied by the encode scale (_divide's KIND 0), never divided
+        if RULE == 3:  # elements are multiplied by the encode scale (divide's KIND 0), never divided
             r = nvfp4_encode(s, g)
             d, dead, ok = r, s != s, True
         else:
-            d, r, dead, ok = _divisor(s)
+            d, r, dead, ok = divisor_of(s)
         d = _expand(d, BM, BK, BR, BC)
         r = _expand(r, BM, BK, BR, BC)
         dead = _expand(dead, BM, BK, BR, BC)
@@ -226,25 +226,25 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
         s = scale_from_amax(tl.load(amax_ptr), 1.0, RULE, FMAX, EMAX)
         if first:
             tl.store(scale_ptr, s)
-        d, r, dead, ok = _divisor(tl.zeros((1, 1), tl.float32) + s)
+        d, r, dead, ok = divisor_of(tl.zeros((1, 1), tl.float32) + s)
     elif MODE == 2:
         if TRANS:
             s = scale_from_amax(tl.load(amax_ptr + offs_k, mask=offs_k < K, other=0), 1.0, RULE, FMAX, EMAX)
             if pid_m == 0:
                 tl.store(scale_ptr + offs_k, s, mask=offs_k < K)
-            d, r, dead, ok = _divisor(s[None, :])
+            d, r, dead, ok = divisor_of(s[None, :])
         else:
             s = scale_from_amax(tl.load(amax_ptr + offs_m, mask=offs_m < M, other=0), 1.0, RULE, FMAX, EMAX)
             if pid_k == 0:
                 tl.store(scale_ptr + offs_m, s, mask=offs_m < M)
-            d, r, dead, ok = _divisor(s[:, None])
+            d, r, dead, ok = divisor_of(s[:, None])
     else:
-        d, r, dead, ok = _divisor(tl.zeros((1, 1), tl.float32) + tl.load(given_ptr))
+        d, r, dead, ok = divisor_of(tl.zeros((1, 1), tl.float32) + tl.load(given_ptr))
     return d, r, dead, ok
 
 
 @triton.jit
-def _hw_fp8(scaled, nan_sign, EXP: tl.constexpr, FIX: tl.constexpr):
+def hw_fp8(scaled, nan_sign, EXP: tl.constexpr, FIX: tl.constexpr):
     """FP8 codes by the GPU's conversion (round to nearest even, saturating: the reference's rule
     for finite values). With ``FIX``, inf and NaN get the reference's codes (satfinite would clamp inf)."""
     if EXP == 4:
@@ -294,16 +294,16 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
     d, r, dead, ok = _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr, g_ptr,
                              s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC)
     if (RULE == 1) | (RULE == 2) | (RULE == 3):
-        scaled = _divide(v, d, r, ok, 0)
+        scaled = divide(v, d, r, ok, 0)
     elif MODE == 3:
-        scaled = _divide(v, d, r, ok, 2)
+        scaled = divide(v, d, r, ok, 2)
     else:
-        scaled = _divide(v, d, r, ok, 1)
+        scaled = divide(v, d, r, ok, 1)
     if RULE == 3:  # a block whose E4M3 scale underflowed to 0 (r = FP32 max): TE clamps its x * r
         scaled = tl.where(r == F32_MAX, tl.minimum(tl.maximum(scaled, -FMAX), FMAX), scaled)
     nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
     if HW and (MAN + EXP == 7) and SAT and ROUND == 0:
-        codes = _hw_fp8(scaled, nan_sign, EXP, MODE == 3)
+        codes = hw_fp8(scaled, nan_sign, EXP, MODE == 3)
     else:
         # Linear index in the side's own 2-D view: the reference's rand has that view's shape.
         if TRANS:
@@ -359,8 +359,8 @@ def cast_kernel(
     """Quantize one tile for side A (x along K) and side B (x.T along M); see [Note: tiles and sides].
     ``SHARE``: side B is side A's cast transposed (one scale for the whole tensor), so its codes are
     A's; ``HW``: FP8 codes by the GPU's conversion instruction (never in the CPU interpreter)."""
-    x, pid_m, pid_k, offs_m, offs_k = _tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
-    v = _to_f32(x)
+    x, pid_m, pid_k, offs_m, offs_k = load_tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
+    v = to_f32(x)
     if RECORD:  # delayed scaling: this tensor's amax, for the next step's scale
         tl.atomic_max(record_ptr, tl.max(tl.max(abs_bits(v), axis=1), axis=0))
     if ON_A:

@@ -37,6 +37,7 @@ of the delayed-scaling bank, saved and moved with the layer). Current scaling pe
 """
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 
@@ -152,19 +153,45 @@ class GroupedFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def _slices(counts: tuple[int, ...]):
+def read_counts(offsets: torch.Tensor, x: torch.Tensor, n_experts: int | None = None,
+                num_experts: int | None = None) -> tuple[int, ...]:
+    """Each of the ``n_experts`` (None: any number of) experts' token count from ``offsets`` (cumulative
+    counts, read on the host), checked against the rows of ``x``; ``num_experts``: the layer's experts, when
+    this process holds ``n_experts`` of them."""
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype.is_floating_point or offsets.dtype.is_complex \
+            or offsets.dtype == torch.bool:
+        fail("offsets", "an integer tensor of cumulative token counts", describe(offsets), TypeError)
+    if n_experts is None and (offsets.dim() != 1 or offsets.numel() == 0):
+        fail("offsets", "a 1-D tensor (one per expert)", describe(offsets))
+    if n_experts is not None and offsets.shape != (n_experts,):
+        local = "" if num_experts in (None, n_experts) else f" this process holds, of {num_experts}"
+        fail("offsets", f"shape ({n_experts},) (one per expert{local})", describe(offsets))
+    ends = offsets.tolist()
+    counts = tuple(b - a for a, b in zip([0, *ends[:-1]], ends))
+    if any(n < 0 for n in counts):
+        fail("offsets", "non-decreasing cumulative token counts from 0", ends)
+    if ends[-1] != x.shape[0]:
+        fail("offsets", f"a last value equal to the number of tokens in x ({x.shape[0]})", ends[-1])
+    return counts
+
+
+def route(x: torch.Tensor, offsets: torch.Tensor) -> GC.Groups:
+    """The rows ``x`` (T, in) grouped by expert as ``offsets`` (E,) says, read on the host once: several
+    :class:`GroupedLinear`\\ s that take the same rows (an expert's gate, up and down projections) take it
+    in place of ``offsets``."""
+    counts = read_counts(offsets, x)
+    return GC.Groups.of(counts, offsets.to(x.device))
+
+
+def _rows_of(counts: tuple[int, ...]) -> list[tuple[int, slice]]:
+    """``(expert, its rows)`` for every expert, empty ones included."""
+    ends = itertools.accumulate(counts)
+    return [(e, slice(end - n, end)) for e, (end, n) in enumerate(zip(ends, counts))]
+
+
+def _slices(counts: tuple[int, ...]) -> list[tuple[int, slice]]:
     """``(expert, its rows)`` for every expert with tokens."""
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            yield e, slice(start, start + n)
-        start += n
-
-
-def _rows_of(counts: tuple[int, ...]) -> list[slice]:
-    """Every expert's rows, empty ones included."""
-    ends = [sum(counts[:e + 1]) for e in range(len(counts))]
-    return [slice(end - n, end) for end, n in zip(ends, counts)]
+    return [(e, rows) for e, rows in _rows_of(counts) if rows.start != rows.stop]
 
 
 def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad: bool, need_wgrad: bool):
@@ -250,7 +277,7 @@ class BatchedFunction(torch.autograd.Function):
             if need_wgrad:
                 dw = _batched_wgrad(qdy_t, qx_t, g, plan, w_dtype, ctx.w_shape)  # (E, out, in)
             if b_dtype is not None and need_bias:  # each expert's sum, as the loop sums it
-                db = torch.stack([dy[rows].sum(0).to(b_dtype) for rows in _rows_of(g.counts)])  # (E, out)
+                db = torch.stack([dy[rows].sum(0).to(b_dtype) for _, rows in _rows_of(g.counts)])  # (E, out)
         return dx, dw, db, None, None
 
 
@@ -327,11 +354,14 @@ class GroupedLinear(nn.Module):
         first = self.weight.device_mesh.get_local_rank() * n  # Shard(0) of E divisible by the group's size
         return range(first, first + n)
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
         experts = self.local_experts()
         weight, bias = (p.to_local() if p is not None and is_dtensor(p) else p for p in (self.weight, self.bias))
         states = self.expert_states[experts.start:experts.stop]
-        counts = self._counts(x, offsets, len(experts))
+        self._check_x(x)
+        g = offsets if isinstance(offsets, GC.Groups) else None
+        counts = self._check_groups(g, x, len(experts)) if g is not None else read_counts(offsets, x, len(experts),
+                                                                                         self.num_experts)
         recipe = _no_delay(resolve(self.recipe), "autocast recipe")
         training = self.training and torch.is_grad_enabled()
         plan = self.plan(recipe, nearest=not training) if recipe is not None else None
@@ -342,7 +372,7 @@ class GroupedLinear(nn.Module):
         params = (weight, bias) if bias is not None else (weight,)
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
         if GC.batches(plan) and probe() is None:  # a sampled step takes the loop: telemetry per expert
-            g = GC.Groups.of(counts, offsets.to(x.device))
+            g = g if g is not None else GC.Groups.of(counts, offsets.to(x.device))
             if grad:
                 return BatchedFunction.apply(x, weight, bias, g, plan)
             return _batched_forward(x, weight, bias, g, plan, False, False)[0]
@@ -351,26 +381,19 @@ class GroupedLinear(nn.Module):
         fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)
         return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
 
-    def _counts(self, x, offsets, n_experts: int) -> tuple[int, ...]:
-        """Each of the ``n_experts`` local experts' token count, from ``offsets``, with ``x`` and ``offsets``
-        checked."""
+    def _check_x(self, x) -> None:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:
             fail("x", "a float32, bfloat16 or float16 tensor", describe(x), TypeError)
         if x.dim() != 2 or x.shape[1] != self.in_features:
             fail("x", f"a 2-D tensor (tokens, in_features={self.in_features})", describe(x))
-        if not isinstance(offsets, torch.Tensor) or offsets.dtype.is_floating_point or offsets.dtype.is_complex \
-                or offsets.dtype == torch.bool:
-            fail("offsets", "an integer tensor of cumulative token counts", describe(offsets), TypeError)
-        if offsets.shape != (n_experts,):
+
+    def _check_groups(self, g: GC.Groups, x: torch.Tensor, n_experts: int) -> tuple[int, ...]:
+        if len(g.counts) != n_experts:
             local = "" if n_experts == self.num_experts else f" this process holds, of {self.num_experts}"
-            fail("offsets", f"shape ({n_experts},) (one per expert{local})", describe(offsets))
-        ends = offsets.tolist()
-        counts = tuple(b - a for a, b in zip([0, *ends[:-1]], ends))
-        if any(n < 0 for n in counts):
-            fail("offsets", "non-decreasing cumulative token counts from 0", ends)
-        if ends[-1] != x.shape[0]:
-            fail("offsets", f"a last value equal to the number of tokens in x ({x.shape[0]})", ends[-1])
-        return counts
+            fail("offsets", f"groups of {n_experts} experts (one per expert{local})", f"{len(g.counts)}")
+        if sum(g.counts) != x.shape[0]:
+            fail("offsets", f"groups of the {x.shape[0]} rows of x", f"{sum(g.counts)} rows")
+        return g.counts
 
     def _high_precision(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         counts: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
@@ -401,4 +424,4 @@ class GroupedLinear(nn.Module):
                 f"out_features={self.out_features}, bias={self.bias is not None}, recipe={r}")
 
 
-__all__ = ["GroupedFunction", "GroupedLinear"]
+__all__ = ["GroupedFunction", "GroupedLinear", "read_counts", "route"]

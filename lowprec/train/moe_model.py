@@ -48,6 +48,7 @@ from torch import nn
 from lowprec._checks import describe, fail
 from lowprec.distributed.expert_parallel import ExpertParallel, shard_grouped
 from lowprec.nn import GroupedLinear, SwiGLU
+from lowprec.nn.grouped import route
 from lowprec.nn.recomputation import recomputing
 
 __all__ = ["MoEConfig", "MoEFeedForward", "RoutedExperts", "balance_experts", "parallelize_experts"]
@@ -90,7 +91,8 @@ class RoutedExperts(nn.Module):
         self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x, offsets), self.w3(x, offsets)), offsets)  # (N, dim)
+        g = route(x, offsets)  # the counts read on the host once for the three projections
+        return self.w2(self.act(self.w1(x, g), self.w3(x, g)), g)  # (N, dim)
 
 
 class MoEFeedForward(nn.Module):

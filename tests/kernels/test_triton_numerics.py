@@ -63,8 +63,8 @@ def _misc_probe(e_ptr, v_ptr, d_ptr, exp_out, bf_out, hf_out, div_out, n, BLOCK:
     tl.store(bf_out + offs, N.round_to_dtype(v, tl.bfloat16), mask=m)
     tl.store(hf_out + offs, N.round_to_dtype(v, tl.float16), mask=m)
     d = tl.load(d_ptr + offs, mask=m, other=1.0)
-    dd, r, dead, ok = T._divisor(d)
-    tl.store(div_out + offs, T._divide(v, dd, r, ok, 1), mask=m)
+    dd, r, dead, ok = T.divisor_of(d)
+    tl.store(div_out + offs, T.divide(v, dd, r, ok, 1), mask=m)
 
 
 def _block(n: int) -> int:

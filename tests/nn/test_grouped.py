@@ -15,6 +15,7 @@ import torch
 import lowprec
 from lowprec import recipes as R
 from lowprec.nn import GroupedLinear, Linear
+from lowprec.nn.grouped import route
 from tests.nn.common import bits, randn
 
 E, IN, OUT = 4, 128, 256
@@ -196,6 +197,30 @@ def test_bad_input_is_refused(x, offsets, exc, message):
     offsets = torch.tensor(offsets) if isinstance(offsets, list) else offsets
     with pytest.raises(exc, match="^" + message):
         g(x, offsets)
+
+
+@pytest.mark.parametrize("recipe", [None, "fp8-current", "fp8-blockwise"])
+def test_a_routing_read_once_serves_like_the_offsets(recipe):
+    """``route`` reads the offsets on the host once; a layer given it computes what the offsets give."""
+    g, _, x, dy = make(recipe)
+    want = grouped_step(g, x, dy, COUNTS)
+    g.weight.grad = g.bias.grad = None
+    xr = x.clone().requires_grad_()
+    y = g(xr, route(xr, offsets_of(COUNTS)))
+    y.backward(dy)
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), (y, xr.grad, g.weight.grad, g.bias.grad), want):
+        assert_bits(a, b, name)
+
+
+def test_a_routing_of_other_rows_or_experts_is_refused():
+    g = GroupedLinear(E, IN, OUT, recipe="fp8-current")
+    x = torch.ones(6, IN)
+    with pytest.raises(ValueError, match=r"^offsets: expected groups of the 6 rows of x, got 5 rows$"):
+        g(x, route(torch.ones(5, IN), torch.tensor([2, 2, 2, 5])))
+    with pytest.raises(ValueError, match=r"^offsets: expected groups of 4 experts \(one per expert\), got 3$"):
+        g(x, route(x, torch.tensor([2, 2, 6])))
+    with pytest.raises(ValueError, match=r"^offsets: expected a 1-D tensor \(one per expert\)"):
+        route(x, torch.tensor(6))
 
 
 @pytest.mark.parametrize("kw, message", [
