@@ -211,6 +211,12 @@ def _warn(report: ConversionReport, converted: dict[str, Linear | GroupedLinear]
         plan = converted[lr.name].plan()
         if plan is not None and plan.hp_reason is not None:
             converted[lr.name]._warned.add(plan.hp_reason)
+    folded = [g for g, p in report.gemm_paths.items() if p == GemmPath.FOLDED]
+    if folded and report.converted:
+        warnings.warn(f"lowprec: {report.recipe.name} {'/'.join(folded)} GEMMs run on FP8 tensor cores with each row's "
+                      f"MX blocks folded to one power-of-two scale (checked against the emulation on first use; "
+                      "elements under 2^-13 of their row's largest are rounded, by at most 2^-16 of it; see "
+                      "docs/kernels.md)", stacklevel=3)
     emulated = [g for g, p in report.gemm_paths.items() if p == GemmPath.EMULATED]
     if emulated and report.converted:
         warnings.warn(f"lowprec: {report.recipe.name} {'/'.join(emulated)} GEMMs are emulated on {report.device} "

@@ -3,6 +3,9 @@
 Backends:
 * ``cublas``: ``torch._scaled_mm`` on FP8 tensor cores (per-tensor and row-wise scales; 1x128 x
   128x128 and 1x128 x 1x128 block scales on sm90);
+* ``folded``: MX operands (E8M0 block scales) folded to one power-of-two scale per row, then
+  ``torch._scaled_mm`` row-wise on FP8 tensor cores (see [Note: folding MX blocks into rows] in
+  ``lowprec.kernels.fold``), where the device has FP8 tensor cores and passed the first-use check;
 * ``emulated``: the exact quantized values in a high-precision GEMM with FP32 accumulation. Where an
   operand's scales are constant along K (tensor, row) the GEMM runs on the unscaled values and the
   scales multiply the output, as the hardware does; otherwise the operands are dequantized block by
@@ -20,6 +23,7 @@ import torch
 from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels.capability import Capability, capability
+from lowprec.kernels.fold import checked, fold, foldable, target
 from lowprec.kernels.route import Backend, emulated_operand_backend
 from lowprec.quant import Granularity, GranularityKind, QuantizedTensor
 
@@ -41,6 +45,8 @@ class GemmPath(str, enum.Enum):
 
     CUBLAS = "cublas"
     """Natively, on the tensor cores: ``torch._scaled_mm``."""
+    FOLDED = "folded"
+    """MX operands folded to row scales, on FP8 tensor cores (``kernels.fold``)."""
     EMULATED = "emulated"
     """The exact quantized values in a high-precision GEMM."""
     HP = "hp"
@@ -51,9 +57,14 @@ class GemmPath(str, enum.Enum):
 
 
 def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, cap: Capability) -> GemmPath:
-    """``CUBLAS`` where the device has a native GEMM for this pair of operand casts, else ``EMULATED``."""
+    """``CUBLAS`` where the device has a native GEMM for this pair of operand casts, ``FOLDED`` for MX pairs
+    on FP8 tensor cores, else ``EMULATED``."""
     a, b = F.get(lhs_fmt), F.get(rhs_fmt)
-    if not cap.fp8_gemm or a not in (E4M3, E5M2) or b not in (E4M3, E5M2):
+    if not cap.fp8_gemm:
+        return GemmPath.EMULATED
+    if foldable(a, lhs_gran) and foldable(b, rhs_gran) and not (target(a) is E5M2 and target(b) is E5M2):
+        return GemmPath.FOLDED
+    if a not in (E4M3, E5M2) or b not in (E4M3, E5M2):
         return GemmPath.EMULATED
     if a is E5M2 and b is E5M2:
         return GemmPath.EMULATED  # FP8 tensor cores take at most one E5M2 operand
@@ -115,6 +126,12 @@ def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast
                             use_fast_accum=fast_accum)
 
 
+def _folded(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32,
+            fast_accum: bool = False) -> torch.Tensor:
+    """Both MX operands folded to row scales, then the row-wise FP8 GEMM (see ``kernels.fold``)."""
+    return _cublas(fold(a), fold(b), out_dtype, fast_accum)
+
+
 def _exact_in_bf16(fmt: F.Format, gran: Granularity) -> bool:
     """Whether the values the GEMM multiplies are exact in BF16: the elements alone where the scales
     stay outside (tensor, row), else element times block scale, whose significand bits (the
@@ -151,7 +168,7 @@ def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return v.to(dtype), None
 
 
-def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     dtype = emulation_dtype(a.fmt, a.granularity, b.fmt, b.granularity, a.data.device.type)
     va, sa = _operand(a, dtype)
     vb, sb = _operand(b, dtype)
@@ -176,12 +193,17 @@ def scaled_mm(
     if a.shape[-1] != b.shape[-1]:
         fail("a/b", "operands with the same reduction dimension K", f"{tuple(a.shape)} and {tuple(b.shape)}")
     backend = backend or gemm_backend(a, b, capability(a.data.device))
-    if backend is GemmPath.CUBLAS or backend == "cublas":
+    if backend not in (GemmPath.CUBLAS, GemmPath.FOLDED, GemmPath.EMULATED):  # a str enum: "cublas" is CUBLAS
+        fail("backend", "'cublas', 'folded' or 'emulated'", repr(backend))
+    backend = GemmPath(backend)
+    if backend is GemmPath.FOLDED and a.data.device.type == "cuda" and not checked(a.data.device, _folded, _emulated):
+        backend = GemmPath.EMULATED  # the device's first-use check failed, and said so
+    if backend is GemmPath.CUBLAS:
         out = _cublas(a, b, out_dtype, fast_accum)
-    elif backend is GemmPath.EMULATED or backend == "emulated":
-        out = _emulated(a, b, out_dtype)
+    elif backend is GemmPath.FOLDED:
+        out = _folded(a, b, out_dtype, fast_accum)
     else:
-        fail("backend", "'cublas' or 'emulated'", repr(backend))
+        out = _emulated(a, b, out_dtype)
     m = math.prod(a.shape[:-1])
     n = math.prod(b.shape[:-1])
     return out[:m, :n]

@@ -213,6 +213,15 @@ def emulated_operand_backend(device: torch.device | str, dtype: torch.dtype) -> 
     return Backend.TRITON if dtype == torch.bfloat16 and _triton_runs(device) else Backend.TORCH
 
 
+def fold_backend(device: torch.device | str, *, compiling: bool, backend: str | Backend | None = None) -> Backend:
+    """How an MX operand is folded to row scales (``kernels.fold``): Triton eagerly on a CUDA device that
+    runs it; the reference's elementwise ops elsewhere and in compiled code (the compiler fuses them).
+    ``backend`` forces one (tests)."""
+    if backend is not None:
+        return Backend(backend)
+    return Backend.TRITON if not compiling and _triton_runs(device) else Backend.TORCH
+
+
 def saved_cast_backend(fmt: str | F.Format, granularity: Granularity, device: torch.device | str, *,
                        compiling: bool, backend: str | Backend | None = None) -> Backend:
     """How an activation saved for backward is cast (``nn.saved``): in compiled code (``compiling``) by

@@ -277,7 +277,8 @@ def small_reason(in_features: int, out_features: int, min_features: int | None, 
     if min_features is None or not recipe.low_precision:
         return None
     paths = [gemm_plan(getattr(recipe, g), device).path for g in R.GEMMS]
-    if GemmPath.CUBLAS not in paths or not too_small(in_features, out_features, min_features):
+    fast = GemmPath.CUBLAS in paths or GemmPath.FOLDED in paths  # on the tensor cores, where casts cost time
+    if not fast or not too_small(in_features, out_features, min_features):
         return None
     return (f"too small to gain on {device.type} ({in_features}x{out_features}: a dimension under "
             f"{min_features}; Policy(skip_small=False) converts it)")

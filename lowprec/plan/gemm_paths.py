@@ -1,10 +1,11 @@
-"""How each GEMM of a recipe runs on a device: natively, emulated, or in high precision.
+"""How each GEMM of a recipe runs on a device: natively, folded, emulated, or in high precision.
 
 The word is the kernels' own (see [Note: one source for "native"] in ``lowprec.kernels.native``):
-a GEMM of two low-precision operands is native where ``gemm_path`` gives it a tensor-core GEMM,
-else emulated, in the high-precision dtype ``emulation_dtype`` gives; a GEMM with a high-precision
-operand is ``hp``. ``lowprec plan`` times each GEMM by this word and ``lowprec info`` prints it, so
-neither can call native what the kernels emulate.
+a GEMM of two low-precision operands is native where ``gemm_path`` gives it a tensor-core GEMM in its
+format, folded where it gives MX operands folded to row scales on FP8 tensor cores, else emulated, in
+the high-precision dtype ``emulation_dtype`` gives; a GEMM with a high-precision operand is ``hp``.
+``lowprec plan`` times each GEMM by this word and ``lowprec info`` prints it, so neither can call native
+what the kernels emulate.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch
 
 from lowprec import recipes as R
 from lowprec.kernels.capability import Capability, cuda_capability, host_capability
+from lowprec.kernels.gemm import GemmPath as KernelPath
 from lowprec.kernels.gemm import emulation_dtype
+from lowprec.kernels.gemm import gemm_path as kernel_path
 from lowprec.kernels.native import is_native
 
 GEMMS = R.GEMMS
@@ -31,6 +34,9 @@ and consumer), the CPU."""
 class Path(enum.Enum):
     NATIVE = "native"
     """Both operands in low precision, multiplied by the tensor cores in that format."""
+    FOLDED = "folded"
+    """MX operands folded to one power-of-two scale per row, multiplied by FP8 tensor cores
+    (``lowprec.kernels.fold``)."""
     EMULATED = "emulated"
     """Both operands in low precision, their exact values multiplied in a high-precision GEMM."""
     HP = "hp"
@@ -57,6 +63,8 @@ def gemm_path_of(recipe: R.Recipe, gemm: str, cap: Capability) -> GemmPath:
     casts = (g.lhs.fmt, g.lhs.granularity, g.rhs.fmt, g.rhs.granularity)
     if is_native(*casts, cap):
         return GemmPath(gemm, Path.NATIVE)
+    if kernel_path(*casts, cap) is KernelPath.FOLDED:
+        return GemmPath(gemm, Path.FOLDED)
     return GemmPath(gemm, Path.EMULATED, _DTYPE_NAMES[emulation_dtype(*casts, cap.device_type)])
 
 
@@ -67,7 +75,10 @@ def gemm_paths(recipe: R.Recipe, cap: Capability) -> tuple[GemmPath, GemmPath, G
 
 
 def path_word(p: GemmPath) -> str:
-    """``native``, ``emulated (bf16)`` / ``emulated (fp32)`` (the dtype of its high-precision GEMM) or ``hp``."""
+    """``native``, ``folded (fp8)`` (on FP8 tensor cores), ``emulated (bf16)`` / ``emulated (fp32)`` (the dtype
+    of its high-precision GEMM) or ``hp``."""
+    if p.path is Path.FOLDED:
+        return "folded (fp8)"
     return f"{p.path.value} ({p.emulated_in})" if p.path is Path.EMULATED else p.path.value
 
 

@@ -34,6 +34,8 @@ from lowprec.plan.recipes import HP_BYTES, RecipeCost, Storage
 from lowprec.plan.units import count
 
 HP_GEMM = "bf16"
+FOLD_BYTES = 2.0
+"""Bytes one element's folding moves (``lowprec.kernels.fold``): its code read, its FP8 code written."""
 """Format of the GEMMs kept in high precision (LM head, routers, attention, BF16 blocks)."""
 
 
@@ -69,6 +71,8 @@ class FlopTerm:
 
     @property
     def label(self) -> str:
+        if self.path is Path.FOLDED:
+            return f"{self.gemm} (MX folded to row scales: fp8 GEMM + folding traffic)"
         if self.path is Path.EMULATED:
             listed = "" if self.native else ", no fp32 peak listed: timed at bf16"
             return f"{self.gemm} (emulated: {self.emulated_in} GEMM{listed} + cast traffic)"
@@ -123,6 +127,12 @@ def _linear_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, tokens: int, p_q: 
             cast = n_l * _traffic(lhs, m.d_model, wide) + n_r * _traffic(rhs, m.d_model, wide)
             out.append(FlopTerm(name, flops, fmt, tflops, listed, formula + f" + {count(cast)} B of cast traffic",
                                 recompute, gp.path, gp.emulated_in, cast, gpu.hbm_tb_s))
+            continue
+        if gp.path is Path.FOLDED:  # FP8 tensor cores, after a pass that reads and writes a byte per element
+            tflops, listed = gpu.peak("fp8")
+            fold = (n_l + n_r) * FOLD_BYTES
+            out.append(FlopTerm(name, flops, "fp8", tflops, listed, formula + f" + {count(fold)} B of folding",
+                                recompute, gp.path, None, fold, gpu.hbm_tb_s))
             continue
         tflops, listed = gpu.peak(fmt)
         if gp.path is Path.NATIVE and not listed:

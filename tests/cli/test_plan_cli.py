@@ -116,9 +116,10 @@ def test_info_describes_a_cuda_device_and_the_path_each_gemm_takes_there(fake_cu
     assert (gpu["device"], gpu["capability"], gpu["memory GB"]) == ("cuda:0", "sm90", 85.0)
     assert gpu["native"] == "fp16, bf16, tf32, fp8 per tensor, fp8 per row, fp8 1x128 blocks"
     paths = {(p["device"], p["recipe"]): (p["fprop"], p["dgrad"], p["wgrad"]) for p in data["recipe paths"]}
-    # Hopper: FP8 (per tensor, per row, DeepSeek blocks) on its tensor cores; MX and NVFP4 emulated through
-    # BF16 GEMMs; the CPU emulates all, in FP32
-    assert paths["cuda:0", "fp8-blockwise"] == ("native",) * 3 and paths["cuda:0", "mxfp8"] == ("emulated (bf16)",) * 3
+    # Hopper: FP8 (per tensor, per row, DeepSeek blocks) on its tensor cores; MX folded to row scales on them;
+    # NVFP4 emulated through BF16 GEMMs; the CPU emulates all, in FP32
+    assert paths["cuda:0", "fp8-blockwise"] == ("native",) * 3 and paths["cuda:0", "mxfp8"] == ("folded (fp8)",) * 3
+    assert paths["cuda:0", "nvfp4"] == ("emulated (bf16)",) * 3
     assert paths["cpu", "fp8-current"] == ("emulated (fp32)",) * 3 and paths["cuda:0", "bf16"] == ("hp",) * 3
 
 

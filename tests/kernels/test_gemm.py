@@ -27,7 +27,11 @@ CPU = Capability("cpu", "cpu", None, False, False, False, False)
     (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(128, 128)), L40, "emulated"),  # sm90 only
     (("e4m3", blockwise(1, 128)), ("e4m3", blockwise(1, 128)), H100, "cublas"),  # the weight gradient
     (("e4m3", blockwise(128, 128)), ("e4m3", blockwise(1, 128)), H100, "emulated"),
-    (("e4m3", mx(32, "ceil")), ("e4m3", mx(32, "ceil")), H100, "emulated"),
+    (("e4m3", mx(32, "ceil")), ("e4m3", mx(32, "ceil")), H100, "folded"),  # row scales on FP8 tensor cores
+    (("e2m1", mx(32)), ("e4m3", mx(32)), L40, "folded"),
+    (("e5m2", mx(32)), ("e5m2", mx(32)), H100, "emulated"),  # at most one E5M2 operand
+    (("e4m3", mx(32)), ("e4m3", mx(32)), A100, "emulated"),
+    (("e4m3", mx(32)), ("e4m3", mx(32)), CPU, "emulated"),
     (("e2m1", nvfp4(16)), ("e2m1", nvfp4(16, two_d=True)), H100, "emulated"),
     (("e4m3", tensorwise()), ("e4m3", tensorwise()), A100, "emulated"),
     (("e4m3", tensorwise()), ("e4m3", tensorwise()), CPU, "emulated"),
@@ -87,7 +91,7 @@ def test_bad_arguments_name_themselves():
     b = quantize(torch.randn(8, 32), "e4m3", tensorwise())
     with pytest.raises(ValueError, match="a/b: expected operands with the same reduction dimension"):
         scaled_mm(a, b)
-    with pytest.raises(ValueError, match="backend: expected 'cublas' or 'emulated'"):
+    with pytest.raises(ValueError, match="backend: expected 'cublas', 'folded' or 'emulated'"):
         scaled_mm(a, a, backend="magic")
 
 

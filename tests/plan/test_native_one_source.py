@@ -1,6 +1,6 @@
 """One source for "native": the planner, ``lowprec info`` and the docs say of every preset recipe on every
 device what the kernels decide there (the path a converted layer takes), and time an emulated GEMM as
-a high-precision GEMM plus its casts' traffic."""
+a high-precision GEMM plus its casts' traffic, a folded one as an FP8 GEMM plus its folding's traffic."""
 from __future__ import annotations
 
 import json
@@ -22,7 +22,7 @@ from lowprec.plan.models import ModelSpec, all_presets
 from lowprec.plan.recipes import get_recipe
 from lowprec.plan.throughput import flop_terms
 
-KERNEL_WORDS = {"cublas": "native", "emulated": "emulated", "hp": "hp"}
+KERNEL_WORDS = {"cublas": "native", "folded": "folded", "emulated": "emulated", "hp": "hp"}
 """``recipe_paths`` (what a converted layer runs) in the planner's and info's words."""
 CUDA = {name: cap.sm for name, cap in DEVICES.items() if cap.sm}
 
@@ -68,7 +68,9 @@ def test_the_planner_times_each_gemm_as_the_kernels_run_it(fake_cuda):
             assert [t.path.value for t in linears] == kernels[name, r], (name, r)
             for t in linears:
                 expected = gpu.peak(t.emulated_in if t.path is Path.EMULATED else t.gemm)[0]
-                assert t.tflops == expected and (t.cast_bytes > 0) == (t.path is Path.EMULATED), (name, r)
+                cast = t.path in (Path.EMULATED, Path.FOLDED)
+                assert t.tflops == expected and (t.cast_bytes > 0) == cast, (name, r)
+                assert t.path is not Path.FOLDED or t.gemm == "fp8", (name, r)  # folded: FP8 tensor cores
 
 
 def test_the_accelerator_tables_rows_follow_the_kernels_too():
@@ -94,12 +96,24 @@ WEIGHTS = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
 def test_an_emulated_gemm_is_a_bf16_gemm_plus_its_casts_traffic_by_hand():
     tokens, b = 256, 1 + 1 / 32  # MXFP8: E4M3 and one E8M0 scale per 32
     per_element = (2 + b) + (b + 2)  # cast: read BF16, write MXFP8; widen: read it, write BF16
-    terms = {t.name: t for t in flop_terms(TINY, get_recipe("mxfp8"), GPUS["h100"], 128, "none", tokens)}
+    terms = {t.name: t for t in flop_terms(TINY, get_recipe("mxfp8"), GPUS["a100"], 128, "none", tokens)}
     fprop, dgrad, wgrad = (terms[f"linears: {g}"] for g in ("fprop", "dgrad", "wgrad"))
+    assert fprop.path is Path.EMULATED and fprop.emulated_in == "bf16"
     assert fprop.cast_bytes == pytest.approx(2 * (INPUTS + WEIGHTS / tokens) * per_element, rel=1e-12)
     assert dgrad.cast_bytes == pytest.approx(2 * (OUTPUTS + WEIGHTS / tokens) * per_element, rel=1e-12)
     assert wgrad.cast_bytes == pytest.approx(2 * (OUTPUTS + INPUTS) * per_element, rel=1e-12)
-    assert fprop.tflops == 989 and fprop.cast_seconds == pytest.approx(fprop.cast_bytes / 3.35e12)
+    assert fprop.tflops == 312 and fprop.cast_seconds == pytest.approx(fprop.cast_bytes / 2.039e12)
+
+
+def test_a_folded_gemm_is_an_fp8_gemm_plus_a_byte_read_and_written_per_element_by_hand():
+    tokens, per_element = 256, 2  # its code read, its FP8 code written
+    terms = {t.name: t for t in flop_terms(TINY, get_recipe("mxfp8"), GPUS["h100"], 128, "none", tokens)}
+    fprop, dgrad, wgrad = (terms[f"linears: {g}"] for g in ("fprop", "dgrad", "wgrad"))
+    assert fprop.path is Path.FOLDED and fprop.gemm == "fp8" and fprop.tflops == 1979
+    assert fprop.cast_bytes == pytest.approx(2 * (INPUTS + WEIGHTS / tokens) * per_element, rel=1e-12)
+    assert dgrad.cast_bytes == pytest.approx(2 * (OUTPUTS + WEIGHTS / tokens) * per_element, rel=1e-12)
+    assert wgrad.cast_bytes == pytest.approx(2 * (OUTPUTS + INPUTS) * per_element, rel=1e-12)
+    assert fprop.cast_seconds == pytest.approx(fprop.cast_bytes / 3.35e12)
 
 
 def test_nvfp4_on_blackwell_is_planned_below_bf16_until_lowprec_has_a_native_gemm():

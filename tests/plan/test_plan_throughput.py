@@ -47,7 +47,7 @@ def test_a_step_is_grad_accum_micro_batches_per_data_parallel_rank(gpus, pp, gra
     assert p.throughput.tokens_per_step == 2048 * 2 * (gpus // pp) * micro_batches
 
 
-NATIVE, EMULATED = Path.NATIVE, Path.EMULATED
+NATIVE, EMULATED, FOLDED = Path.NATIVE, Path.EMULATED, Path.FOLDED
 
 
 # (format, peak, path, emulated in) of fprop, dgrad, wgrad, as the kernels decide on each row: FP8 on
@@ -56,21 +56,22 @@ NATIVE, EMULATED = Path.NATIVE, Path.EMULATED
 @pytest.mark.parametrize("recipe, gpu, expected", [
     ("nvfp4", "h100", [("nvfp4", 989, EMULATED, "bf16")] * 3),
     ("nvfp4", "b200", [("nvfp4", 2250, EMULATED, "bf16")] * 3),
-    ("mxfp4", "b200", [("mxfp4", 2250, EMULATED, "bf16")] + [("mxfp8", 2250, EMULATED, "bf16")] * 2),
+    ("mxfp4", "b200", [("fp8", 4500, FOLDED, None)] * 3),  # no native MX GEMM yet: folded on FP8 tensor cores
     ("fp8-rowwise", "a100", [("fp8", 312, EMULATED, "bf16")] * 3),
     ("fp8-blockwise", "h100", [("fp8", 1979, NATIVE, None)] * 3),
     ("fp8-blockwise", "b200", [("fp8", 80, EMULATED, "fp32")] * 3),
     ("fp8-current", "b200", [("fp8", 4500, NATIVE, None)] * 3),
     ("fp8-current", "mi300x", [("fp8", 2614.9, NATIVE, None)] * 3),
     ("nvfp4", "mi355x", [("nvfp4", 2516.6, EMULATED, "bf16")] * 3),
-    ("mxfp4", "mi355x", [("mxfp4", 2516.6, EMULATED, "bf16")] + [("mxfp8", 2516.6, EMULATED, "bf16")] * 2),
+    ("mxfp4", "mi355x", [("fp8", 5033.2, FOLDED, None)] * 3),  # MX folded to row scales: FP8 tensor cores
+    ("mxfp8", "h100", [("fp8", 1979, FOLDED, None)] * 3),
     ("mxfp8", "gaudi3", [("mxfp8", 1835, EMULATED, "fp32")] * 3),  # no FP32 peak listed: the BF16 one
 ])
 def test_each_gemm_runs_at_its_formats_peak_or_as_emulated(recipe, gpu, expected):
     terms = {t.name: t for t in flop_terms(PRESETS["llama-3-8b"], get_recipe(recipe), GPUS[gpu], 4096, "none")}
     linears = [terms[f"linears: {g}"] for g in ("fprop", "dgrad", "wgrad")]
     assert [(t.gemm, t.tflops, t.path, t.emulated_in) for t in linears] == expected
-    assert all((t.cast_bytes > 0) == (t.path is EMULATED) for t in linears)
+    assert all((t.cast_bytes > 0) == (t.path in (EMULATED, FOLDED)) for t in linears)
     assert terms["attention scores and values"].gemm == "bf16"
 
 

@@ -1,0 +1,182 @@
+"""MX operands folded to one power-of-two scale per row, for FP8 tensor cores that have no block scales.
+
+[Note: folding MX blocks into rows]
+An MX operand is ``code * 2^e[row, block]``: elements of at most 3 mantissa bits (E4M3, E5M2, E3M2,
+E2M3, E2M1) and E8M0 scales, powers of two. Hopper's FP8 tensor cores take one scale per row of each
+operand (``torch._scaled_mm`` with row-wise scales), not one per 32 elements. But a power of two moves
+between a scale and its element without rounding while the element stays on the FP8 grid, so each row
+can carry one scale ``R = 2^(max_block e - h)`` and each element the rest of its block's:
+
+    folded = round(code * 2^(e[row, block] - max_block e + h)),   value = folded * R
+
+in E4M3 (E5M2 for E5M2 elements). ``h`` is the headroom that puts the row's largest block at the top of
+the target's range: 0 for E4M3 and E5M2 elements, 6 for E2M1 (6 * 2^6 = 384 <= 448), 5 for E2M3, 4 for
+E3M2. Then the GEMM of the folded operands is the row-wise FP8 GEMM cuBLAS runs at FP8 speed, with the
+two row scales multiplying each output (exact: powers of two).
+
+What it changes: nothing for a folded value at or above the target's smallest normal (``2^-6`` for
+E4M3, ``2^-14`` for E5M2), since shifting an element of at most 3 mantissa bits keeps its bits there.
+Below, the target's subnormals keep fewer bits, so ``folded`` is rounded to nearest-even onto their
+step (``2^-9``, ``2^-16``): an element off by at most half of it, ``2^-10 R`` (E4M3) or ``2^-17 R``
+(E5M2). These are elements at least ``2^-13`` smaller than their row's largest, whose block held a
+larger code than ``2^7 R`` (E4M3 elements: a block's largest code is at least 224 with scales rounded
+up, 256 rounded down; FP4/FP6: at least half the format's largest times ``2^h``): so each element is
+within ``2^-17`` of its row's largest magnitude of the value the emulation multiplies (``2^-16`` for
+E2M3), and every element is exact where a row's blocks have scales within a few binades of each other
+(E2M1: within 8 binades; E4M3: only elements that stay normal). NaN blocks (the E8M0 NaN scale) and
+NaN or infinite elements stay NaN or infinite.
+
+A GEMM of folded operands (``GemmPath.FOLDED`` in ``lowprec.kernels.gemm``) therefore differs from the
+emulation by that rounding of tiny elements and by the tensor cores' accumulation; where every element
+folds exactly and every partial sum is representable it equals the emulation bit for bit, which is what
+it checks on a device's first use (:func:`checked`). :func:`fold` runs a Triton kernel eagerly on a CUDA
+device with Triton (``kernels.triton_fold``, bit-exact with :func:`fold_reference`), and the reference's
+elementwise ops elsewhere and in compiled code, where the compiler fuses them.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from lowprec import formats as F
+from lowprec._checks import fail
+from lowprec.kernels.route import Backend, fold_backend
+from lowprec.quant import GranularityKind, QuantizedTensor, mx, quantize, rowwise
+
+E4M3, E5M2 = F.get("e4m3"), F.get("e5m2")
+ELEMENTS = tuple(F.get(n) for n in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
+"""The element formats that fold: at most 3 mantissa bits, a range inside E4M3's (or E5M2 itself)."""
+MIN_SHIFT = -40
+"""Block shifts below this fold to zero alike (every element then lies under half the smallest
+subnormal step of the target) and keep the FP32 multiply normal."""
+
+
+def target(fmt: F.Format) -> F.Format:
+    """The FP8 format ``fmt``'s elements fold into: E5M2 for E5M2, E4M3 for the others."""
+    return E5M2 if fmt is E5M2 else E4M3
+
+
+def headroom(fmt: F.Format) -> int:
+    """``h``: binades the row's largest block moves up so that its largest element still fits the target."""
+    return int(math.floor(math.log2(target(fmt).max / fmt.max)))
+
+
+def foldable(fmt, granularity) -> bool:
+    """Whether an operand of this format and granularity folds (MX: E8M0 scales per 1 x N block)."""
+    return (granularity.kind is GranularityKind.MX and granularity.block_rows == 1
+            and F.get(fmt) in ELEMENTS)
+
+
+def _check(q: QuantizedTensor) -> None:
+    if not isinstance(q, QuantizedTensor) or not foldable(q.fmt, q.granularity) or q.global_scale is not None:
+        got = q if not isinstance(q, QuantizedTensor) else f"{q.fmt.name} with {q.granularity}"
+        fail("q", "an MX operand (E4M3, E5M2, FP6 or FP4 elements, E8M0 scales per 1 x N block)", got)
+
+
+def exponents(scale: torch.Tensor) -> torch.Tensor:
+    """int32 ``log2`` of power-of-two float32 scales (E8M0's, 2^-127 included), from their bits; NaN -> -1000."""
+    bits = scale.view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    e = torch.where(biased == 0, torch.full_like(biased, -127), biased - 127)  # 2^-127: FP32's one subnormal here
+    return torch.where(scale.isnan(), torch.full_like(e, -1000), e)
+
+
+def row_exponents(e: torch.Tensor, h: int) -> torch.Tensor:
+    """``(M,)`` int32: each row's largest block exponent minus ``h`` (0 for a row of NaN blocks only)."""
+    top = e.amax(dim=1)
+    return torch.where(top == -1000, torch.zeros_like(top), top - h)
+
+
+def fold_reference(q: QuantizedTensor) -> QuantizedTensor:
+    """``q`` (MX) as a row-wise FP8 operand: see [Note: folding MX blocks into rows]. Pure torch."""
+    _check(q)
+    tgt, h = target(q.fmt), headroom(q.fmt)
+    e = exponents(q.scale)  # (M, KB)
+    r = row_exponents(e, h)  # (M,)
+    shift = (e - r[:, None]).clamp(min=MIN_SHIFT)  # (M, KB); NaN blocks: far below, made NaN next
+    factor = torch.ldexp(torch.ones_like(q.scale), shift)
+    factor = torch.where(q.scale.isnan(), torch.full_like(factor, math.nan), factor)
+    m, kb = q.scale.shape
+    v = q.values().view(m, kb, -1) * factor[:, :, None]  # exact: a power of two times a few bits, normal
+    codes = v.view(q.data.shape).to(tgt.torch_dtype)  # nearest-even onto the target's grid, never past its max
+    scale = torch.ldexp(torch.ones(m, 1, dtype=torch.float32, device=q.data.device), r[:, None])  # (M, 1)
+    return QuantizedTensor(codes, scale, tgt, rowwise(), q.shape, q.dtype)
+
+
+def fold(q: QuantizedTensor, backend: str | Backend | None = None) -> QuantizedTensor:
+    """``q`` (MX) as a row-wise FP8 operand, on the route the device takes (``backend`` forces one)."""
+    _check(q)
+    if fold_backend(q.data.device, compiling=torch.compiler.is_compiling(), backend=backend) is Backend.TRITON:
+        from lowprec.kernels.triton_fold import fold_triton  # Triton: imported where it runs
+
+        return fold_triton(q, target(q.fmt), headroom(q.fmt), MIN_SHIFT)
+    return fold_reference(q)
+
+
+_CHECKED: dict[torch.device, bool] = {}
+"""Per device: whether folded GEMMs ran and equalled the emulation on first use."""
+
+
+def _problem(device: torch.device, fmt: str) -> tuple[QuantizedTensor, QuantizedTensor]:
+    """Two MX operands whose folding is exact: small integers times powers of two, blocks up to four binades
+    apart, K not a multiple of 128."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    m, n, k = 48, 40, 160
+    ints = torch.randint(-3, 4, (m + n, k), generator=g).float()
+    blocks = 2.0 ** torch.randint(-2, 3, (m + n, k // 32), generator=g).float()
+    x = (ints.view(m + n, k // 32, 32) * blocks[:, :, None]).view(m + n, k).to(device)
+    return quantize(x[:m], fmt, mx(32)), quantize(x[m:], fmt, mx(32))
+
+
+CHECK_TOLERANCE = 2.0 ** -9
+"""What the first-use check accepts, per unit of ``|A| |B|^T``: the tensor cores' accumulation inside a K
+step (about 14 bits kept, DeepSeek-V3 measured) over a few steps; a misread scale or layout is off by
+whole units."""
+
+
+def checked(device: torch.device, gemm, emulated) -> bool:
+    """Whether folded GEMMs run on ``device``: the first time, ``gemm(a, b)`` (the folded GEMM, FP32 output)
+    must agree with ``emulated(a, b)``, within :data:`CHECK_TOLERANCE`, on problems whose folding is exact,
+    for E4M3 and E2M1 operands; if it fails or differs, a one-line warning, and MX GEMMs stay emulated there."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _CHECKED:
+        _CHECKED[device] = _self_check(device, gemm, emulated)
+    return _CHECKED[device]
+
+
+def self_check_error(device: torch.device, gemm, emulated, fmt: str) -> float:
+    """The folded GEMM's largest difference from the emulation on the check's problem in ``fmt``, per unit
+    of ``|A| |B|^T`` (0 where the device sums exactly)."""
+    a, b = _problem(device, fmt)
+    m, n = a.shape[0], b.shape[0]
+    want, got = emulated(a, b)[:m, :n], gemm(a, b)[:m, :n]  # the GEMMs' outputs may carry padding
+    scale = a.dequantize(torch.float32).abs() @ b.dequantize(torch.float32).abs().t()
+    return ((got - want).abs() / scale.clamp(min=1e-30)).max().item()
+
+
+def _self_check(device: torch.device, gemm, emulated) -> bool:
+    for fmt in ("e4m3", "e2m1"):
+        try:
+            err = self_check_error(device, gemm, emulated, fmt)
+        except (RuntimeError, NotImplementedError) as e:
+            warnings.warn(f"lowprec: MX GEMMs on folded FP8 operands fail on {device} ({str(e).splitlines()[0]}); "
+                          "MX GEMMs stay emulated there", stacklevel=5)
+            return False
+        if not err <= CHECK_TOLERANCE:
+            warnings.warn(f"lowprec: MX GEMMs on folded FP8 operands differ from the emulation on {device} ({fmt}: "
+                          f"by {err:.3g} of |A||B|^T, more than {CHECK_TOLERANCE:.3g}); MX GEMMs stay emulated there",
+                          stacklevel=5)
+            return False
+    return True
+
+
+def fold_status() -> dict[str, bool]:
+    """Each device checked so far and whether its folded GEMMs passed (for ``lowprec info``)."""
+    return {str(d): ok for d, ok in _CHECKED.items()}
+
+
+__all__ = ["ELEMENTS", "checked", "exponents", "fold", "fold_reference", "fold_status", "foldable", "headroom",
+           "self_check_error", "target"]
