@@ -2,13 +2,15 @@
 
     python benchmarks/bench_gemm.py --out results/
 
-For each shape ``(M tokens) x (K in) -> (N out)`` of a Llama-3-8B layer and each recipe's forward
-operands, quantizes both operands (outside the timing), checks ``scaled_mm`` against the FP32 GEMM
+For each shape ``(M tokens) x (K in) -> (N out)`` of a Llama-3-8B layer, and 8192^3, and each recipe's
+forward operands (MX: folded to row scales on FP8 tensor cores, the folding timed with the GEMM; and
+emulated), quantizes both operands (outside the timing), checks ``scaled_mm`` against the FP32 GEMM
 of the dequantized operands (SQNR), and times it beside ``torch.mm`` in BF16, in one process.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from _common import DEVICE, bench_ms, environment, print_table, sqnr, write_json
@@ -26,10 +28,43 @@ RECIPES = {
     "fp8 1x128 x 128x128 emulated": ("e4m3", blockwise(1, 128), "e4m3", blockwise(128, 128), False, "emulated"),
     "fp8 1x128 x 1x128 (wgrad)": ("e4m3", blockwise(1, 128), "e4m3", blockwise(1, 128), False, None),
     "fp8 1x128 x 1x128 emulated": ("e4m3", blockwise(1, 128), "e4m3", blockwise(1, 128), False, "emulated"),
-    "mxfp8 (emulated)": ("e4m3", mx(32, "ceil"), "e4m3", mx(32, "ceil"), False, None),
-    "mxfp4 (emulated)": ("e2m1", mx(32, "ceil"), "e2m1", mx(32, "ceil"), False, None),
+    "mxfp8": ("e4m3", mx(32, "ceil"), "e4m3", mx(32, "ceil"), False, None),
+    "mxfp8 emulated": ("e4m3", mx(32, "ceil"), "e4m3", mx(32, "ceil"), False, "emulated"),
+    "mxfp4": ("e2m1", mx(32, "ceil"), "e2m1", mx(32, "ceil"), False, None),
+    "mxfp4 emulated": ("e2m1", mx(32, "ceil"), "e2m1", mx(32, "ceil"), False, "emulated"),
     "nvfp4 (emulated)": ("e2m1", nvfp4(16), "e2m1", nvfp4(16, True), False, None),
 }
+SQUARE = 8192
+"""The MX issue's GEMM target: 8192^3."""
+
+
+def check_fold() -> dict:
+    """The Triton fold against the reference, bit for bit, for every MX element format (a NaN's sign aside),
+    and the folded GEMM's first-use check on this device (its error per unit of |A||B|^T)."""
+    from lowprec.kernels import fold as FD
+    from lowprec.kernels.first_use import relative_error
+    from lowprec.kernels.gemm import _emulated, _folded
+
+    out = {}
+    for fmt in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"):
+        x = torch.randn(1000, 4096, device=DEVICE) * torch.logspace(-12, 12, 4096, base=2, device=DEVICE)
+        q = quantize(x, fmt, mx(32, "ceil"))
+        a, b = FD.fold(q, backend="triton"), FD.fold_reference(q)
+        nan = a.values().isnan()
+        same = torch.equal(nan, b.values().isnan()) and torch.equal(a.scale, b.scale) and torch.equal(
+            a.data.view(torch.uint8)[~nan], b.data.view(torch.uint8)[~nan])
+        out[f"triton fold == reference ({fmt})"] = same
+
+        def folded(data, scale, q=q):  # the reference's ops as a compiled graph runs them
+            r = FD.fold_reference(dataclasses.replace(q, data=data, scale=scale))
+            return r.data.view(torch.uint8), r.scale
+
+        c_data, c_scale = torch.compile(folded)(q.data, q.scale)
+        out[f"compiled fold == reference ({fmt})"] = torch.equal(c_scale, b.scale) and torch.equal(
+            c_data[~nan], b.data.view(torch.uint8)[~nan])
+    for name, a, b in FD.CHECK.problems(torch.device(DEVICE)):
+        out[f"first-use check error ({name})"] = relative_error(a, b, _folded, _emulated)
+    return out
 
 
 def run_shape(m: int, k: int, n: int) -> list[dict]:
@@ -130,18 +165,21 @@ def main() -> None:
     if args.probes_only:
         write_json(args.out, "bench_gemm_probes.json", {"env": env, "probes": probes})
         return
+    fold = check_fold()
+    print(fold, flush=True)
     results, rows = {}, []
-    for shape, (k, n) in SHAPES.items():
-        res = run_shape(args.tokens, k, n)
+    shapes = {name: (args.tokens, k, n) for name, (k, n) in SHAPES.items()} | {"8192^3": (SQUARE,) * 3}
+    for shape, (m, k, n) in shapes.items():
+        res = run_shape(m, k, n)
         results[shape] = res
         for r in res:
-            rows.append([shape, f"{args.tokens}x{k}x{n}", r["recipe"], r.get("backend", "torch.mm"),
+            rows.append([shape, f"{m}x{k}x{n}", r["recipe"], r.get("backend", "torch.mm"),
                          f"{r['tflops']:.0f}" if "tflops" in r else r.get("error", "")[:40],
                          f"{r['vs_bf16']:.2f}x" if "vs_bf16" in r else "-",
                          f"{r['sqnr_db']:.1f}" if r.get("sqnr_db") is not None else "-"])
-    write_json(args.out, "bench_gemm.json", {"env": env, "tokens": args.tokens, "probes": probes,
+    write_json(args.out, "bench_gemm.json", {"env": env, "tokens": args.tokens, "probes": probes, "fold": fold,
                                              "results": results})
-    print(f"\n{env}")
+    print(f"\n{env}\n{fold}")
     print_table("scaled GEMMs (out BF16)", ["layer", "MxKxN", "recipe", "backend", "TFLOP/s", "vs BF16", "SQNR dB"],
                 rows)
 

@@ -29,21 +29,22 @@ NaN or infinite elements stay NaN or infinite.
 A GEMM of folded operands (``GemmPath.FOLDED`` in ``lowprec.kernels.gemm``) therefore differs from the
 emulation by that rounding of tiny elements and by the tensor cores' accumulation; where every element
 folds exactly and every partial sum is representable it equals the emulation bit for bit, which is what
-it checks on a device's first use (:func:`checked`). :func:`fold` runs a Triton kernel eagerly on a CUDA
-device with Triton (``kernels.triton_fold``, bit-exact with :func:`fold_reference`), and the reference's
-elementwise ops elsewhere and in compiled code, where the compiler fuses them.
+it checks on a device's first use (:data:`CHECK`, see [Note: GEMM paths that check themselves]).
+:func:`fold` runs a Triton kernel eagerly on a CUDA device with Triton (``kernels.triton_fold``, bit-exact
+with :func:`fold_reference`), and the reference's elementwise ops elsewhere and in compiled code, where the
+compiler fuses them.
 """
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
 from lowprec import formats as F
 from lowprec._checks import fail
+from lowprec.kernels.first_use import FirstUseCheck, integer_operands
 from lowprec.kernels.route import Backend, fold_backend
-from lowprec.quant import GranularityKind, QuantizedTensor, mx, quantize, rowwise
+from lowprec.quant import GranularityKind, QuantizedTensor, mx, rowwise
 
 E4M3, E5M2 = F.get("e4m3"), F.get("e5m2")
 ELEMENTS = tuple(F.get(n) for n in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
@@ -115,68 +116,18 @@ def fold(q: QuantizedTensor, backend: str | Backend | None = None) -> QuantizedT
     return fold_reference(q)
 
 
-_CHECKED: dict[torch.device, bool] = {}
-"""Per device: whether folded GEMMs ran and equalled the emulation on first use."""
+def _problems(device: torch.device) -> list[tuple[str, QuantizedTensor, QuantizedTensor]]:
+    """E4M3 and E2M1 operands whose folding is exact (blocks up to four binades apart), K not a multiple of 128."""
+    return [(fmt, *integer_operands(device, fmt, mx(32))) for fmt in ("e4m3", "e2m1")]
 
 
-def _problem(device: torch.device, fmt: str) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """Two MX operands whose folding is exact: small integers times powers of two, blocks up to four binades
-    apart, K not a multiple of 128."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    m, n, k = 48, 40, 160
-    ints = torch.randint(-3, 4, (m + n, k), generator=g).float()
-    blocks = 2.0 ** torch.randint(-2, 3, (m + n, k // 32), generator=g).float()
-    x = (ints.view(m + n, k // 32, 32) * blocks[:, :, None]).view(m + n, k).to(device)
-    return quantize(x[:m], fmt, mx(32)), quantize(x[m:], fmt, mx(32))
-
-
-CHECK_TOLERANCE = 2.0 ** -9
-"""What the first-use check accepts, per unit of ``|A| |B|^T``: the tensor cores' accumulation inside a K
-step (about 14 bits kept, DeepSeek-V3 measured) over a few steps; a misread scale or layout is off by
-whole units."""
+CHECK = FirstUseCheck("MX GEMMs on folded FP8 operands", "MX GEMMs stay emulated there", _problems)
+"""The folded GEMM's first-use check (see [Note: GEMM paths that check themselves])."""
 
 
 def checked(device: torch.device, gemm, emulated) -> bool:
-    """Whether folded GEMMs run on ``device``: the first time, ``gemm(a, b)`` (the folded GEMM, FP32 output)
-    must agree with ``emulated(a, b)``, within :data:`CHECK_TOLERANCE`, on problems whose folding is exact,
-    for E4M3 and E2M1 operands; if it fails or differs, a one-line warning, and MX GEMMs stay emulated there."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _CHECKED:
-        _CHECKED[device] = _self_check(device, gemm, emulated)
-    return _CHECKED[device]
+    """Whether folded GEMMs run on ``device`` (``gemm``: the folded GEMM, ``emulated``: the reference)."""
+    return CHECK.checked(device, gemm, emulated)
 
 
-def self_check_error(device: torch.device, gemm, emulated, fmt: str) -> float:
-    """The folded GEMM's largest difference from the emulation on the check's problem in ``fmt``, per unit
-    of ``|A| |B|^T`` (0 where the device sums exactly)."""
-    a, b = _problem(device, fmt)
-    m, n = a.shape[0], b.shape[0]
-    want, got = emulated(a, b)[:m, :n], gemm(a, b)[:m, :n]  # the GEMMs' outputs may carry padding
-    scale = a.dequantize(torch.float32).abs() @ b.dequantize(torch.float32).abs().t()
-    return ((got - want).abs() / scale.clamp(min=1e-30)).max().item()
-
-
-def _self_check(device: torch.device, gemm, emulated) -> bool:
-    for fmt in ("e4m3", "e2m1"):
-        try:
-            err = self_check_error(device, gemm, emulated, fmt)
-        except (RuntimeError, NotImplementedError) as e:
-            warnings.warn(f"lowprec: MX GEMMs on folded FP8 operands fail on {device} ({str(e).splitlines()[0]}); "
-                          "MX GEMMs stay emulated there", stacklevel=5)
-            return False
-        if not err <= CHECK_TOLERANCE:
-            warnings.warn(f"lowprec: MX GEMMs on folded FP8 operands differ from the emulation on {device} ({fmt}: "
-                          f"by {err:.3g} of |A||B|^T, more than {CHECK_TOLERANCE:.3g}); MX GEMMs stay emulated there",
-                          stacklevel=5)
-            return False
-    return True
-
-
-def fold_status() -> dict[str, bool]:
-    """Each device checked so far and whether its folded GEMMs passed (for ``lowprec info``)."""
-    return {str(d): ok for d, ok in _CHECKED.items()}
-
-
-__all__ = ["ELEMENTS", "checked", "exponents", "fold", "fold_reference", "fold_status", "foldable", "headroom",
-           "self_check_error", "target"]
+__all__ = ["CHECK", "ELEMENTS", "checked", "exponents", "fold", "fold_reference", "foldable", "headroom", "target"]

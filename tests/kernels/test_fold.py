@@ -205,20 +205,22 @@ def test_a_folded_gemm_is_within_the_stated_bound_of_the_emulation(pair):
 
 
 def test_the_first_use_check_passes_here_and_refuses_a_wrong_gemm():
+    from lowprec.kernels.first_use import relative_error
     from lowprec.kernels.gemm import _emulated, _folded
 
     cpu = torch.device("cpu")
-    assert FD.self_check_error(cpu, _folded, _emulated, "e4m3") == 0.0
-    assert FD.self_check_error(cpu, _folded, _emulated, "e2m1") == 0.0
-    assert FD._self_check(cpu, _folded, _emulated) is True
+    for name, a, b in FD.CHECK.problems(cpu):
+        assert relative_error(a, b, _folded, _emulated) == 0.0, name
+    assert FD.CHECK.run(cpu, _folded, _emulated) is True
     with pytest.warns(UserWarning, match=r"differ from the emulation on cpu \(e4m3: by .* of \|A\|\|B\|\^T"):
-        assert FD._self_check(cpu, lambda a, b: _folded(a, b) * 1.01, _emulated) is False
+        assert FD.CHECK.run(cpu, lambda a, b: _folded(a, b) * 1.01, _emulated) is False
 
     def broken(a, b):
         raise RuntimeError("no kernel\nmore")
 
     with pytest.warns(UserWarning, match=r"fail on cpu \(no kernel\); MX GEMMs stay emulated there"):
-        assert FD._self_check(cpu, broken, _emulated) is False
+        assert FD.CHECK.run(cpu, broken, _emulated) is False
+    assert FD.CHECK.state(cpu) is None  # run() decides nothing for the process; checked() remembers
 
 
 def test_a_linear_trains_folded_within_the_bound_of_the_emulated_one(monkeypatch):
