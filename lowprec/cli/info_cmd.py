@@ -17,6 +17,7 @@ from lowprec import recipes as R
 from lowprec._table import format_table
 from lowprec.cli.app import main
 from lowprec.kernels.capability import Capability, capability
+from lowprec.kernels.gemm import check_paths, first_use_check
 from lowprec.plan.devices import library_versions, local_devices
 from lowprec.plan.gemm_paths import gemm_paths, path_word
 
@@ -38,15 +39,41 @@ def devices_section() -> Section:
     return Section("devices", ("device", "name", "capability", "memory GB", "native"), tuple(rows))
 
 
+_STATES = {None: "unchecked", True: "checked on this device", False: "failed its check"}
+
+
+def _word(recipe: R.Recipe, gemm: str, p, device: str, cap: Capability) -> str:
+    """:func:`path_word`, on a GPU with the outcome of the first-use check its path takes there, if any (see
+    [Note: GEMM paths that check themselves]: folded MX GEMMs, Blackwell's block-scaled ones)."""
+    word = path_word(p)
+    g: R.Gemm = getattr(recipe, gemm)
+    check = first_use_check(g.lhs.fmt, g.lhs.granularity, g.rhs.fmt, g.rhs.granularity, cap) if g.low_precision \
+        else None
+    if check is None or device == "cpu":
+        return word
+    state = _STATES[check.state(torch.device(device))]
+    return word[:-1] + f", {state})" if word.endswith(")") else f"{word} ({state})"
+
+
 def recipe_rows(device: str, cap: Capability) -> list[tuple[str, ...]]:
     """One row per preset recipe: how its fprop, dgrad and wgrad run on ``cap``'s device."""
-    return [(device, name, *(path_word(p) for p in gemm_paths(R.get(name), cap))) for name in R.names()]
+    rows = []
+    for name in R.names():
+        recipe = R.get(name)
+        words = (_word(recipe, g, p, device, cap) for g, p in zip(R.GEMMS, gemm_paths(recipe, cap)))
+        rows.append((device, name, *words))
+    return rows
+
+
+def gpus() -> list[str]:
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
 
 
 def recipe_paths_section() -> Section:
-    """Per recipe and device: the path each GEMM takes (native tensor cores; emulated = exact quantized
-    values through a high-precision GEMM; hp = no low-precision operands)."""
-    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    """Per recipe and device: the path each GEMM takes (native tensor cores; folded = MX operands on FP8
+    tensor cores; emulated = exact quantized values through a high-precision GEMM; hp = no low-precision
+    operands), with a self-checking path's outcome on a GPU."""
+    devices = ["cpu", *gpus()]
     rows = [row for dev in devices for row in recipe_rows(dev, capability(dev))]
     return Section("recipe paths", ("device", "recipe", *R.GEMMS), tuple(rows))
 
@@ -61,8 +88,13 @@ def info_sections() -> list[Section]:
 
 @main.command("info")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
-def info_cmd(as_json: bool) -> None:
+@click.option("--check", is_flag=True, help="Run the first-use checks of the GEMM paths that check themselves "
+                                           "(folded MX, Blackwell's block-scaled) on this machine's GPUs first.")
+def info_cmd(as_json: bool, check: bool) -> None:
     """This machine's devices, what each runs natively, each recipe's GEMM paths, library versions."""
+    if check:
+        for dev in gpus():
+            check_paths(dev)
     sections = info_sections()
     if as_json:
         data = {s.title: [dict(zip(s.headers, r)) for r in s.rows] for s in sections}

@@ -125,9 +125,4 @@ CHECK = FirstUseCheck("MX GEMMs on folded FP8 operands", "MX GEMMs stay emulated
 """The folded GEMM's first-use check (see [Note: GEMM paths that check themselves])."""
 
 
-def checked(device: torch.device, gemm, emulated) -> bool:
-    """Whether folded GEMMs run on ``device`` (``gemm``: the folded GEMM, ``emulated``: the reference)."""
-    return CHECK.checked(device, gemm, emulated)
-
-
-__all__ = ["CHECK", "ELEMENTS", "checked", "exponents", "fold", "fold_reference", "foldable", "headroom", "target"]
+__all__ = ["CHECK", "ELEMENTS", "exponents", "fold", "fold_reference", "foldable", "headroom", "target"]

@@ -2,7 +2,8 @@
 
 Backends:
 * ``cublas``: ``torch._scaled_mm`` on FP8 tensor cores (per-tensor and row-wise scales; 1x128 x
-  128x128 and 1x128 x 1x128 block scales on sm90);
+  128x128 and 1x128 x 1x128 block scales on sm90), and on Blackwell's block-scaled tensor cores for MX and
+  NVFP4 pairs (sm100 and later: ``kernels.blackwell``, checked on first use, never run in this project yet);
 * ``folded``: MX operands (E8M0 block scales) folded to one power-of-two scale per row, then
   ``torch._scaled_mm`` row-wise on FP8 tensor cores (see [Note: folding MX blocks into rows] in
   ``lowprec.kernels.fold``), where the device has FP8 tensor cores and passed the first-use check;
@@ -22,13 +23,19 @@ import torch
 
 from lowprec import formats as F
 from lowprec._checks import fail
+from lowprec.kernels import blackwell
+from lowprec.kernels.blackwell import native_pair
 from lowprec.kernels.capability import Capability, capability
-from lowprec.kernels.fold import checked, fold, foldable, target
+from lowprec.kernels.first_use import FirstUseCheck
+from lowprec.kernels.fold import CHECK as FOLD_CHECK
+from lowprec.kernels.fold import fold, foldable, target
 from lowprec.kernels.route import Backend, emulated_operand_backend
 from lowprec.quant import Granularity, GranularityKind, QuantizedTensor
 
 E4M3, E5M2 = F.get("e4m3"), F.get("e5m2")
 TENSOR, ROW, BLOCK = GranularityKind.TENSOR, GranularityKind.ROW, GranularityKind.BLOCK
+BLOCK_SCALED = (GranularityKind.MX, GranularityKind.NVFP4)
+"""Operands whose scales change along K in blocks the Blackwell tensor cores read (``kernels.blackwell``)."""
 
 
 def _blocks(g: Granularity) -> tuple[int | None, int | None]:
@@ -57,11 +64,14 @@ class GemmPath(str, enum.Enum):
 
 
 def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, cap: Capability) -> GemmPath:
-    """``CUBLAS`` where the device has a native GEMM for this pair of operand casts, ``FOLDED`` for MX pairs
-    on FP8 tensor cores, else ``EMULATED``."""
+    """``CUBLAS`` where the device has a native GEMM for this pair of operand casts (MX and NVFP4 on
+    Blackwell's block-scaled tensor cores included), ``FOLDED`` for MX pairs on other FP8 tensor cores, else
+    ``EMULATED``."""
     a, b = F.get(lhs_fmt), F.get(rhs_fmt)
     if not cap.fp8_gemm:
         return GemmPath.EMULATED
+    if cap.mx_gemm and native_pair(a, lhs_gran, b, rhs_gran):
+        return GemmPath.CUBLAS  # Blackwell's block-scaled tensor cores, checked on first use
     if foldable(a, lhs_gran) and foldable(b, rhs_gran) and not (target(a) is E5M2 and target(b) is E5M2):
         return GemmPath.FOLDED
     if a not in (E4M3, E5M2) or b not in (E4M3, E5M2):
@@ -73,6 +83,28 @@ def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, ca
     if cap.blockwise_fp8_gemm and _deepseek(lhs_gran, rhs_gran):
         return GemmPath.CUBLAS
     return GemmPath.EMULATED
+
+
+def first_use_check(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity,
+                    cap: Capability) -> FirstUseCheck | None:
+    """The check the path of this pair on ``cap``'s device must pass on its first use there (folded MX GEMMs,
+    Blackwell's block-scaled ones), or None for a path that needs none."""
+    path = gemm_path(lhs_fmt, lhs_gran, rhs_fmt, rhs_gran, cap)
+    if path is GemmPath.FOLDED:
+        return FOLD_CHECK
+    if path is GemmPath.CUBLAS and lhs_gran.kind in BLOCK_SCALED:
+        return blackwell.CHECK
+    return None
+
+
+def check_paths(device: torch.device | str) -> None:
+    """Run now, on ``device``, the first-use checks of the paths its GEMMs may take (``lowprec info --check``)."""
+    device = torch.device(device)
+    cap = capability(device)
+    if cap.fp8_gemm:
+        FOLD_CHECK.checked(device, _folded, _emulated)
+    if cap.mx_gemm:
+        blackwell.CHECK.checked(device, _cublas, _emulated)
 
 
 def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> GemmPath:
@@ -112,7 +144,10 @@ def blockwise_operands(a: QuantizedTensor, b: QuantizedTensor) -> tuple[torch.Te
     return a_data, sa.t().contiguous().t(), b_data, sb  # a's scales (M, K/128), outer-dim-major
 
 
-def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32,
+            fast_accum: bool = False) -> torch.Tensor:
+    if a.granularity.kind in BLOCK_SCALED:
+        return blackwell.block_scaled_mm(a, b, out_dtype)
     if _blocks(a.granularity) == (1, 128):
         a_data, sa, b_data, sb = blockwise_operands(a, b)
     else:
@@ -196,7 +231,12 @@ def scaled_mm(
     if backend not in (GemmPath.CUBLAS, GemmPath.FOLDED, GemmPath.EMULATED):  # a str enum: "cublas" is CUBLAS
         fail("backend", "'cublas', 'folded' or 'emulated'", repr(backend))
     backend = GemmPath(backend)
-    if backend is GemmPath.FOLDED and a.data.device.type == "cuda" and not checked(a.data.device, _folded, _emulated):
+    device = a.data.device
+    if backend is GemmPath.CUBLAS and a.granularity.kind in BLOCK_SCALED and device.type == "cuda" \
+            and not blackwell.CHECK.checked(device, _cublas, _emulated):  # the first-use check failed, and said so
+        folds = foldable(a.fmt, a.granularity) and foldable(b.fmt, b.granularity)
+        backend = GemmPath.FOLDED if folds and not (target(a.fmt) is target(b.fmt) is E5M2) else GemmPath.EMULATED
+    if backend is GemmPath.FOLDED and device.type == "cuda" and not FOLD_CHECK.checked(device, _folded, _emulated):
         backend = GemmPath.EMULATED  # the device's first-use check failed, and said so
     if backend is GemmPath.CUBLAS:
         out = _cublas(a, b, out_dtype, fast_accum)

@@ -118,9 +118,34 @@ def test_info_describes_a_cuda_device_and_the_path_each_gemm_takes_there(fake_cu
     paths = {(p["device"], p["recipe"]): (p["fprop"], p["dgrad"], p["wgrad"]) for p in data["recipe paths"]}
     # Hopper: FP8 (per tensor, per row, DeepSeek blocks) on its tensor cores; MX folded to row scales on them;
     # NVFP4 emulated through BF16 GEMMs; the CPU emulates all, in FP32
-    assert paths["cuda:0", "fp8-blockwise"] == ("native",) * 3 and paths["cuda:0", "mxfp8"] == ("folded (fp8)",) * 3
+    assert paths["cuda:0", "fp8-blockwise"] == ("native",) * 3
+    assert paths["cuda:0", "mxfp8"] == ("folded (fp8, unchecked)",) * 3  # its first-use check has not run
     assert paths["cuda:0", "nvfp4"] == ("emulated (bf16)",) * 3
     assert paths["cpu", "fp8-current"] == ("emulated (fp32)",) * 3 and paths["cuda:0", "bf16"] == ("hp",) * 3
+
+
+def test_info_says_whether_a_self_checking_path_passed_its_check_on_each_gpu(fake_cuda, monkeypatch):
+    from lowprec.kernels import blackwell as BW
+    from lowprec.kernels import fold as FD
+
+    fake_cuda(("NVIDIA H100 80GB HBM3", (9, 0), 85.0), ("NVIDIA B200", (10, 0), 180.0))
+    monkeypatch.setattr(FD.CHECK, "_done", {})
+    monkeypatch.setattr(BW.CHECK, "_done", {})
+
+    def paths():
+        data = json.loads(_run("info", "--json").output)
+        return {(p["device"], p["recipe"]): (p["fprop"], p["dgrad"]) for p in data["recipe paths"]}
+
+    before = paths()
+    assert before["cuda:0", "mxfp8"] == ("folded (fp8, unchecked)",) * 2
+    assert before["cuda:1", "nvfp4"] == ("native (unchecked)",) * 2
+    assert before["cuda:0", "fp8-current"] == ("native",) * 2 and before["cpu", "mxfp8"] == ("emulated (fp32)",) * 2
+    monkeypatch.setattr(FD.CHECK, "run", lambda device, gemm, emulated: True)
+    monkeypatch.setattr(BW.CHECK, "run", lambda device, gemm, emulated: device.index != 1)
+    assert _run("info", "--check").exit_code == 0
+    after = paths()
+    assert after["cuda:0", "mxfp4"] == ("folded (fp8, checked on this device)",) * 2
+    assert after["cuda:1", "mxfp8"] == ("native (failed its check)",) * 2
 
 
 def test_the_cost_is_in_dollars_at_the_price_per_gpu_hour():

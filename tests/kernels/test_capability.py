@@ -10,14 +10,15 @@ from lowprec.kernels.native import native_gemms
 
 FP8 = {"fp8 per tensor", "fp8 per row"}
 BLOCKWISE = {"fp8 1x128 blocks"}
+BLOCK_SCALED = {"mxfp8", "mxfp4", "nvfp4"}
 AMPERE = {"fp16", "bf16", "tf32"}
 
 
 # What each architecture's tensor cores take, from NVIDIA's architecture whitepapers: FP16 from
 # Volta, BF16/TF32 from Ampere, FP8 from Ada/Hopper, MX and NVFP4 block scaling from Blackwell;
 # cuBLAS's 1x128/128x128 block-scaled FP8 through torch._scaled_mm on Hopper only. lowprec runs FP8
-# natively where the hardware has it and no block-scaled MX/NVFP4 GEMM yet, so those are emulated on
-# Blackwell too.
+# natively where the hardware has it, and MXFP8, MXFP4 and NVFP4 on Blackwell's block-scaled tensor cores
+# (checked on first use; MXFP6 has no torch._scaled_mm path).
 @pytest.mark.parametrize("sm, hp, native, blockwise, mx", [
     ((6, 1), set(), set(), False, False),
     ((7, 0), {"fp16"}, set(), False, False),
@@ -26,9 +27,9 @@ AMPERE = {"fp16", "bf16", "tf32"}
     ((8, 6), AMPERE, set(), False, False),
     ((8, 9), AMPERE, FP8, False, False),
     ((9, 0), AMPERE, FP8 | BLOCKWISE, True, False),
-    ((10, 0), AMPERE, FP8, False, True),
-    ((10, 3), AMPERE, FP8, False, True),
-    ((12, 0), AMPERE, FP8, False, True),
+    ((10, 0), AMPERE, FP8 | BLOCK_SCALED, False, True),
+    ((10, 3), AMPERE, FP8 | BLOCK_SCALED, False, True),
+    ((12, 0), AMPERE, FP8 | BLOCK_SCALED, False, True),
 ])
 def test_formats_by_compute_capability(sm, hp, native, blockwise, mx):
     cap = cuda_capability(sm)
@@ -48,7 +49,7 @@ def test_a_present_device_is_looked_up_by_the_same_rule(fake_cuda):
     h100, b200 = capability(torch.device("cuda", 0)), capability("cuda:1")
     assert h100.name == "NVIDIA H100 80GB HBM3" and h100.sm == (9, 0)
     assert set(native_gemms(h100)) == FP8 | BLOCKWISE and h100.blockwise_fp8_gemm
-    assert set(native_gemms(b200)) == FP8 and b200.mx_gemm and not b200.blockwise_fp8_gemm
+    assert set(native_gemms(b200)) == FP8 | BLOCK_SCALED and b200.mx_gemm and not b200.blockwise_fp8_gemm
     assert capability() is h100  # the current device
 
 

@@ -23,8 +23,8 @@ def test_cuda_devices_are_described_by_what_the_kernels_run_there(fake_cuda):
     assert (h100.name, h100.memory_gb) == ("NVIDIA H100 80GB HBM3", pytest.approx(85.0))
     assert a100.native == HP
     assert h100.native == HP + FP8 + ("fp8 1x128 blocks",)
-    # Blackwell's block-scaled tensor cores are not used yet: gemm_path emulates MX, NVFP4 and FP8 blocks there
-    assert b200.native == HP + FP8
+    # Blackwell: MXFP8, MXFP4 and NVFP4 on its block-scaled tensor cores (checked on first use); no FP8 blocks
+    assert b200.native == HP + FP8 + ("mxfp8", "mxfp4", "nvfp4")
 
 
 def test_library_versions_name_the_stack():

@@ -55,8 +55,8 @@ NATIVE, EMULATED, FOLDED = Path.NATIVE, Path.EMULATED, Path.FOLDED
 # everywhere, in BF16 on CUDA (exact there) and FP32 elsewhere or where FP32 block scales are not exact.
 @pytest.mark.parametrize("recipe, gpu, expected", [
     ("nvfp4", "h100", [("nvfp4", 989, EMULATED, "bf16")] * 3),
-    ("nvfp4", "b200", [("nvfp4", 2250, EMULATED, "bf16")] * 3),
-    ("mxfp4", "b200", [("fp8", 4500, FOLDED, None)] * 3),  # no native MX GEMM yet: folded on FP8 tensor cores
+    ("nvfp4", "b200", [("nvfp4", 9000, NATIVE, None)] * 3),  # block-scaled tensor cores, checked on first use
+    ("mxfp4", "b200", [("mxfp4", 9000, NATIVE, None)] + [("mxfp8", 4500, NATIVE, None)] * 2),
     ("fp8-rowwise", "a100", [("fp8", 312, EMULATED, "bf16")] * 3),
     ("fp8-blockwise", "h100", [("fp8", 1979, NATIVE, None)] * 3),
     ("fp8-blockwise", "b200", [("fp8", 80, EMULATED, "fp32")] * 3),
