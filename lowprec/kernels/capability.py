@@ -40,8 +40,8 @@ class Capability:
     blockwise_fp8_gemm: bool
     """DeepSeek-style 1x128 x 128x128 and 1x128 x 1x128 FP8 GEMMs through ``torch._scaled_mm`` (sm90)."""
     mx_gemm: bool
-    """The hardware has MXFP8/MXFP4 and NVFP4 block-scaled tensor cores (sm100 and newer, Blackwell).
-    lowprec has no GEMM on them yet: ``gemm_path`` emulates MX and NVFP4 GEMMs on every device."""
+    """The hardware has MXFP8/MXFP4 and NVFP4 block-scaled tensor cores (sm100 and newer, Blackwell), which
+    ``gemm_path`` sends those recipes' GEMMs to (``kernels.blackwell``, checked on a device's first use)."""
     triton: bool
     """Triton kernels can run on this device."""
 

@@ -6,8 +6,10 @@ GEMM (``cublas``) and emulated where it sends it to ``emulated`` (the exact quan
 a high-precision GEMM of :func:`lowprec.kernels.gemm.emulation_dtype`). A converted layer, the
 conversion report, ``lowprec info``, the planner and the docs' tables all read that one function,
 through :func:`is_native` for a pair of casts or :func:`native_gemms` for a device, so a native path
-added to ``gemm_path`` appears in all of them at once. What the hardware could do
-(``Capability.mx_gemm``: Blackwell's block-scaled tensor cores) is not what lowprec does with it.
+added to ``gemm_path`` appears in all of them at once. A native path that checks itself on first use
+(Blackwell's block-scaled GEMMs, [Note: GEMM paths that check themselves]) is native here; ``lowprec info``
+adds each device's check outcome. MX operands folded to row scales on FP8 tensor cores are not native
+(``GemmPath.FOLDED``: the tensor cores multiply FP8, not MX).
 """
 from __future__ import annotations
 
