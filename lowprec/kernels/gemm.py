@@ -97,6 +97,13 @@ def first_use_check(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granulari
     return None
 
 
+def folded_runs(device: torch.device | str) -> bool:
+    """Whether folded GEMMs run on ``device`` outside :func:`scaled_mm` (the experts' grouped GEMMs): a CUDA
+    device whose first-use check passed (run now if it has not)."""
+    device = torch.device(device)
+    return device.type == "cuda" and FOLD_CHECK.checked(device, _folded, _emulated)
+
+
 def check_paths(device: torch.device | str) -> None:
     """Run now, on ``device``, the first-use checks of the paths its GEMMs may take (``lowprec info --check``)."""
     device = torch.device(device)

@@ -12,13 +12,15 @@ that received no token casts nothing (the casts take no empty tensor) and its gr
 
 How the experts run (the values above hold on every path):
 
-* recipes whose casts are all per tensor or all per row (``fp8-current``, ``fp8-rowwise``): every
-  operand's casts are made for all experts at once (see [Note: batched per-expert casts] in
-  ``lowprec.nn.grouped_casts``; the same bits as expert by expert), and each GEMM whose operands are
-  E4M3 runs as one ``torch._scaled_grouped_mm`` on a GPU that checks it on first use (see [Note: one
-  grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``); the other GEMMs, and all of them on
-  the CPU, per expert on views of the batched codes (:class:`BatchedFunction`). A sampled telemetry step
-  takes the loop below, which reports every expert's operands;
+* recipes whose casts are all per tensor, all per row or all MX (``fp8-current``, ``fp8-rowwise``,
+  ``mxfp8``, ``mxfp4``): every operand's casts are made for all experts at once (see [Note: batched
+  per-expert casts] in ``lowprec.nn.grouped_casts``; the same bits as expert by expert), and each GEMM
+  whose operands are E4M3 runs as one ``torch._scaled_grouped_mm`` on a GPU that checks it on first use
+  (see [Note: one grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``); MX forward and
+  input-gradient GEMMs so too where MX GEMMs run folded, every row folded at once (``kernels.fold``); the
+  other GEMMs, and all of them on the CPU, per expert on views of the batched codes
+  (:class:`BatchedFunction`). A sampled telemetry step takes the loop below, which reports every expert's
+  operands;
 * every other recipe: the loop over the experts in :class:`GroupedFunction`, which calls the same plan,
   casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``, ``gemm``) on each expert's rows;
 * no recipe, or BF16 GEMMs: one ``linear`` per expert, or on a GPU one ``torch._grouped_mm``
@@ -49,7 +51,8 @@ from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.autocast import resolve
 from lowprec.kernels import grouped_gemm as GG
-from lowprec.kernels.gemm import GemmPath
+from lowprec.kernels.fold import fold, target
+from lowprec.kernels.gemm import GemmPath, folded_runs
 from lowprec.nn import grouped_casts as GC
 from lowprec.nn.casts import CastState, cast_operand
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
@@ -204,9 +207,12 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
         qx, qx_t = GC.cast_rows(x, g, plan.input, True, need_wgrad)
         qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
         _, n, k = weight.shape
-        if plan.fprop.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt, k, n):
+        y = _folded_rows(qx, qw, g, plan.fprop, out_dtype)
+        if y is None and plan.fprop.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt,
+                                                                                k, n):
             y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(),
                                    g.offsets, out_dtype, plan.fprop.fast_accum)
+        if y is not None:
             return (y + bias[expert].to(out_dtype) if bias is not None else y), qx_t, qw_t
         ys = []
         for e, rows in _slices(counts):
@@ -215,8 +221,25 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
     return torch.cat(ys), qx_t, qw_t
 
 
+def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
+    """``(T, N)``: every expert's MX rows of ``a`` times its ``b`` (``(E, N, K)``), both folded to row scales
+    (see [Note: folding MX blocks into rows] in ``lowprec.kernels.fold``), as one grouped FP8 GEMM; None
+    where the plan's GEMM is not folded or the device does not run the grouped one."""
+    if gp.path is not GemmPath.FOLDED or a.kind != "mx":
+        return None
+    device = a.data.device
+    e, n, kp = b.data.shape
+    if not GG.runs_grouped(GG.ROWS, device, target(a.fmt), target(b.fmt), kp, n) or not folded_runs(device):
+        return None
+    fa, fb = fold(a.mx_all()), fold(b.mx_all())
+    return GG.grouped_by_rows(fa.data, fa.scale.view(-1), fb.data.view(e, n, kp), fb.scale.view(e, n), g.offsets,
+                              dtype, gp.fast_accum)
+
+
 def _pack(c: GC.ExpertCast | None):
-    return ((c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip)) if c is not None else ((None, None), None)
+    if c is None:
+        return (None, None), None
+    return (c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip, c.granularity, c.starts)
 
 
 def _unpack(tensors, meta) -> GC.ExpertCast | None:
@@ -225,6 +248,9 @@ def _unpack(tensors, meta) -> GC.ExpertCast | None:
 
 def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> torch.Tensor:
     """``(T, in)``: every expert's input gradient, grouped where the device runs it."""
+    dx = _folded_rows(qdy, qw_t, g, plan.dgrad, dtype)
+    if dx is not None:
+        return dx
     if plan.dgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
         return GG.grouped_by_rows(qdy.data, qdy.token_scales(g.expert), qw_t.weight_codes(), qw_t.weight_scales(),
                                   g.offsets, dtype, plan.dgrad.fast_accum)

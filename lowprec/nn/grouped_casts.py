@@ -1,4 +1,4 @@
-"""Every expert's casts of one operand in a few kernels, for all experts at once: per tensor and per row.
+"""Every expert's casts of one operand in a few kernels, for all experts at once: per tensor, per row, MX.
 
 [Note: batched per-expert casts]
 A ``GroupedLinear`` casts each expert's operands with scales of its own: under a per-tensor recipe
@@ -21,7 +21,11 @@ experts:
   row-wise cast of all of them (``kernels.quantize``) is every expert's; the weights' rows likewise, and
   ``weight[e].T``'s from one transposed copy of the weights; the tokens' transposed sides take the amax of
   each (expert, feature) pair (the segmented reduction again) and one pass dividing by those scales (on a
-  GPU ``kernels.triton_grouped.columns_by_group``, elsewhere ``quantize`` given a scale per element).
+  GPU ``kernels.triton_grouped.columns_by_group``, elsewhere ``quantize`` given a scale per element);
+- **MX**: blocks run along K within a row, so one MX cast of all token rows (of all weights' rows, of one
+  transposed copy of the weights) is every expert's; the tokens' transposed side (along the tokens) puts
+  each expert's tokens at the start of a whole block, padded with zeros as the expert's own cast pads
+  them, so that one MX cast of that layout never puts two experts in a block.
 
 So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``:
 every side of both kinds, zero-token experts, non-finite values). :meth:`ExpertCast.expert` hands each
@@ -30,7 +34,7 @@ bit; on a GPU the grouped GEMMs of ``lowprec.kernels.grouped_gemm`` read the sam
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -38,28 +42,35 @@ from lowprec import formats as F
 from lowprec.kernels import quantize as routed_quantize
 from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend
 from lowprec.nn.plan import LayerPlan, OperandPlan
-from lowprec.quant import QuantizedTensor, blockwise, quantize, rowwise, tensorwise
+from lowprec.quant import Granularity, QuantizedTensor, blockwise, quantize, rowwise, tensorwise
 from lowprec.quant.granularity import GranularityKind, ScaleRule
 from lowprec.quant.scales import amax_scale
 
-TENSOR, ROW = GranularityKind.TENSOR, GranularityKind.ROW
+TENSOR, ROW, MX = GranularityKind.TENSOR, GranularityKind.ROW, GranularityKind.MX
+
+
+def _batchable(g) -> bool:
+    """Per tensor or per row scaled by the current amax, or MX blocks of one row along K."""
+    if g.kind in (TENSOR, ROW):
+        return g.rule is ScaleRule.AMAX
+    return g.kind is MX and g.block_rows == 1
 
 
 def batched_kind(plan: LayerPlan) -> GranularityKind | None:
-    """``TENSOR`` or ``ROW`` where every cast of ``plan`` is one this module makes (quantized, all per
-    tensor or all per row, scaled by its current amax, rounded to nearest, no Hadamard rotation); None
-    otherwise."""
+    """``TENSOR``, ``ROW`` or ``MX`` where every cast of ``plan`` is one this module makes (quantized, all per
+    tensor, all per row scaled by its current amax, or all MX, rounded to nearest, no Hadamard rotation);
+    None otherwise."""
     kinds = set()
     for op in (plan.input, plan.weight, plan.grad_output):
         if op is None or op.delayed:
             return None
         for c in (op.cast_k, op.cast_t):
             g = c.granularity
-            if (c.fmt is None or g is None or g.rule is not ScaleRule.AMAX or c.hadamard
+            if (c.fmt is None or g is None or not _batchable(g) or c.hadamard
                     or F.as_rounding(c.rounding) is not F.Rounding.NEAREST):
                 return None
             kinds.add(g.kind)
-    return kinds.pop() if len(kinds) == 1 and kinds <= {TENSOR, ROW} else None
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def batches(plan: LayerPlan) -> bool:
@@ -92,6 +103,10 @@ class ExpertCast:
     """The dtype of the tensor cast (what ``dequantize`` gives back)."""
     kind: str
     flip: bool = False
+    granularity: Granularity | None = None
+    """MX sides: the blocks' granularity."""
+    starts: tuple[int, ...] = ()
+    """``mx-tokens``: where each expert's tokens begin in ``data``'s columns, each at a whole block."""
     aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +115,8 @@ class ExpertCast:
 
     def expert(self, e: int, rows: slice | None = None) -> QuantizedTensor:
         """Expert ``e``'s operand, as its own cast would make it: its token rows ``rows``, or its weight."""
+        if self.kind in ("mx", "mx-tokens"):
+            return self._mx_expert(e, rows)
         codes = self.data[rows] if rows is not None else self.data[e]
         if self.kind == "tensor":
             scale, g = self.aligned[e, :1].view(1, 1), tensorwise()
@@ -112,6 +129,31 @@ class ExpertCast:
         if self.flip or self.kind == "column":
             codes = codes.t().contiguous()
         return QuantizedTensor(codes, scale, self.fmt, g, codes.shape, self.dtype)
+
+    def _mx_expert(self, e: int, rows: slice | None) -> QuantizedTensor:
+        bc = self.granularity.block_cols
+        if self.kind == "mx-tokens":  # (K, tokens): the expert's columns, from a whole block on
+            n = rows.stop - rows.start
+            first, width = self.starts[e], -(-n // bc) * bc
+            codes = self.data[:, first:first + width]
+            scale = self.scales[:, first // bc:(first + width) // bc]
+            shape = torch.Size((self.data.shape[0], n))
+        else:  # token rows along K, or a weight
+            codes = self.data[rows] if rows is not None else self.data[e]
+            scale = self.scales[rows] if rows is not None else self.scales[e]
+            shape = torch.Size((codes.shape[0], self.width))
+        return QuantizedTensor(codes, scale, self.fmt, self.granularity, shape, self.dtype)
+
+    @property
+    def width(self) -> int:
+        """MX sides along K: the unpadded K."""
+        return self.starts[0] if self.starts else self.data.shape[-1]
+
+    def mx_all(self) -> QuantizedTensor:
+        """An MX side along K as one operand: every token row, or every expert's weight rows stacked."""
+        codes, scale = self.data.reshape(-1, self.data.shape[-1]), self.scales.reshape(-1, self.scales.shape[-1])
+        return QuantizedTensor(codes, scale, self.fmt, self.granularity, torch.Size((codes.shape[0], self.width)),
+                               self.dtype)
 
     def token_scales(self, expert: torch.Tensor) -> torch.Tensor:
         """``(T,)``: each token row's scale (a side cast along K)."""
@@ -206,6 +248,27 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     return ExpertCast(data, scales, fmt, x2.dtype, "column")
 
 
+def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
+    """Rows cast along K in MX blocks (rows are independent of the experts); ``starts`` holds K unpadded."""
+    q = routed_quantize(x2, fmt, gran)
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, "mx", granularity=gran, starts=(x2.shape[-1],))
+
+
+def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) -> ExpertCast:
+    """The token rows' transposed side in MX blocks along the tokens: each expert's tokens start a block (its
+    rows padded with zeros to whole blocks, as its own cast pads them), so no block holds two experts."""
+    bc = gran.block_cols
+    padded = [-(-n // bc) * bc for n in g.counts]
+    starts = tuple(sum(padded[:e]) for e in range(len(padded)))
+    lengths = g.lengths
+    shift = ((lengths + bc - 1) // bc * bc).cumsum(0) - (lengths + bc - 1) // bc * bc - (lengths.cumsum(0) - lengths)
+    dest = torch.arange(x2.shape[0], device=x2.device) + shift[g.expert]  # (T,) each row's padded place
+    xp = x2.new_zeros(sum(padded), x2.shape[1])
+    xp[dest] = x2.detach()
+    q = routed_quantize(xp.t().contiguous(), fmt, gran)  # (K, P): blocks along the padded tokens
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, "mx-tokens", granularity=gran, starts=starts)
+
+
 def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | None, F.Format | None]:
     return (op.cast_k.fmt if need_k else None), (op.cast_t.fmt if need_t else None)
 
@@ -218,6 +281,9 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
     if op.cast_k.granularity.kind is ROW:
         return (_rows(x2, fk) if fk is not None else None,
                 _columns(x2, g, ft) if ft is not None else None)
+    if op.cast_k.granularity.kind is MX:
+        return (_mx(x2, fk, op.cast_k.granularity) if fk is not None else None,
+                _mx_tokens(x2, g, ft, op.cast_t.granularity) if ft is not None else None)
     expert = g.expert
     amax = _amax_by(x2.detach().abs().amax(dim=1).float(), g)  # (E,)
     k = _per_tensor(x2, amax, lambda v: v[expert], fk, False) if fk is not None else None
@@ -235,6 +301,15 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
     e, out, k = weight.shape
     fk, ft = _formats(op, need_k, need_t)
     w = weight.detach()
+    if op.cast_k.granularity.kind is MX:
+        kc = tc = None
+        if fk is not None:
+            c = _mx(w.reshape(e * out, k), fk, op.cast_k.granularity)
+            kc = replace(c, data=c.data.view(e, out, -1), scales=c.scales.view(e, out, -1), dtype=weight.dtype)
+        if ft is not None:  # weight[e].T's rows are weight[e]'s columns: one transposed copy
+            c = _mx(w.transpose(1, 2).reshape(e * k, out), ft, op.cast_t.granularity)
+            tc = replace(c, data=c.data.view(e, k, -1), scales=c.scales.view(e, k, -1), dtype=weight.dtype)
+        return kc, tc
     if op.cast_k.granularity.kind is ROW:
         kc = tc = None
         if fk is not None:

@@ -12,21 +12,21 @@ import torch
 from lowprec import recipes as R
 from lowprec.nn import GroupedLinear, grouped
 from lowprec.nn import grouped_casts as GC
-from lowprec.quant import quantize, rowwise, tensorwise
+from lowprec.quant import mx, quantize, rowwise, tensorwise
 from tests.nn.common import bits, randn
 from tests.nn.test_grouped import COUNTS, grouped_step, make
 
-GRANULARITY = {"fp8-current": tensorwise(), "fp8-rowwise": rowwise()}
+GRANULARITY = {"fp8-current": tensorwise(), "fp8-rowwise": rowwise(), "mxfp8": mx(32, "ceil"), "mxfp4": mx(32, "ceil")}
 
 
 def _plan(recipe: str):
     return GroupedLinear(len(COUNTS), 128, 256, recipe=recipe).plan()
 
 
-def test_the_per_tensor_and_per_row_recipes_are_batched_and_no_other():
+def test_the_per_tensor_per_row_and_mx_recipes_are_batched_and_no_other():
     batched = [n for n in R.names() if not R.get(n).uses_delayed_scaling and _plan(n) is not None
                and _plan(n).scaled and GC.batches(_plan(n))]
-    assert batched == ["fp8-current", "fp8-rowwise"]
+    assert batched == ["fp8-current", "fp8-rowwise", "mxfp8", "mxfp4"]  # nvfp4: stochastic, Hadamard
 
 
 def _rows(counts, poison: float | None = None) -> torch.Tensor:
@@ -48,12 +48,16 @@ def _same(got, want):
     assert (got.shape, got.dtype) == (want.shape, want.dtype)
 
 
-@pytest.mark.parametrize("recipe", list(GRANULARITY))
-@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e4m3", "e5m2")])
+FORMATS = [("e4m3", "e4m3"), ("e4m3", "e5m2")]
+
+
+@pytest.mark.parametrize("recipe, fmts", [(r, f) for r in GRANULARITY for f in FORMATS]
+                         + [("mxfp4", ("e2m1", "e4m3"))])
 @pytest.mark.parametrize("poison", [None, math.inf, math.nan])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_cast_as_each_expert_alone(recipe, fmts, poison, dtype):
-    """Each expert's rows along K and, transposed, along its tokens, against the expert's own casts."""
+    """Each expert's rows along K and, transposed, along its tokens, against the expert's own casts (MX: each
+    expert's tokens padded to whole blocks of its own, as its cast pads them)."""
     x = _rows(COUNTS, poison).to(dtype)
     op = _plan(recipe).input
     op = dataclasses.replace(op, cast_k=R.Cast(format=fmts[0], granularity=GRANULARITY[recipe]),
@@ -78,6 +82,8 @@ def test_weights_cast_as_each_expert_alone(recipe):
     for e in range(4):
         _same(k.expert(e), _alone(w[e], plan.weight.cast_k.format, recipe))
         _same(t.expert(e), _alone(w[e].t(), plan.weight.cast_t.format, recipe))
+        if recipe.startswith("mx"):
+            continue
         # what a grouped GEMM reads: every expert's codes and the scale of each of their rows
         assert torch.equal(bits(k.weight_codes()[e]), bits(k.expert(e).data))
         assert torch.equal(bits(t.weight_codes()[e]), bits(t.expert(e).data))
@@ -113,3 +119,40 @@ def test_inference_takes_the_batched_casts_too(monkeypatch):
         monkeypatch.setattr(GC, "batches", lambda plan: False)
         looped = g(x, offsets)
     assert torch.equal(bits(batched), bits(looped))
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_mx_experts_take_one_grouped_gemm_of_rows_folded_to_row_scales(monkeypatch, recipe):
+    """Where MX GEMMs run folded and the device runs grouped FP8 GEMMs (told so here: the CPU, with a
+    grouped GEMM from exact products standing in), the experts' forward and input gradient are one grouped
+    GEMM each on every row folded at once, and equal the expert-by-expert folded GEMMs."""
+    import sys
+
+    from lowprec.kernels import grouped_gemm as GG
+    from lowprec.nn.plan import layer_plan
+
+    C = sys.modules["lowprec.kernels.capability"]
+    monkeypatch.setitem(C._KNOWN, torch.device("cpu"), C.Capability("cpu", "cpu", None, True, False, False, False))
+    layer_plan.cache_clear()
+    calls = []
+
+    def by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum):
+        calls.append((a.dtype, tuple(b.shape)))
+        counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).tolist()
+        return GG._reference(GG.ROWS, a, a_scales, b, b_scales, counts).to(out_dtype)
+
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: kind == GG.ROWS)
+    monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
+    monkeypatch.setattr(GG, "grouped_by_rows", by_rows)
+    try:
+        g, _, x, dy = make(recipe, COUNTS)
+        assert g.plan().fprop.path.value == "folded"
+        batched = grouped_step(g, x, dy, COUNTS)
+        assert calls == [(torch.float8_e4m3fn, (4, 256, 128)), (torch.float8_e4m3fn, (4, 128, 256))]
+        g.weight.grad = g.bias.grad = None
+        monkeypatch.setattr(GC, "batches", lambda plan: False)
+        looped = grouped_step(g, x, dy, COUNTS)
+    finally:
+        layer_plan.cache_clear()
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), batched, looped):
+        assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
