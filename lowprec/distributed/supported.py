@@ -34,9 +34,9 @@ def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str,
     if fp8_weights and parallel != "none":
         out.append(Unsupported("fp8_weights", "parallel 'none' (DDP and FSDP2 with FP8 primary weights are not "
                                "supported yet)", repr(parallel)))
-    if optim_states != "fp32" and parallel == "fsdp2":
-        out.append(Unsupported("optim_states", "'fp32' under fsdp2 (per-group scales of a shard cannot be "
-                               "resharded)", repr(optim_states)))
+    if optim_states not in ("fp32", "bf16") and parallel == "fsdp2":
+        out.append(Unsupported("optim_states", "'fp32' or 'bf16' under fsdp2 (per-group scales of a shard cannot "
+                               "be resharded)", repr(optim_states)))
     if not master_weights and parallel != "none":
         out.append(Unsupported("master_weights", "True under ddp/fsdp2 (stochastic rounding swaps param.data)",
                                "False"))

@@ -14,8 +14,10 @@ with master weights it updates the float32 masters; without, BF16 parameters wid
 the step and rounded back stochastically.
 
 Under DDP each rank keeps a whole replica of the moments and, given the same reduced gradients,
-encodes them alike. FSDP2 parameters (DTensor shards) are refused for BF16/FP8/8-bit states: their
-per-group scales would be laid out per rank's shard, which distributed checkpoints cannot reshard.
+encodes them alike. FSDP2 parameters (DTensor shards) take FP32 or BF16 moments, DTensors of the
+parameter's layout (elementwise, so distributed checkpoints reshard them); FP8 and 8-bit moments are
+refused for them: their per-group scales would be laid out per rank's shard, which distributed
+checkpoints cannot reshard.
 """
 from __future__ import annotations
 
@@ -66,9 +68,9 @@ class AdamWLP(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
         for group in self.param_groups:
             for p in group["params"]:
-                if self.states is not StateFormat.FP32 and is_dtensor(p):
-                    fail("states", "'fp32' for FSDP2 (DTensor) parameters (per-group scales of a shard cannot be "
-                         "resharded)", repr(self.states.value))
+                if self.states.group is not None and is_dtensor(p):
+                    fail("states", "'fp32' or 'bf16' for FSDP2 (DTensor) parameters (per-group scales of a shard "
+                         "cannot be resharded)", repr(self.states.value))
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]

@@ -10,6 +10,7 @@ import torch
 from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
+from lowprec.distributed.supported import unsupported
 from lowprec.nn.saved import SavedActivations, fp8_activations
 from lowprec.optim.states import StateFormat
 from lowprec.policy import Policy
@@ -85,7 +86,7 @@ class TrainConfig:
     the parameters' dtype (see [Note: expert parallelism] in ``lowprec.distributed.expert_parallel``)."""
     optim_states: str = "fp32"
     """How AdamW keeps its moments: ``fp32`` (torch's AdamW), ``bf16``, ``fp8`` (E4M3 with range expansion)
-    or ``int8`` (blockwise 8 bits); see :mod:`lowprec.optim.states`. Not under ``fsdp2`` but for ``fp32``."""
+    or ``int8`` (blockwise 8 bits); see :mod:`lowprec.optim.states`. Under ``fsdp2``: ``fp32`` or ``bf16``."""
     master_weights: bool = True
     """FP32 master weights for bfloat16/float16 parameters; False rounds the updated weights back
     stochastically instead (one process only: it swaps ``param.data``, which DDP and FSDP2 rely on)."""
@@ -166,16 +167,15 @@ class TrainConfig:
 
     def _check_optimizer(self) -> None:
         check_choice("optim_states", self.optim_states, [f.value for f in StateFormat])
-        if self.optim_states != "fp32" and self.parallel == "fsdp2":
-            fail("optim_states", "'fp32' under fsdp2 (per-group scales of a shard cannot be resharded)",
-                 repr(self.optim_states))
         if not isinstance(self.master_weights, bool):
             fail("master_weights", "a bool", describe(self.master_weights), TypeError)
         if not self.master_weights and self.dtype == "float32":
             fail("master_weights", "True for float32 parameters (they are their own masters); False needs "
                  "dtype bfloat16 or float16", False)
-        if not self.master_weights and self.parallel != "none":
-            fail("master_weights", "True under ddp/fsdp2 (stochastic rounding swaps param.data)", False)
+        # what a run spread over ranks cannot combine: the rule lowprec plan reports too
+        for u in unsupported(self.parallel, fp8_weights=self.fp8_weights, optim_states=self.optim_states,
+                             master_weights=self.master_weights):
+            fail(u.option, u.expected, u.received)
 
     def policy_object(self) -> Policy | None:
         """The conversion policy, or None for the default one."""
@@ -187,12 +187,6 @@ class TrainConfig:
         if self.fp8_weights and self.dtype == "float32":
             fail("fp8_weights", "dtype bfloat16 or float16 (float32 weights have no master to drop: FP8 codes "
                  "beside an FP32 master would add memory)", "dtype float32")
-        if self.fp8_weights and not self.master_weights:
-            fail("fp8_weights", "master_weights True (FP8 weights train through their FP32 masters)",
-                 "master_weights False")
-        if self.fp8_weights and self.parallel != "none":
-            fail("fp8_weights", "parallel 'none' (DDP and FSDP2 with FP8 primary weights are not supported yet)",
-                 repr(self.parallel))
 
     @property
     def saved_activations(self) -> SavedActivations | None:
