@@ -1,7 +1,8 @@
 """Which storage options a run can combine with each way of spreading a model over ranks.
 
 One rule, for the two places that need it: a training run's configuration refuses what it cannot
-run, and ``lowprec plan`` says, per option, what ``lowprec train`` would refuse in a planned layout.
+run (``TrainConfig`` raises the first of :func:`unsupported`), and ``lowprec plan`` says, per option, what
+``lowprec train`` would refuse in a planned layout.
 Each :class:`Unsupported` carries the argument, what was expected and what was received, so a caller
 raises it as every lowprec error reads (``"<argument>: expected <what>, got <what>"``).
 """
