@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lowprec._checks import describe, fail
+from lowprec.nn.grouped_casts import Groups
 from lowprec.train.model import Transformer
 from lowprec.train.models import HFCausalLM
 
@@ -55,8 +56,11 @@ def _target(model: nn.Module, name: str, source: str) -> _Target:
         fail("model", f"a module named {module_name!r} (the source of {name!r})", "a model without it")
 
 
-def _rows(x: torch.Tensor, offsets: torch.Tensor, expert: int) -> torch.Tensor:
-    """Expert ``expert``'s rows of a grouped layer's input (``offsets``: cumulative token counts)."""
+def _rows(x: torch.Tensor, offsets: torch.Tensor | Groups, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s rows of a grouped layer's input (``offsets``: cumulative token counts, or the
+    routing a MoE layer read once for its projections, ``lowprec.nn.grouped.route``)."""
+    if isinstance(offsets, Groups):
+        offsets = offsets.offsets
     start = 0 if expert == 0 else int(offsets[expert - 1])
     return x[start:int(offsets[expert])]
 

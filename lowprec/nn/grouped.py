@@ -26,7 +26,8 @@ How the experts run (the values above hold on every path):
 * no recipe, or BF16 GEMMs: one ``linear`` per expert, or on a GPU one ``torch._grouped_mm``
   (:func:`_grouped_bf16`).
 
-The host reads ``offsets`` once per forward (the loops and the grouped GEMMs' padding need the counts).
+The host reads ``offsets`` once per forward (the loops and the grouped GEMMs' padding need the counts),
+or once for several layers given the ``Groups`` :func:`route` made.
 
 Under expert parallelism (``lowprec.distributed.expert_parallel``) ``weight`` (and ``bias``) are DTensors
 split by experts (``Shard(0)``) over the expert-parallel group: this process computes with its local
@@ -330,8 +331,10 @@ def _grouped_bf16(x, weight, bias, counts: tuple[int, ...], dtype: torch.dtype |
 class GroupedLinear(nn.Module):
     """``num_experts`` linear layers of one shape, their weights one (E, out, in) parameter (and the
     biases one (E, out)), applied to tokens grouped by expert: ``forward(x, offsets)`` with ``x`` (T, in)
-    and ``offsets`` (E,) the cumulative token counts. Every expert runs the recipe (None: high precision)
-    as a ``lowprec.nn.Linear`` would on its rows; see [Note: grouped expert GEMMs]."""
+    and ``offsets`` (E,) the cumulative token counts, or the :class:`~lowprec.nn.grouped_casts.Groups` that
+    :func:`route` read from them once for several layers (the reference MoE's projections pass it, so a hook
+    on them sees it: its ``offsets`` are the tensor). Every expert runs the recipe (None: high precision) as
+    a ``lowprec.nn.Linear`` would on its rows; see [Note: grouped expert GEMMs]."""
 
     def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False,
                  recipe: str | R.Recipe | None = None, device=None, dtype=None) -> None:
