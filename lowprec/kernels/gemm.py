@@ -63,6 +63,11 @@ class GemmPath(str, enum.Enum):
         return self.value
 
 
+def _folds(a: F.Format, a_gran: Granularity, b: F.Format, b_gran: Granularity) -> bool:
+    """Two MX operands that fold into FP8 ones an FP8 tensor core multiplies (at most one E5M2)."""
+    return foldable(a, a_gran) and foldable(b, b_gran) and not (target(a) is E5M2 and target(b) is E5M2)
+
+
 def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, cap: Capability) -> GemmPath:
     """``CUBLAS`` where the device has a native GEMM for this pair of operand casts (MX and NVFP4 on
     Blackwell's block-scaled tensor cores included), ``FOLDED`` for MX pairs on other FP8 tensor cores, else
@@ -72,7 +77,7 @@ def gemm_path(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granularity, ca
         return GemmPath.EMULATED
     if cap.mx_gemm and native_pair(a, lhs_gran, b, rhs_gran):
         return GemmPath.CUBLAS  # Blackwell's block-scaled tensor cores, checked on first use
-    if foldable(a, lhs_gran) and foldable(b, rhs_gran) and not (target(a) is E5M2 and target(b) is E5M2):
+    if _folds(a, lhs_gran, b, rhs_gran):
         return GemmPath.FOLDED
     if a not in (E4M3, E5M2) or b not in (E4M3, E5M2):
         return GemmPath.EMULATED
@@ -241,8 +246,7 @@ def scaled_mm(
     device = a.data.device
     if backend is GemmPath.CUBLAS and a.granularity.kind in BLOCK_SCALED and device.type == "cuda" \
             and not blackwell.CHECK.checked(device, _cublas, _emulated):  # the first-use check failed, and said so
-        folds = foldable(a.fmt, a.granularity) and foldable(b.fmt, b.granularity)
-        backend = GemmPath.FOLDED if folds and not (target(a.fmt) is target(b.fmt) is E5M2) else GemmPath.EMULATED
+        backend = GemmPath.FOLDED if _folds(a.fmt, a.granularity, b.fmt, b.granularity) else GemmPath.EMULATED
     if backend is GemmPath.FOLDED and device.type == "cuda" and not FOLD_CHECK.checked(device, _folded, _emulated):
         backend = GemmPath.EMULATED  # the device's first-use check failed, and said so
     if backend is GemmPath.CUBLAS:
