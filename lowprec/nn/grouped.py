@@ -240,7 +240,7 @@ def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) ->
 def _pack(c: GC.ExpertCast | None):
     if c is None:
         return (None, None), None
-    return (c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip, c.granularity, c.starts)
+    return (c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip, c.granularity, c.starts, c.width)
 
 
 def _unpack(tensors, meta) -> GC.ExpertCast | None:

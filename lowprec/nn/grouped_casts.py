@@ -107,6 +107,8 @@ class ExpertCast:
     """MX sides: the blocks' granularity."""
     starts: tuple[int, ...] = ()
     """``mx-tokens``: where each expert's tokens begin in ``data``'s columns, each at a whole block."""
+    width: int = 0
+    """``mx``: K before padding to whole blocks."""
     aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,11 +145,6 @@ class ExpertCast:
             scale = self.scales[rows] if rows is not None else self.scales[e]
             shape = torch.Size((codes.shape[0], self.width))
         return QuantizedTensor(codes, scale, self.fmt, self.granularity, shape, self.dtype)
-
-    @property
-    def width(self) -> int:
-        """MX sides along K: the unpadded K."""
-        return self.starts[0] if self.starts else self.data.shape[-1]
 
     def mx_all(self) -> QuantizedTensor:
         """An MX side along K as one operand: every token row, or every expert's weight rows stacked."""
@@ -249,9 +246,9 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
 
 
 def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
-    """Rows cast along K in MX blocks (rows are independent of the experts); ``starts`` holds K unpadded."""
+    """Rows cast along K in MX blocks (rows are independent of the experts)."""
     q = routed_quantize(x2, fmt, gran)
-    return ExpertCast(q.data, q.scale, fmt, x2.dtype, "mx", granularity=gran, starts=(x2.shape[-1],))
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, "mx", granularity=gran, width=x2.shape[-1])
 
 
 def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) -> ExpertCast:
