@@ -150,6 +150,19 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len)) if lists else []
 
 
+def share_fp8_initials(model: nn.Module) -> None:
+    """Before DDP's first broadcast: every FP8 primary weight takes rank 0's high-precision initial value
+    (and its codes), so that DDP's broadcast of rank 0's weights writes the codes each rank holds already and
+    every rank's optimizer takes the same FP32 master from it (see [Note: FP8 primary weights])."""
+    from lowprec.nn.fp8_weight import FP8Weight
+
+    for q in model.parameters():
+        if isinstance(q, FP8Weight) and q.initial is not None:
+            initial = q.initial.clone()
+            dist.broadcast(initial, 0)
+            q.share_initial_(initial)
+
+
 def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm = GradComm.FP32,
          fp8_weights: bool = False) -> nn.Module:
     """``model`` (converted, on this rank's device) wrapped for ``parallel``; the model itself for none.
@@ -167,6 +180,7 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
     p = Parallel.parse(parallel)
     placed = {name: q for name, q in model.named_parameters() if is_dtensor(q)}
     if p is Parallel.DDP:
+        share_fp8_initials(model)
         device = next(model.parameters()).device
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(placed))
         return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)

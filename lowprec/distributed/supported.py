@@ -32,8 +32,8 @@ def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str,
     if fp8_weights and not master_weights:
         out.append(Unsupported("fp8_weights", "master_weights True (FP8 weights train through their FP32 masters)",
                                "master_weights False"))
-    if fp8_weights and parallel != "none":
-        out.append(Unsupported("fp8_weights", "parallel 'none' (DDP and FSDP2 with FP8 primary weights are not "
+    if fp8_weights and parallel == "fsdp2":
+        out.append(Unsupported("fp8_weights", "parallel 'none' or 'ddp' (FSDP2 with FP8 primary weights is not "
                                "supported yet)", repr(parallel)))
     if optim_states not in ("fp32", "bf16") and parallel == "fsdp2":
         out.append(Unsupported("optim_states", "'fp32' or 'bf16' under fsdp2 (per-group scales of a shard cannot "

@@ -35,7 +35,10 @@ from their FP8 rounding; the optimizer then drops it.
 
 *Everything else.* Any other op on the parameter (a high-precision layer, ``torch.norm``, a
 ``state_dict`` copy) sees the decoded weight, in the parameter's dtype. ``copy_`` into it quantizes
-(``load_state_dict``); other in-place writes are refused, since the codes cannot take an update. Its
+(``load_state_dict``, DDP's first broadcast), through any alias (``.detach()``), and drops the initial
+value for all of them unless it changed no code; other in-place writes are refused, since the codes
+cannot take an update. Under DDP, ``lowprec.distributed.launch.wrap`` gives every rank rank 0's initial
+value first (``share_fp8_initials``). Its
 ``state_dict`` entry is the decoded weight, so a plain model loads it; a checkpoint's masters are in
 the optimizer's state.
 
@@ -66,6 +69,17 @@ def _quantize(hp: torch.Tensor, granularity: Granularity, amax: bool) -> tuple[Q
     return q, hp.detach().abs().amax().float() if amax else None
 
 
+class _Held:
+    """The high-precision value an :class:`FP8Weight` was made from, one holder for the parameter and every
+    alias of it (``nn.Parameter``, ``.detach()``): codes written through one alias (DDP's first broadcast
+    copies into a detached alias) drop it for all, so no alias hands a stale value to the optimizer."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: torch.Tensor | None) -> None:
+        self.value = value
+
+
 class FP8Weight(QuantizedWeight):
     """A weight stored as E4M3 codes with FP32 scales, seen as a tensor of ``dtype`` (see [Note: FP8
     primary weights]). Make one with :meth:`of`."""
@@ -75,12 +89,25 @@ class FP8Weight(QuantizedWeight):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=data.device)
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, granularity: Granularity,
-                 shape: torch.Size, dtype: torch.dtype, initial: torch.Tensor | None = None) -> None:
+                 shape: torch.Size, dtype: torch.dtype, initial: torch.Tensor | _Held | None = None) -> None:
         self._data = data  # (N_pad, K_pad) float8_e4m3fn
         self._scale = scale  # (1, 1) or (N_pad / 128, K_pad / 128) float32
         self._amax = amax  # () float32, for a delayed recipe's history only (None otherwise)
         self._granularity = granularity
-        self._initial = initial
+        self._held = initial if isinstance(initial, _Held) else _Held(initial)
+
+    @property
+    def _initial(self) -> torch.Tensor | None:
+        return self._held.value
+
+    @property
+    def initial(self) -> torch.Tensor | None:
+        """The high-precision value this was made from, until the optimizer takes it (None after)."""
+        return self._held.value
+
+    @_initial.setter
+    def _initial(self, value: torch.Tensor | None) -> None:
+        self._held.value = value
 
     @classmethod
     def of(cls, weight: torch.Tensor, granularity: Granularity, amax: bool = False) -> FP8Weight:
@@ -136,6 +163,24 @@ class FP8Weight(QuantizedWeight):
         src = src.dequantize() if isinstance(src, FP8Weight) else src
         self._store(*_quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None))
 
+    @torch.no_grad()
+    def copy_from_(self, src: torch.Tensor) -> None:
+        """``copy_``: ``src`` quantized and stored, unless it gives the codes already held (a copy of the
+        weight's own value: DDP's first broadcast on every rank once ranks hold the same weights), which
+        keeps the initial value for the optimizer to take."""
+        src = src.dequantize() if isinstance(src, FP8Weight) else src
+        q, amax = _quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None)
+        same = torch.equal(q.data.view(torch.uint8), self._data.view(torch.uint8)) and torch.equal(q.scale, self._scale)
+        if not same or (amax is not None and not torch.equal(amax, self._amax)):
+            self._store(q, amax)
+
+    @torch.no_grad()
+    def share_initial_(self, initial: torch.Tensor) -> None:
+        """Hold ``initial`` (the high-precision weight, as another rank made it) instead of this one's own:
+        stored as codes and kept for the optimizer to take."""
+        self._store(*_quantize(initial.detach().to(self.dtype), self._granularity, self._amax is not None))
+        self._initial = initial
+
     def _store(self, q: QuantizedTensor, amax: torch.Tensor | None) -> None:
         # in place: a compiled graph holds these tensors as its inputs
         self._data.copy_(q.data)
@@ -162,9 +207,9 @@ class FP8Weight(QuantizedWeight):
         kwargs = kwargs or {}
         if func in _ALIASING:  # nn.Parameter and .detach(): the same storage, still FP8
             t = args[0]
-            return cls(t._data, t._scale, t._amax, t._granularity, t.shape, t.dtype, t._initial)
+            return cls(t._data, t._scale, t._amax, t._granularity, t.shape, t.dtype, t._held)  # one holder
         if func is aten.copy_.default and isinstance(args[0], cls):
-            args[0].requantize_(args[1])
+            args[0].copy_from_(args[1])
             return args[0]
         if func is aten._to_copy.default and isinstance(args[0], cls) and _moves_only(args[0], kwargs):
             t, device = args[0], kwargs.get("device", args[0].device)

@@ -124,6 +124,21 @@ def test_state_dict_holds_the_decoded_weight_and_loading_quantizes_it():
     assert torch.equal(_codes(w._data), _codes(ref.data)) and torch.equal(w._scale, ref.scale)
 
 
+def test_a_copy_through_any_alias_drops_the_initial_value_for_all_unless_it_changes_nothing():
+    w = _model("fp8-current", True)[0].weight
+    initial = w.initial.clone()
+    alias = w.detach()  # DDP's broadcast writes through such an alias
+    alias.copy_(w.dequantize())  # the weight's own value: the same codes, the initial value kept
+    assert w.initial is not None and torch.equal(w.initial, initial)
+    alias.copy_(randn(256, 128, seed=3, dtype=BF16))  # another value: new codes, no stale initial anywhere
+    assert w.initial is None and alias.initial is None
+    assert torch.equal(_codes(w._data), _codes(quantize(randn(256, 128, seed=3, dtype=BF16), "e4m3",
+                                                       tensorwise()).data))
+    w.share_initial_(initial)  # another rank's initial value: held, and its codes stored
+    assert torch.equal(w.take_initial(), initial) and w.initial is None
+    assert torch.equal(_codes(w._data), _codes(quantize(initial, "e4m3", tensorwise()).data))
+
+
 def test_a_compiled_layer_with_an_fp8_weight_equals_eager():
     # one graph: the plan says the codes serve, and the layer hands them over as plain tensors
     torch._dynamo.reset()
