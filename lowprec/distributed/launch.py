@@ -158,7 +158,7 @@ def share_fp8_initials(model: nn.Module) -> None:
 
     for q in model.parameters():
         if isinstance(q, FP8Weight) and q.initial is not None:
-            initial = q.initial.clone()
+            initial = q.initial.clone(memory_format=torch.contiguous_format)  # broadcast takes contiguous tensors
             dist.broadcast(initial, 0)
             q.share_initial_(initial)
 

@@ -69,11 +69,14 @@ def _scale_codes(q: QuantizedTensor) -> torch.Tensor:
 
 
 def operands(q: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(codes, scales)`` of ``q`` as ``torch._scaled_mm`` takes them on Blackwell."""
+    """``(codes, scales)`` of ``q`` as ``torch._scaled_mm`` takes them on Blackwell: rows padded with zero
+    codes to a multiple of 16 (its dimensions must be; the caller crops the output), the scales' rows to
+    whole tiles of 128."""
+    codes = torch.nn.functional.pad(q.data.view(torch.uint8), (0, 0, 0, -q.data.shape[0] % 16))
     if q.fmt is E2M1:
-        data = F.pack(q.data.view(torch.uint8), E2M1).view(torch.float4_e2m1fn_x2)
+        data = F.pack(codes, E2M1).view(torch.float4_e2m1fn_x2)
     else:
-        data = q.data
+        data = codes.view(q.data.dtype)
     mx_scales = q.granularity.kind is GranularityKind.MX
     one = 127 if mx_scales else 0x38  # 2^0 in E8M0, 1.0 in E4M3
     scale = swizzle(_scale_codes(q), one)

@@ -18,13 +18,13 @@ What it changes: nothing for a folded value at or above the target's smallest no
 E4M3, ``2^-14`` for E5M2), since shifting an element of at most 3 mantissa bits keeps its bits there.
 Below, the target's subnormals keep fewer bits, so ``folded`` is rounded to nearest-even onto their
 step (``2^-9``, ``2^-16``): an element off by at most half of it, ``2^-10 R`` (E4M3) or ``2^-17 R``
-(E5M2). These are elements at least ``2^-13`` smaller than their row's largest, whose block held a
-larger code than ``2^7 R`` (E4M3 elements: a block's largest code is at least 224 with scales rounded
-up, 256 rounded down; FP4/FP6: at least half the format's largest times ``2^h``): so each element is
-within ``2^-17`` of its row's largest magnitude of the value the emulation multiplies (``2^-16`` for
-E2M3), and every element is exact where a row's blocks have scales within a few binades of each other
-(E2M1: within 8 binades; E4M3: only elements that stay normal). NaN blocks (the E8M0 NaN scale) and
-NaN or infinite elements stay NaN or infinite.
+(E5M2). The row's largest block holds a code of at least ``2^7 R`` (E4M3 elements: a block's largest code
+is at least 224 with scales rounded up, 256 rounded down; FP4/FP6: at least half the format's largest
+times ``2^h``; E2M3 alone only 120 R), so the rounded elements are at least ``2^-13`` smaller than their
+row's largest (E2M3: ``2^-12.9``), and each element is within ``2^-17`` of its row's largest magnitude of
+the value the emulation multiplies (``2^-16`` for E2M3). Every element is exact where a row's blocks have
+scales within a few binades of each other (E2M1: within 14 binades; E4M3: only elements that stay normal).
+NaN blocks (the E8M0 NaN scale) and NaN or infinite elements stay NaN or infinite.
 
 A GEMM of folded operands (``GemmPath.FOLDED`` in ``lowprec.kernels.gemm``) therefore differs from the
 emulation by that rounding of tiny elements and by the tensor cores' accumulation; where every element
@@ -109,7 +109,10 @@ def fold_reference(q: QuantizedTensor) -> QuantizedTensor:
 def fold(q: QuantizedTensor, backend: str | Backend | None = None) -> QuantizedTensor:
     """``q`` (MX) as a row-wise FP8 operand, on the route the device takes (``backend`` forces one)."""
     _check(q)
-    if fold_backend(q.data.device, compiling=torch.compiler.is_compiling(), backend=backend) is Backend.TRITON:
+    bc = q.granularity.block_cols
+    triton_block = bc & (bc - 1) == 0  # the kernel's tiles are powers of two; MX's 32 is
+    if triton_block and fold_backend(q.data.device, compiling=torch.compiler.is_compiling(),
+                                     backend=backend) is Backend.TRITON:
         from lowprec.kernels.triton_fold import fold_triton  # Triton: imported where it runs
 
         return fold_triton(q, target(q.fmt), headroom(q.fmt), MIN_SHIFT)

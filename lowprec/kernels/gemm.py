@@ -167,8 +167,9 @@ def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = tor
         # (scales of one) add nothing to the product, and the caller crops the output
         m16, n16, k16 = (-a.data.shape[0] % 16, -b.data.shape[0] % 16, -a.data.shape[1] % 16)
         a_data, b_data = _pad(a.data, 0.0, rows=m16, cols=k16), _pad(b.data, 0.0, rows=n16, cols=k16)
-        sa = _pad(a.scale, 1.0, rows=m16) if a.scale.shape[0] > 1 else a.scale  # (M or 1, 1)
-        sb = (_pad(b.scale, 1.0, rows=n16) if b.scale.shape[0] > 1 else b.scale).t()  # (1, N or 1)
+        # per row (a row of one included: its data is padded to 16 rows) or one per tensor
+        sa = _pad(a.scale, 1.0, rows=m16) if a.granularity.kind is ROW else a.scale  # (M or 1, 1)
+        sb = (_pad(b.scale, 1.0, rows=n16) if b.granularity.kind is ROW else b.scale).t()  # (1, N or 1)
     return torch._scaled_mm(a_data, b_data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 

@@ -209,8 +209,8 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
         qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
         _, n, k = weight.shape
         y = _folded_rows(qx, qw, g, plan.fprop, out_dtype)
-        if y is None and plan.fprop.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt,
-                                                                                k, n):
+        if y is None and _row_scaled(plan.fprop, qx, qw) and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt,
+                                                                             k, n):
             y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(),
                                    g.offsets, out_dtype, plan.fprop.fast_accum)
         if y is not None:
@@ -220,6 +220,16 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
             y = gemm(qx.expert(e, rows), qw.expert(e), plan.fprop, out_dtype)  # (n, out)
             ys.append(y + bias[e].to(out_dtype) if bias is not None else y)
     return torch.cat(ys), qx_t, qw_t
+
+
+def _row_scaled(gp, a: GC.ExpertCast, b: GC.ExpertCast) -> bool:
+    """A cuBLAS GEMM of per-tensor or per-row casts: what PyTorch's grouped FP8 GEMM takes (MX casts on
+    Blackwell's tensor cores are cuBLAS too, but block-scaled: they run per expert)."""
+    return gp.path is GemmPath.CUBLAS and a.kind in ROW_SCALED and b.kind in ROW_SCALED
+
+
+ROW_SCALED = ("tensor", "row", "column")
+"""The ExpertCast kinds whose scales are per tensor, per row or per feature."""
 
 
 def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
@@ -252,7 +262,7 @@ def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> 
     dx = _folded_rows(qdy, qw_t, g, plan.dgrad, dtype)
     if dx is not None:
         return dx
-    if plan.dgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
+    if _row_scaled(plan.dgrad, qdy, qw_t) and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
         return GG.grouped_by_rows(qdy.data, qdy.token_scales(g.expert), qw_t.weight_codes(), qw_t.weight_scales(),
                                   g.offsets, dtype, plan.dgrad.fast_accum)
     return torch.cat([gemm(qdy.expert(e, rows), qw_t.expert(e), plan.dgrad, dtype) for e, rows in _slices(g.counts)])
@@ -262,7 +272,7 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
     """``(E, out, in)``: every expert's weight gradient over its own tokens (zero for an expert without)."""
     out_f, in_f = w_shape
     device, counts = g.expert.device, g.counts
-    if plan.wgrad.path is GemmPath.CUBLAS and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f):
+    if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f):
         e = len(counts)
         return GG.grouped_by_features(qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e),
                                       counts, g.lengths, dtype, plan.wgrad.fast_accum)

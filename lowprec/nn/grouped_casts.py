@@ -137,8 +137,9 @@ class ExpertCast:
         if self.kind == "mx-tokens":  # (K, tokens): the expert's columns, from a whole block on
             n = rows.stop - rows.start
             first, width = self.starts[e], -(-n // bc) * bc
-            codes = self.data[:, first:first + width]
-            scale = self.scales[:, first // bc:(first + width) // bc]
+            # contiguous: the fold and dequantize kernels read rows of K with no gap
+            codes = self.data[:, first:first + width].contiguous()
+            scale = self.scales[:, first // bc:(first + width) // bc].contiguous()
             shape = torch.Size((self.data.shape[0], n))
         else:  # token rows along K, or a weight
             codes = self.data[rows] if rows is not None else self.data[e]

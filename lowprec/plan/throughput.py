@@ -34,9 +34,9 @@ from lowprec.plan.recipes import HP_BYTES, RecipeCost, Storage
 from lowprec.plan.units import count
 
 HP_GEMM = "bf16"
+"""Format of the GEMMs kept in high precision (LM head, routers, attention, BF16 blocks)."""
 FOLD_BYTES = 2.0
 """Bytes one element's folding moves (``lowprec.kernels.fold``): its code read, its FP8 code written."""
-"""Format of the GEMMs kept in high precision (LM head, routers, attention, BF16 blocks)."""
 
 
 @dataclass(frozen=True, slots=True)

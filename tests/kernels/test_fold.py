@@ -254,3 +254,26 @@ def test_a_linear_trains_folded_within_the_bound_of_the_emulated_one(monkeypatch
 
 def test_the_granularity_kind_of_mx_is_what_foldable_reads():
     assert mx(32).kind is GranularityKind.MX and F.get("e2m1") in FD.ELEMENTS
+
+
+def test_a_one_row_operand_and_an_expert_slice_of_the_tokens_side_fold_and_multiply():
+    """A single token (its row scale kept per row while its data is padded to 16 rows), and an expert's
+    columns of the batched tokens' side (a strided view, made contiguous for the Triton kernel)."""
+    pytest.importorskip("triton")
+    from lowprec.nn import grouped_casts as GC
+    from lowprec.nn.plan import layer_plan
+
+    one = quantize(torch.randn(1, 64), "e4m3", mx(32))
+    w = quantize(torch.randn(24, 64), "e4m3", mx(32))
+    assert torch.equal(scaled_mm(one, w, backend="folded"), scaled_mm(one, w, backend="emulated"))
+    op = layer_plan(R.get("mxfp8"), torch.device("cpu"), 64, 128, None, None).input
+    x = torch.randn(70, 64)
+    _, t = GC.cast_rows(x, GC.groups((30, 40)), op, False, True)
+    part = t.expert(1, slice(30, 70))
+    assert part.data.is_contiguous() and part.scale.is_contiguous()
+    assert torch.equal(_bits(FD.fold(part, backend="triton")), _bits(FD.fold_reference(part)))
+
+
+def test_blocks_of_other_sizes_fold_by_the_reference():
+    q = quantize(torch.randn(8, 96), "e4m3", mx(48))
+    assert torch.equal(_bits(FD.fold(q, backend="triton")), _bits(FD.fold_reference(q)))
