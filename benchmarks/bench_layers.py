@@ -86,7 +86,7 @@ def run_stage(stage: str, names: list[str], args, env: dict, results: dict) -> N
     dt = torch.bfloat16
     if kind == "ffn":
         cfg = ModelConfig(dim=args.dim, n_layers=1, n_heads=32, n_kv_heads=8, ffn_dim=args.ffn)
-        base = FeedForward(cfg).to(DEVICE, dt)
+        base = FeedForward(args.dim, args.ffn).to(DEVICE, dt)
         x = torch.randn(args.tokens, args.dim, device=DEVICE, dtype=dt, requires_grad=True)
     else:
         cfg = LLAMA3_8B if args.dim == 4096 else ModelConfig(dim=args.dim, n_layers=2, n_heads=32, n_kv_heads=8,
