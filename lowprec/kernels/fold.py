@@ -24,7 +24,9 @@ times ``2^h``; E2M3 alone only 120 R), so the rounded elements are at least ``2^
 row's largest (E2M3: ``2^-12.9``), and each element is within ``2^-17`` of its row's largest magnitude of
 the value the emulation multiplies (``2^-16`` for E2M3). Every element is exact where a row's blocks have
 scales within a few binades of each other (E2M1: within 14 binades; E4M3: only elements that stay normal).
-NaN blocks (the E8M0 NaN scale) and NaN or infinite elements stay NaN or infinite.
+NaN blocks (the E8M0 NaN scale) and NaN or infinite elements stay NaN or infinite. Zeros fold to +0
+whatever their sign (the same product; Triton and inductor negate a float as ``0 - x``, so a decoded -0
+would lose its sign in compiled code and keep it in eager, and the codes would differ by device).
 
 A GEMM of folded operands (``GemmPath.FOLDED`` in ``lowprec.kernels.gemm``) therefore differs from the
 emulation by that rounding of tiny elements and by the tensor cores' accumulation; where every element
@@ -101,6 +103,7 @@ def fold_reference(q: QuantizedTensor) -> QuantizedTensor:
     factor = torch.where(q.scale.isnan(), torch.full_like(factor, math.nan), factor)
     m, kb = q.scale.shape
     v = q.values().view(m, kb, -1) * factor[:, :, None]  # exact: a power of two times a few bits, normal
+    v = torch.where(v == 0, 0.0, v)  # every zero +0: a compiled negation may drop a -0's sign, so none is kept
     codes = v.view(q.data.shape).to(tgt.torch_dtype)  # nearest-even onto the target's grid, never past its max
     scale = torch.ldexp(torch.ones(m, 1, dtype=torch.float32, device=q.data.device), r[:, None])  # (M, 1)
     return QuantizedTensor(codes, scale, tgt, rowwise(), q.shape, q.dtype)

@@ -102,11 +102,24 @@ def first_use_check(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granulari
     return None
 
 
+@torch._dynamo.assume_constant_result
+def _folded_checked(device: torch.device) -> bool:
+    """``FOLD_CHECK`` on ``device``. While torch.compile traces, the check runs eagerly then and its outcome
+    enters the graph as a constant: no graph break, no host sync in the compiled step."""
+    return FOLD_CHECK.checked(device, _folded, _emulated)
+
+
+@torch._dynamo.assume_constant_result
+def _blackwell_checked(device: torch.device) -> bool:
+    """``blackwell.CHECK`` on ``device``, run eagerly at trace time as :func:`_folded_checked`."""
+    return blackwell.CHECK.checked(device, _cublas, _emulated)
+
+
 def folded_runs(device: torch.device | str) -> bool:
     """Whether folded GEMMs run on ``device`` outside :func:`scaled_mm` (the experts' grouped GEMMs): a CUDA
     device whose first-use check passed (run now if it has not)."""
     device = torch.device(device)
-    return device.type == "cuda" and FOLD_CHECK.checked(device, _folded, _emulated)
+    return device.type == "cuda" and _folded_checked(device)
 
 
 def check_paths(device: torch.device | str) -> None:
@@ -114,9 +127,9 @@ def check_paths(device: torch.device | str) -> None:
     device = torch.device(device)
     cap = capability(device)
     if cap.fp8_gemm:
-        FOLD_CHECK.checked(device, _folded, _emulated)
+        _folded_checked(device)
     if cap.mx_gemm:
-        blackwell.CHECK.checked(device, _cublas, _emulated)
+        _blackwell_checked(device)
 
 
 def gemm_backend(a: QuantizedTensor, b: QuantizedTensor, cap: Capability) -> GemmPath:
@@ -246,9 +259,9 @@ def scaled_mm(
     backend = GemmPath(backend)
     device = a.data.device
     if backend is GemmPath.CUBLAS and a.granularity.kind in BLOCK_SCALED and device.type == "cuda" \
-            and not blackwell.CHECK.checked(device, _cublas, _emulated):  # the first-use check failed, and said so
+            and not _blackwell_checked(device):  # the first-use check failed, and said so
         backend = GemmPath.FOLDED if _folds(a.fmt, a.granularity, b.fmt, b.granularity) else GemmPath.EMULATED
-    if backend is GemmPath.FOLDED and device.type == "cuda" and not FOLD_CHECK.checked(device, _folded, _emulated):
+    if backend is GemmPath.FOLDED and device.type == "cuda" and not _folded_checked(device):
         backend = GemmPath.EMULATED  # the device's first-use check failed, and said so
     if backend is GemmPath.CUBLAS:
         out = _cublas(a, b, out_dtype, fast_accum)

@@ -32,7 +32,8 @@ def _decode(c, EXP: tl.constexpr, MAN: tl.constexpr):
     man = c & ((1 << MAN) - 1)
     sig = tl.where(ef > 0, man + (1 << MAN), man)
     mag = sig.to(tl.float32) * exp2i(tl.maximum(ef, 1) - bias - MAN)  # exact: few bits times 2^e
-    return tl.where(((c >> (EXP + MAN)) & 1) == 1, -mag, mag)
+    # the sign set on the bits: Triton negates as 0 - x, which makes the code of -0 +0 on a GPU
+    return (mag.to(tl.int32, bitcast=True) | (((c >> (EXP + MAN)) & 1) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

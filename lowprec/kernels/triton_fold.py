@@ -63,6 +63,7 @@ def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, S
         else:
             v = _decode(c.to(tl.int32), SRC_EXP, SRC_MAN)
         x = v * _expand(factor, BM, BK, 1, BC)  # exact: a few bits times a normal power of two
+        x = tl.where(x == 0, 0.0, x)  # every zero +0, as the reference
         sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
         codes = to_codes(x, sign, 0.0, T_EXP, T_MAN, T_SPECIAL, False, False)
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], codes.to(tl.uint8), mask=mask)

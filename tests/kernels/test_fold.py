@@ -7,6 +7,7 @@ never torch's float8 conversion, which the folding itself uses.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 import warnings
@@ -165,6 +166,22 @@ def test_the_triton_fold_takes_every_code_and_extreme_scales():
         assert torch.equal(_bits(FD.fold(q, backend="triton")), _bits(FD.fold_reference(q))), name
 
 
+@pytest.mark.parametrize("name", MX_ELEMENTS)
+def test_zeros_fold_to_plus_zero_whatever_their_sign(name):
+    """The code of a folded zero is +0 in the reference and the kernel, and for an element rounded to zero:
+    compiled code negates as ``0 - x`` and would keep no sign, so neither path keeps one."""
+    fmt = F.get(name)
+    neg_zero = 1 << (fmt.bits - 1)  # the sign bit alone: -0
+    codes = torch.tensor([[0, neg_zero] * 16, [neg_zero] * 31 + [1]], dtype=torch.uint8)
+    q = _mx_tensor(fmt, codes, torch.tensor([[3], [-30]], dtype=torch.int32))  # row 2: its 1 far above its zeros
+    want = FD.fold_reference(q)
+    zeros = want.values() == 0
+    assert zeros[0].all() and zeros[1, :31].all()
+    assert (_bits(want)[zeros] == 0).all()
+    if importlib.util.find_spec("triton") is not None:
+        assert torch.equal(_bits(FD.fold(q, backend="triton")), _bits(want))
+
+
 # --- the GEMM -------------------------------------------------------------------------------------------
 
 def _integers(m, k, seed, spread=2):
@@ -202,6 +219,26 @@ def test_a_folded_gemm_is_within_the_stated_bound_of_the_emulation(pair):
     bound = bound + 2 * 193 * 2.0 ** -24 * (va.abs() @ vb.abs().t())
     assert ((got - want).abs() <= bound).all()
     assert (got != want).any() or pair == ("e2m1", "e2m1")  # the bound is not met by equality alone
+
+
+def test_the_first_use_check_runs_eagerly_while_torch_compile_traces(monkeypatch):
+    """Met first inside a compiled step, the check runs at trace time and its outcome is a constant of the
+    graph: no graph break (its ``.item()`` would make one), and the outcome is remembered for the device."""
+    import torch._dynamo.testing
+
+    from lowprec.kernels import gemm as G
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(FD.CHECK, "_done", {})
+    torch._dynamo.reset()
+
+    def step(x):
+        return x * 2 if G._folded_checked(cpu) else x
+
+    counter = torch._dynamo.testing.CompileCounter()
+    assert torch.equal(torch.compile(step, backend=counter, fullgraph=True)(torch.ones(3)), torch.full((3,), 2.0))
+    assert counter.frame_count == 1 and FD.CHECK.state(cpu) is True
+    torch._dynamo.reset()
 
 
 def test_the_first_use_check_passes_here_and_refuses_a_wrong_gemm():
