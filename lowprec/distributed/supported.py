@@ -26,7 +26,9 @@ class Unsupported:
 
 def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str,
                 master_weights: bool) -> tuple[Unsupported, ...]:
-    """Every combination a run spread as ``parallel`` cannot take, in the order a configuration checks them."""
+    """Every combination a run spread as ``parallel`` cannot take, in the order a configuration checks them.
+    Every ``optim_states`` runs under each (FSDP2's FP8 and 8-bit moments group inside rows:
+    ``lowprec.optim.states``)."""
     check_choice("parallel", parallel, PARALLEL)
     out = []
     if fp8_weights and not master_weights:
@@ -35,9 +37,6 @@ def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str,
     if fp8_weights and parallel == "fsdp2":
         out.append(Unsupported("fp8_weights", "parallel 'none' or 'ddp' (FSDP2 with FP8 primary weights is not "
                                "supported yet)", repr(parallel)))
-    if optim_states not in ("fp32", "bf16") and parallel == "fsdp2":
-        out.append(Unsupported("optim_states", "'fp32' or 'bf16' under fsdp2 (per-group scales of a shard cannot "
-                               "be resharded)", repr(optim_states)))
     if not master_weights and parallel != "none":
         out.append(Unsupported("master_weights", "True under ddp/fsdp2 (stochastic rounding swaps param.data)",
                                "False"))

@@ -30,6 +30,16 @@ Each moment keeps the parameter's shape (codes of the same shape as the paramete
 8-bit, one float32 per group of the flattened parameter (the last group may be partial): the state
 keys are ``exp_avg`` / ``exp_avg_sq`` and, per group, ``<key>_scale`` and (FP8) ``<key>_expansion``.
 The float32 working copies made at a step exist for one parameter at a time.
+
+[Note: moments of FSDP2 shards]
+FSDP2 splits each parameter along dim 0 across ranks (uneven splits included) and a distributed checkpoint
+may be loaded on another number of ranks. A group that straddled two ranks' rows could be neither encoded
+on one rank nor resharded, so for FSDP2 parameters of two or more dimensions the groups lie inside rows
+(``store(..., rows=True)``): each row of dim 0 flattened and cut into groups, its last one partial, the
+per-group tensors shaped ``(rows, groups per row)`` and sharded along their rows as the parameter is. Where
+a row's length is a multiple of the group, these are the same groups as the flattened layout's. One-
+dimensional parameters have rows of one value, groups of one: :class:`lowprec.optim.AdamWLP` keeps BF16
+moments for them under FSDP2, and says so.
 """
 from __future__ import annotations
 
@@ -165,35 +175,65 @@ def int8_decode(codes: torch.Tensor, a: torch.Tensor, moment: Moment) -> torch.T
     return (codes.float() * INV_UINT8_LEVELS).square() * a[:, None]
 
 
-def store(x: torch.Tensor, fmt: StateFormat, moment: Moment) -> dict[str, torch.Tensor]:
-    """The state entries holding the float32 moment ``x`` in ``fmt``."""
+def _row_groups(x: torch.Tensor, size: int) -> torch.Tensor:
+    """``x`` (rows along dim 0) with each row flattened and zero-padded into groups of ``size``: no group
+    holds values of two rows (see [Note: moments of FSDP2 shards])."""
+    row = math.prod(x.shape[1:])
+    flat = x.reshape(x.shape[0], row)
+    return torch.nn.functional.pad(flat, (0, -row % size)).reshape(-1, size)  # (rows * groups per row, size)
+
+
+def _encode(groups: torch.Tensor, fmt: StateFormat, moment: Moment) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Codes of float32 ``groups`` and their per-group tensors, by state key suffix."""
+    if fmt is StateFormat.FP8:
+        codes, a, k = fp8_encode(groups)
+        return codes, {"_scale": a, "_expansion": k}
+    codes, a = int8_encode(groups, moment)
+    return codes, {"_scale": a}
+
+
+def _decode(groups: torch.Tensor, state: dict[str, torch.Tensor], fmt: StateFormat, moment: Moment,
+            shape: tuple[int, ...]) -> torch.Tensor:
+    """The float32 groups of ``groups``' codes, each group's tensors read from ``state`` in ``shape``."""
+    key = moment.value
+    if fmt is StateFormat.FP8:
+        return fp8_decode(groups, state[key + "_scale"].reshape(shape), state[key + "_expansion"].reshape(shape))
+    return int8_decode(groups, state[key + "_scale"].reshape(shape), moment)
+
+
+def store(x: torch.Tensor, fmt: StateFormat, moment: Moment, *, rows: bool = False) -> dict[str, torch.Tensor]:
+    """The state entries holding the float32 moment ``x`` in ``fmt``: groups of the flattened ``x``, or with
+    ``rows`` groups inside each row of ``x`` (its per-group tensors shaped ``(rows, groups per row)``)."""
     key = moment.value
     if fmt is StateFormat.FP32:
         return {key: x.float()}
     if fmt is StateFormat.BF16:
         return {key: x.to(torch.bfloat16)}
-    groups = _groups(x.float(), fmt.group)
-    if fmt is StateFormat.FP8:
-        codes, a, k = fp8_encode(groups)
-        extra = {key + "_scale": a, key + "_expansion": k}
-    else:
-        codes, a = int8_encode(groups, moment)
-        extra = {key + "_scale": a}
-    return {key: codes.reshape(-1)[:x.numel()].view(x.shape), **extra}
+    if not rows:
+        codes, extra = _encode(_groups(x.float(), fmt.group), fmt, moment)
+        return {key: codes.reshape(-1)[:x.numel()].view(x.shape), **{key + s: v for s, v in extra.items()}}
+    rows_, per_row = row_groups(tuple(x.shape), fmt)
+    codes, extra = _encode(_row_groups(x.float(), fmt.group), fmt, moment)
+    codes = codes.reshape(rows_, per_row * fmt.group)[:, :math.prod(x.shape[1:])].reshape(x.shape)
+    return {key: codes, **{key + s: v.reshape(rows_, per_row) for s, v in extra.items()}}
 
 
-def load(state: dict[str, torch.Tensor], fmt: StateFormat, moment: Moment) -> torch.Tensor:
-    """The float32 moment that :func:`store` stored in ``state``."""
-    key = moment.value
-    codes = state[key]
+def load(state: dict[str, torch.Tensor], fmt: StateFormat, moment: Moment, *, rows: bool = False) -> torch.Tensor:
+    """The float32 moment that :func:`store` stored in ``state`` (with the same ``rows``)."""
+    codes = state[moment.value]
     if fmt.group is None:
         return codes.float()
-    groups = _groups(codes, fmt.group)
-    if fmt is StateFormat.FP8:
-        x = fp8_decode(groups, state[key + "_scale"], state[key + "_expansion"])
-    else:
-        x = int8_decode(groups, state[key + "_scale"], moment)
-    return x.reshape(-1)[:codes.numel()].view(codes.shape)
+    if not rows:
+        x = _decode(_groups(codes, fmt.group), state, fmt, moment, (-1,))
+        return x.reshape(-1)[:codes.numel()].view(codes.shape)
+    rows_, per_row = row_groups(tuple(codes.shape), fmt)
+    x = _decode(_row_groups(codes, fmt.group), state, fmt, moment, (-1,))
+    return x.reshape(rows_, per_row * fmt.group)[:, :math.prod(codes.shape[1:])].reshape(codes.shape)
+
+
+def row_groups(shape: tuple[int, ...], fmt: StateFormat) -> tuple[int, int]:
+    """The shape of each per-group tensor of a moment of ``shape`` stored with ``rows``."""
+    return shape[0], math.ceil(math.prod(shape[1:]) / fmt.group)
 
 
 def code_dtype(fmt: StateFormat, moment: Moment) -> torch.dtype:

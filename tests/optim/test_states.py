@@ -177,3 +177,25 @@ def test_expansion_never_leaves_float32_range():
     y = load({"exp_avg_sq": codes.view(-1), "exp_avg_sq_scale": a, "exp_avg_sq_expansion": k}, StateFormat.FP8,
              Moment.SECOND)
     torch.testing.assert_close(y, x, rtol=U_E4M3 / k.item() * 1.01, atol=0)
+
+
+@pytest.mark.parametrize("fmt", [StateFormat.FP8, StateFormat.INT8])
+@pytest.mark.parametrize("moment", list(Moment))
+@pytest.mark.parametrize("shape", [(5, 3, 100), (4, 2048), (3, 2500), (0, 300)], ids=str)
+def test_groups_inside_rows_are_each_row_stored_alone(fmt, moment, shape):
+    """FSDP2's layout (``rows=True``): row i's codes and per-group tensors are those of row i stored by itself,
+    so a shard of whole rows holds whole groups; loading inverts it as for the flattened layout."""
+    x = moments(shape=shape, seed=5)[moment] if shape[0] else torch.zeros(shape)
+    st = store(x, fmt, moment, rows=True)
+    per_row = math.ceil(math.prod(shape[1:]) / fmt.group)
+    assert all(st[moment.value + s].shape == (shape[0], per_row) for s in fmt.group_keys)
+    assert st[moment.value].shape == x.shape and st[moment.value].dtype == store(x, fmt, moment)[moment.value].dtype
+    for i in range(shape[0]):
+        alone = store(x[i].reshape(-1), fmt, moment)
+        assert torch.equal(st[moment.value][i].reshape(-1), alone[moment.value])
+        for s in fmt.group_keys:
+            assert torch.equal(st[moment.value + s][i], alone[moment.value + s])
+        assert torch.equal(load(st, fmt, moment, rows=True)[i].reshape(-1), load(alone, fmt, moment))
+    if math.prod(shape[1:]) % fmt.group == 0:  # rows of whole groups: the flattened layout's groups
+        flat = store(x, fmt, moment)
+        assert all(torch.equal(st[k].reshape(-1), flat[k].reshape(-1)) for k in st)

@@ -71,9 +71,8 @@ def test_compare_runs_each_recipe_with_fp32_moments_beside_the_chosen_ones():
 def test_settings_refused():
     with pytest.raises(ValueError, match="optim_states: expected one of 'fp32', 'bf16', 'fp8', 'int8', got 'fp16'"):
         TrainConfig(optim_states="fp16")
-    with pytest.raises(ValueError, match=r"optim_states: expected 'fp32' or 'bf16' under fsdp2 \(per-group scales"):
-        TrainConfig(optim_states="fp8", parallel="fsdp2")
-    assert TrainConfig(optim_states="bf16", parallel="fsdp2").optim_states == "bf16"  # elementwise: reshards
+    for states in ("bf16", "fp8", "int8"):  # elementwise, or groups inside rows under FSDP2: all reshard
+        assert TrainConfig(optim_states=states, parallel="fsdp2").optim_states == states
     with pytest.raises(ValueError, match="master_weights: expected True for float32 parameters"):
         TrainConfig(master_weights=False)
     with pytest.raises(ValueError, match=r"master_weights: expected True under ddp/fsdp2"):
