@@ -51,6 +51,8 @@ from lowprec.quant import GranularityKind, QuantizedTensor, mx, rowwise
 E4M3, E5M2 = F.get("e4m3"), F.get("e5m2")
 ELEMENTS = tuple(F.get(n) for n in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
 """The element formats that fold: at most 3 mantissa bits, a range inside E4M3's (or E5M2 itself)."""
+NAN_EXPONENT = -1000
+"""The exponent a NaN scale stands for: below every real one (E8M0's smallest is -127)."""
 MIN_SHIFT = -40
 """Block shifts below this fold to zero alike (every element then lies under half the smallest
 subnormal step of the target) and keep the FP32 multiply normal."""
@@ -79,17 +81,18 @@ def _check(q: QuantizedTensor) -> None:
 
 
 def exponents(scale: torch.Tensor) -> torch.Tensor:
-    """int32 ``log2`` of power-of-two float32 scales (E8M0's, 2^-127 included), from their bits; NaN -> -1000."""
+    """int32 ``log2`` of power-of-two float32 scales (E8M0's, 2^-127 included), from their bits; NaN ->
+    ``NAN_EXPONENT``."""
     bits = scale.view(torch.int32)
     biased = (bits >> 23) & 0xFF
     e = torch.where(biased == 0, torch.full_like(biased, -127), biased - 127)  # 2^-127: FP32's one subnormal here
-    return torch.where(scale.isnan(), torch.full_like(e, -1000), e)
+    return torch.where(scale.isnan(), torch.full_like(e, NAN_EXPONENT), e)
 
 
 def row_exponents(e: torch.Tensor, h: int) -> torch.Tensor:
     """``(M,)`` int32: each row's largest block exponent minus ``h`` (0 for a row of NaN blocks only)."""
     top = e.amax(dim=1)
-    return torch.where(top == -1000, torch.zeros_like(top), top - h)
+    return torch.where(top == NAN_EXPONENT, torch.zeros_like(top), top - h)
 
 
 def fold_reference(q: QuantizedTensor) -> QuantizedTensor:
@@ -118,7 +121,7 @@ def fold(q: QuantizedTensor, backend: str | Backend | None = None) -> QuantizedT
                                      backend=backend) is Backend.TRITON:
         from lowprec.kernels.triton_fold import fold_triton  # Triton: imported where it runs
 
-        return fold_triton(q, target(q.fmt), headroom(q.fmt), MIN_SHIFT)
+        return fold_triton(q, target(q.fmt), headroom(q.fmt), MIN_SHIFT, NAN_EXPONENT)
     return fold_reference(q)
 
 

@@ -22,38 +22,38 @@ from lowprec.quant import QuantizedTensor, rowwise
 
 
 @triton.jit
-def _exponent(s):
-    """int32 log2 of power-of-two float32 ``s`` (2^-127, FP32's one subnormal here, included); NaN -> -1000."""
+def _exponent(s, NAN_E: tl.constexpr):
+    """int32 log2 of power-of-two float32 ``s`` (2^-127, FP32's one subnormal here, included); NaN -> ``NAN_E``."""
     biased = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
     e = tl.where(biased == 0, -127, biased - 127)
-    return tl.where(s != s, -1000, e)
+    return tl.where(s != s, NAN_E, e)
 
 
 @triton.jit
 def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, SRC_MAN: tl.constexpr,
                 NATIVE: tl.constexpr, T_EXP: tl.constexpr, T_MAN: tl.constexpr, T_SPECIAL: tl.constexpr,
-                H: tl.constexpr, MIN_D: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, BKB: tl.constexpr,
-                BK: tl.constexpr):
+                H: tl.constexpr, MIN_D: tl.constexpr, NAN_E: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr,
+                BKB: tl.constexpr, BK: tl.constexpr):
     """Rows ``pid * BM ...``: ``r`` (int32, their scales' exponent) and ``out`` (uint8 codes of the target).
-    A NaN scale stands for exponent -1000, below every real one (E8M0's smallest is -127)."""
+    A NaN scale stands for exponent ``NAN_E``, below every real one (E8M0's smallest is -127)."""
     offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
     rows = offs_m < M
-    top = tl.full((BM,), -1000, tl.int32)
+    top = tl.full((BM,), NAN_E, tl.int32)
     for j0 in range(0, KB, BKB):
         sj = j0 + tl.arange(0, BKB)
         s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * KB + sj[None, :],
                     mask=rows[:, None] & (sj[None, :] < KB), other=float("nan"))
-        top = tl.maximum(top, tl.max(_exponent(s), axis=1))
-    r = tl.where(top == -1000, 0, top - H)
+        top = tl.maximum(top, tl.max(_exponent(s, NAN_E), axis=1))
+    r = tl.where(top == NAN_E, 0, top - H)
     tl.store(r_ptr + offs_m, r, mask=rows)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         sj = k0 // BC + tl.arange(0, BKB)
         s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * KB + sj[None, :],
                     mask=rows[:, None] & (sj[None, :] < KB), other=1.0)
-        e = _exponent(s)
+        e = _exponent(s, NAN_E)
         d = tl.maximum(e - r[:, None], MIN_D)
-        factor = tl.where(e == -1000, float("nan"), exp2i(d))  # (BM, BKB)
+        factor = tl.where(e == NAN_E, float("nan"), exp2i(d))  # (BM, BKB)
         mask = rows[:, None] & (offs_k[None, :] < K)
         c = tl.load(c_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0)
         if NATIVE == 1:
@@ -72,10 +72,11 @@ def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, S
 _NATIVE = {F.get("e4m3"): 1, F.get("e5m2"): 2}
 
 
-def fold_triton(q: QuantizedTensor, tgt: F.Format, h: int, min_shift: int, rows_per_program: int = 16
-                ) -> QuantizedTensor:
+def fold_triton(q: QuantizedTensor, tgt: F.Format, h: int, min_shift: int, nan_exponent: int,
+                rows_per_program: int = 16) -> QuantizedTensor:
     """:func:`lowprec.kernels.fold.fold_reference` in one Triton pass (MX ``q``, checked by the caller, folded
-    into ``tgt`` with headroom ``h``, shifts below ``min_shift`` clamped to it)."""
+    into ``tgt`` with headroom ``h``, shifts below ``min_shift`` clamped to it, a NaN scale's exponent
+    taken as ``nan_exponent``)."""
     m, k = q.data.shape
     kb = q.scale.shape[1]
     bc = k // kb if kb else 32
@@ -87,7 +88,7 @@ def fold_triton(q: QuantizedTensor, tgt: F.Format, h: int, min_shift: int, rows_
         args = (data, q.scale.contiguous(), codes, r, m, k, kb)
         consts = dict(SRC_EXP=q.fmt.exp_bits, SRC_MAN=q.fmt.man_bits, NATIVE=_NATIVE.get(q.fmt, 0),
                       T_EXP=tgt.exp_bits, T_MAN=tgt.man_bits, T_SPECIAL=SPECIALS[tgt.special], H=h,
-                      MIN_D=min_shift, BC=bc, BM=rows_per_program, BKB=bkb, BK=bkb * bc)
+                      MIN_D=min_shift, NAN_E=nan_exponent, BC=bc, BM=rows_per_program, BKB=bkb, BK=bkb * bc)
         grid = (triton.cdiv(m, rows_per_program),)
         if q.data.device.type == "cuda":
             launch.run(fold_kernel, grid, args, consts, ("fold", q.fmt.name, bc, rows_per_program))

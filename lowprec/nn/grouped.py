@@ -225,10 +225,9 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
 def _row_scaled(gp, a: GC.ExpertCast, b: GC.ExpertCast) -> bool:
     """A cuBLAS GEMM of per-tensor or per-row casts: what PyTorch's grouped FP8 GEMM takes (MX casts on
     Blackwell's tensor cores are cuBLAS too, but block-scaled: they run per expert)."""
-    return gp.path is GemmPath.CUBLAS and a.kind in ROW_SCALED and b.kind in ROW_SCALED
+    return gp.path is GemmPath.CUBLAS and a.kind in GC.ROW_SCALED and b.kind in GC.ROW_SCALED
 
 
-ROW_SCALED = ("tensor", "row", "column")
 """The ExpertCast kinds whose scales are per tensor, per row or per feature."""
 
 
@@ -236,7 +235,7 @@ def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) ->
     """``(T, N)``: every expert's MX rows of ``a`` times its ``b`` (``(E, N, K)``), both folded to row scales
     (see [Note: folding MX blocks into rows] in ``lowprec.kernels.fold``), as one grouped FP8 GEMM; None
     where the plan's GEMM is not folded or the device does not run the grouped one."""
-    if gp.path is not GemmPath.FOLDED or a.kind != "mx":
+    if gp.path is not GemmPath.FOLDED or a.kind is not GC.Side.MX:
         return None
     device = a.data.device
     e, n, kp = b.data.shape

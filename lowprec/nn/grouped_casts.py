@@ -34,6 +34,7 @@ bit; on a GPU the grouped GEMMs of ``lowprec.kernels.grouped_gemm`` read the sam
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -86,6 +87,25 @@ def _aligned(scales: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class Side(enum.Enum):
+    """How an :class:`ExpertCast`'s scales lie (see its ``scales``)."""
+
+    TENSOR = "tensor"
+    """One per expert."""
+    ROW = "row"
+    """One per row of the codes."""
+    COLUMN = "column"
+    """One per expert and feature: a token side cast along the tokens."""
+    MX = "mx"
+    """MX blocks along K: token rows or weights."""
+    MX_TOKENS = "mx-tokens"
+    """MX blocks along the tokens, each expert's from a whole block on."""
+
+
+ROW_SCALED = frozenset({Side.TENSOR, Side.ROW, Side.COLUMN})
+"""The sides a row-scaled FP8 GEMM takes."""
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertCast:
     """One side of an operand's casts for every expert.
@@ -101,40 +121,40 @@ class ExpertCast:
     fmt: F.Format
     dtype: torch.dtype
     """The dtype of the tensor cast (what ``dequantize`` gives back)."""
-    kind: str
+    kind: Side
     flip: bool = False
     granularity: Granularity | None = None
     """MX sides: the blocks' granularity."""
     starts: tuple[int, ...] = ()
-    """``mx-tokens``: where each expert's tokens begin in ``data``'s columns, each at a whole block."""
+    """``MX_TOKENS``: where each expert's tokens begin in ``data``'s columns, each at a whole block."""
     width: int = 0
-    """``mx``: K before padding to whole blocks."""
+    """``MX``: K before padding to whole blocks."""
     aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind == "tensor":
+        if self.kind is Side.TENSOR:
             object.__setattr__(self, "aligned", _aligned(self.scales))
 
     def expert(self, e: int, rows: slice | None = None) -> QuantizedTensor:
         """Expert ``e``'s operand, as its own cast would make it: its token rows ``rows``, or its weight."""
-        if self.kind in ("mx", "mx-tokens"):
+        if self.kind in (Side.MX, Side.MX_TOKENS):
             return self._mx_expert(e, rows)
         codes = self.data[rows] if rows is not None else self.data[e]
-        if self.kind == "tensor":
+        if self.kind is Side.TENSOR:
             scale, g = self.aligned[e, :1].view(1, 1), tensorwise()
-        elif self.kind == "row":
+        elif self.kind is Side.ROW:
             n = codes.shape[0]
             first = rows.start if rows is not None else e * n
             scale, g = self.scales[first:first + n].unsqueeze(1).clone(), rowwise()  # its own, aligned
         else:  # column: the tokens' side cast along the tokens, one scale per feature
             scale, g = self.scales[e].unsqueeze(1).clone(), rowwise()
-        if self.flip or self.kind == "column":
+        if self.flip or self.kind is Side.COLUMN:
             codes = codes.t().contiguous()
         return QuantizedTensor(codes, scale, self.fmt, g, codes.shape, self.dtype)
 
     def _mx_expert(self, e: int, rows: slice | None) -> QuantizedTensor:
         bc = self.granularity.block_cols
-        if self.kind == "mx-tokens":  # (K, tokens): the expert's columns, from a whole block on
+        if self.kind is Side.MX_TOKENS:  # (K, tokens): the expert's columns, from a whole block on
             n = rows.stop - rows.start
             first, width = self.starts[e], -(-n // bc) * bc
             # contiguous: the fold and dequantize kernels read rows of K with no gap
@@ -155,7 +175,7 @@ class ExpertCast:
 
     def token_scales(self, expert: torch.Tensor) -> torch.Tensor:
         """``(T,)``: each token row's scale (a side cast along K)."""
-        return self.scales[expert] if self.kind == "tensor" else self.scales
+        return self.scales[expert] if self.kind is Side.TENSOR else self.scales
 
     def weight_codes(self) -> torch.Tensor:
         """``(E, R, K)``: every expert's operand codes, as a grouped GEMM's second operand reads them."""
@@ -164,11 +184,11 @@ class ExpertCast:
     def weight_scales(self) -> torch.Tensor:
         """``(E, R)``: the scale of each row of every expert's :meth:`weight_codes`."""
         e, r = self.data.shape[0], self.data.shape[2 if self.flip else 1]
-        return self.scales[:, None].expand(e, r) if self.kind == "tensor" else self.scales.view(e, r)
+        return self.scales[:, None].expand(e, r) if self.kind is Side.TENSOR else self.scales.view(e, r)
 
     def feature_scales(self, n_experts: int) -> torch.Tensor:
         """``(E * K,)``: the scale of each feature of each expert (a token side cast along the tokens)."""
-        if self.kind == "tensor":
+        if self.kind is Side.TENSOR:
             return self.scales[:, None].expand(n_experts, self.data.shape[1]).reshape(-1)
         return self.scales.reshape(-1)
 
@@ -223,12 +243,12 @@ def _per_tensor(x2: torch.Tensor, amax: torch.Tensor, per_row, fmt: F.Format, fl
         data = triton_quant.rows_by_amax(x2, spec, per_row(amax))
     else:  # the division and rounding of a per-tensor cast, given each row's scale
         data = quantize(x2, fmt, rowwise(), scale=per_row(scales).unsqueeze(1)).data
-    return ExpertCast(data, scales, fmt, x2.dtype, "tensor", flip)
+    return ExpertCast(data, scales, fmt, x2.dtype, Side.TENSOR, flip)
 
 
 def _rows(x2: torch.Tensor, fmt: F.Format) -> ExpertCast:
     q = routed_quantize(x2, fmt, rowwise())  # rows are independent of the experts
-    return ExpertCast(q.data, q.scale.reshape(-1), fmt, x2.dtype, "row")
+    return ExpertCast(q.data, q.scale.reshape(-1), fmt, x2.dtype, Side.ROW)
 
 
 def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
@@ -243,13 +263,13 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
         data = triton_grouped.columns_by_group(x2.detach(), g.expert, amax, fmt)
     else:
         data = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
-    return ExpertCast(data, scales, fmt, x2.dtype, "column")
+    return ExpertCast(data, scales, fmt, x2.dtype, Side.COLUMN)
 
 
 def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
     """Rows cast along K in MX blocks (rows are independent of the experts)."""
     q = routed_quantize(x2, fmt, gran)
-    return ExpertCast(q.data, q.scale, fmt, x2.dtype, "mx", granularity=gran, width=x2.shape[-1])
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX, granularity=gran, width=x2.shape[-1])
 
 
 def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) -> ExpertCast:
@@ -264,7 +284,7 @@ def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) ->
     xp = x2.new_zeros(sum(padded), x2.shape[1])
     xp[dest] = x2.detach()
     q = routed_quantize(xp.t().contiguous(), fmt, gran)  # (K, P): blocks along the padded tokens
-    return ExpertCast(q.data, q.scale, fmt, x2.dtype, "mx-tokens", granularity=gran, starts=starts)
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran, starts=starts)
 
 
 def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | None, F.Format | None]:
@@ -288,7 +308,7 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
     if ft is None:
         return k, None
     if ft == fk:  # the same codes, transposed per expert
-        return k, ExpertCast(k.data, k.scales, k.fmt, k.dtype, "tensor", True)
+        return k, ExpertCast(k.data, k.scales, k.fmt, k.dtype, Side.TENSOR, True)
     return k, _per_tensor(x2, amax, lambda v: v[expert], ft, True)
 
 
@@ -312,10 +332,10 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
         kc = tc = None
         if fk is not None:
             kc = _rows(w.reshape(e * out, k), fk)
-            kc = ExpertCast(kc.data.view(e, out, k), kc.scales, fk, weight.dtype, "row")
+            kc = ExpertCast(kc.data.view(e, out, k), kc.scales, fk, weight.dtype, Side.ROW)
         if ft is not None:  # weight[e].T's rows are weight[e]'s columns: one transposed copy
             tc = _rows(w.transpose(1, 2).reshape(e * k, out), ft)
-            tc = ExpertCast(tc.data.view(e, k, out), tc.scales, ft, weight.dtype, "row")
+            tc = ExpertCast(tc.data.view(e, k, out), tc.scales, ft, weight.dtype, Side.ROW)
         return kc, tc
     amax = w.abs().float().amax(dim=(1, 2))  # (E,)
     flat = w.reshape(e * out, k)
@@ -329,11 +349,12 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
             out_casts.append(None)
         elif flip and fmt == fk and out_casts[0] is not None:  # the same codes, transposed per expert
             c = out_casts[0]
-            out_casts.append(ExpertCast(c.data, c.scales, c.fmt, c.dtype, "tensor", True))
+            out_casts.append(ExpertCast(c.data, c.scales, c.fmt, c.dtype, Side.TENSOR, True))
         else:
             c = _per_tensor(flat, amax, spread, fmt, flip)
-            out_casts.append(ExpertCast(c.data.view(e, out, k), c.scales, fmt, weight.dtype, "tensor", flip))
+            out_casts.append(ExpertCast(c.data.view(e, out, k), c.scales, fmt, weight.dtype, Side.TENSOR, flip))
     return out_casts[0], out_casts[1]
 
 
-__all__ = ["ExpertCast", "Groups", "batched_kind", "batches", "cast_rows", "cast_weights", "groups"]
+__all__ = ["ROW_SCALED", "ExpertCast", "Groups", "Side", "batched_kind", "batches", "cast_rows", "cast_weights",
+           "groups"]
