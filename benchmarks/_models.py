@@ -32,12 +32,22 @@ class Size:
         c = self.config
         return c.num_params() - c.vocab_size * c.dim - (2 * c.n_layers + 1) * c.dim
 
+    def active_linear_params(self) -> int:
+        """:meth:`linear_params` less the routed experts a token does not reach (a mixture of experts: its
+        ``top_k`` of ``n_experts``)."""
+        c = self.config
+        if c.moe is None:
+            return self.linear_params()
+        idle = c.moe.n_experts - c.moe.top_k
+        return self.linear_params() - c.n_layers * idle * 3 * c.dim * c.ffn_dim
+
     def flops_per_token(self) -> int:
         """Model FLOPs of one token's forward and backward, as ``lowprec.plan`` counts them: 6 per
-        parameter of every linear (the LM head too, not the embedding lookup), plus attention's scores
-        and weighted sum, 12 x seq x dim per layer (PaLM's count; the causal mask is not credited)."""
+        parameter of every linear a token goes through (the LM head too, not the embedding lookup; a
+        mixture's routed experts: its top k), plus attention's scores and weighted sum, 12 x seq x dim
+        per layer (PaLM's count; the causal mask is not credited)."""
         c = self.config
-        return 6 * self.linear_params() + 12 * self.seq_len * c.dim * c.n_layers
+        return 6 * self.active_linear_params() + 12 * self.seq_len * c.dim * c.n_layers
 
 
 def llama_ffn(dim: int) -> int:
@@ -53,7 +63,6 @@ SIZES: dict[str, Size] = {
     "1b": Size(config=replace(preset("1b"), n_heads=16, vocab_size=VOCAB), batch=8, seq_len=2048),
     "3b": Size(config=ModelConfig(dim=3072, n_layers=26, n_heads=24, n_kv_heads=8, ffn_dim=llama_ffn(3072),
                                   vocab_size=VOCAB, max_seq_len=4096), batch=4, seq_len=4096),
-    # a mixture of experts: 32 experts of 512 per block, 4 per token (the linear parameters count every
-    # expert, so its MFU is not comparable with the dense sizes'; its ratios are)
+    # a mixture of experts: 32 experts of 512 per block, 4 per token (its MFU counts the 4, as the planner)
     "moe-1b": Size(config=replace(preset("moe-1b"), vocab_size=VOCAB), batch=8, seq_len=2048),
 }
