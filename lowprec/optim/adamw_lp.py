@@ -119,7 +119,7 @@ class AdamWLP(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None and p.numel()]  # nothing to update in empty ones
             states = [self._counted(p) for p in params]
-            if any(is_dtensor(p) for p in params):  # FP32 moments of FSDP2 shards: one at a time
+            if any(is_dtensor(p) for p in params):  # FSDP2 shards: one at a time, each on its local values
                 for p, state in zip(params, states):
                     update_one(p, state, self._format(p), group, self._rows(p))
                 continue
