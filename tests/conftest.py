@@ -21,6 +21,23 @@ os.environ["TRITON_INTERPRET"] = "1"
 torch.set_num_threads(1)
 
 
+WARNING_MODULES = ("lowprec.convert", "lowprec.integrations.conversion", "lowprec.policy", "lowprec.telemetry.sample",
+                   "lowprec.unseen")
+"""The modules that define lowprec's warning classes (``tests/test_conftest.py`` holds the list to the code)."""
+
+
+def pytest_configure(config):
+    """In pytest-xdist's controller, import lowprec's warning classes before any worker reports one. The
+    controller imports a reported warning's module from one thread per worker; two workers reporting lowprec
+    warnings at once made two threads import lowprec together, and one saw a partially initialized module
+    (an ImportError that took a worker down)."""
+    if not hasattr(config, "workerinput"):  # the controller, or a run without xdist
+        import importlib
+
+        for name in WARNING_MODULES:
+            importlib.import_module(name)
+
+
 @pytest.fixture(name="sqnr")
 def sqnr_fixture():
     """:func:`tests.helpers.sqnr`, for tests that prefer a fixture to an import."""
