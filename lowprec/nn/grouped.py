@@ -228,9 +228,6 @@ def _row_scaled(gp, a: GC.ExpertCast, b: GC.ExpertCast) -> bool:
     return gp.path is GemmPath.CUBLAS and a.kind in GC.ROW_SCALED and b.kind in GC.ROW_SCALED
 
 
-"""The ExpertCast kinds whose scales are per tensor, per row or per feature."""
-
-
 def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
     """``(T, N)``: every expert's MX rows of ``a`` times its ``b`` (``(E, N, K)``), both folded to row scales
     (see [Note: folding MX blocks into rows] in ``lowprec.kernels.fold``), as one grouped FP8 GEMM; None

@@ -37,10 +37,7 @@ from lowprec.kernels.route import fused_adamw_step
 from lowprec.optim import adamw_batch as batch
 from lowprec.optim.states import PER_GROUP_KEYS, Moment, StateFormat, code_dtype, load, row_groups, store
 from lowprec.ranks import is_dtensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from lowprec.ranks import local as ranks_local
 
 
 def update_one(p: torch.Tensor, state: dict, fmt: StateFormat, group: dict, rows: bool = False) -> None:
@@ -49,8 +46,8 @@ def update_one(p: torch.Tensor, state: dict, fmt: StateFormat, group: dict, rows
     FSDP2 shard's FP8 or 8-bit moments) on this rank's rows alone, the codes and per-group tensors
     rewritten in place in their DTensors."""
     if rows:
-        local = {k: _local(v) for k, v in state.items() if k != "step"}
-        p_local, grad = p.to_local(), _local(p.grad).float()
+        local = {k: ranks_local(v) for k, v in state.items() if k != "step"}
+        p_local, grad = p.to_local(), ranks_local(p.grad).float()
         exp_avg, exp_avg_sq = (load(local, fmt, m, rows=True) for m in Moment)
         batch.adamw_math(p_local, grad, exp_avg, exp_avg_sq, group, state["step"].item())
         for m, x in ((Moment.FIRST, exp_avg), (Moment.SECOND, exp_avg_sq)):

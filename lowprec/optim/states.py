@@ -126,13 +126,6 @@ def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     return x.double().sqrt_().float()
 
 
-def _groups(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``x`` flattened and zero-padded into rows of ``size``."""
-    flat = x.reshape(-1)
-    pad = -flat.numel() % size
-    return torch.nn.functional.pad(flat, (0, pad)).view(-1, size)  # (groups, size)
-
-
 def fp8_expansion(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's absmax ``a`` and expansion exponent ``k`` (see [Note: FP8 moments ...])."""
     mag = groups.abs()  # (groups, size)
@@ -175,30 +168,20 @@ def int8_decode(codes: torch.Tensor, a: torch.Tensor, moment: Moment) -> torch.T
     return (codes.float() * INV_UINT8_LEVELS).square() * a[:, None]
 
 
-def _row_groups(x: torch.Tensor, size: int) -> torch.Tensor:
-    """``x`` (rows along dim 0) with each row flattened and zero-padded into groups of ``size``: no group
-    holds values of two rows (see [Note: moments of FSDP2 shards])."""
-    row = math.prod(x.shape[1:])
-    flat = x.reshape(x.shape[0], row)
-    return torch.nn.functional.pad(flat, (0, -row % size)).reshape(-1, size)  # (rows * groups per row, size)
+def _rows(shape: tuple[int, ...], rows: bool) -> tuple[int, int]:
+    """(rows, values per row) of a moment's groups: the flattened moment as one row, or dim 0's rows."""
+    return (shape[0], math.prod(shape[1:])) if rows else (1, math.prod(shape))
 
 
-def _encode(groups: torch.Tensor, fmt: StateFormat, moment: Moment) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Codes of float32 ``groups`` and their per-group tensors, by state key suffix."""
-    if fmt is StateFormat.FP8:
-        codes, a, k = fp8_encode(groups)
-        return codes, {"_scale": a, "_expansion": k}
-    codes, a = int8_encode(groups, moment)
-    return codes, {"_scale": a}
+def row_groups(shape: tuple[int, ...], fmt: StateFormat) -> tuple[int, int]:
+    """The shape of each per-group tensor of a moment of ``shape`` stored with ``rows``."""
+    return shape[0], math.ceil(math.prod(shape[1:]) / fmt.group)
 
 
-def _decode(groups: torch.Tensor, state: dict[str, torch.Tensor], fmt: StateFormat, moment: Moment,
-            shape: tuple[int, ...]) -> torch.Tensor:
-    """The float32 groups of ``groups``' codes, each group's tensors read from ``state`` in ``shape``."""
-    key = moment.value
-    if fmt is StateFormat.FP8:
-        return fp8_decode(groups, state[key + "_scale"].reshape(shape), state[key + "_expansion"].reshape(shape))
-    return int8_decode(groups, state[key + "_scale"].reshape(shape), moment)
+def _row_groups(x: torch.Tensor, rows: int, row: int, size: int) -> torch.Tensor:
+    """``x`` as ``rows`` rows of ``row`` values, each zero-padded into groups of ``size``: no group holds values
+    of two rows (see [Note: moments of FSDP2 shards])."""
+    return torch.nn.functional.pad(x.reshape(rows, row), (0, -row % size)).reshape(-1, size)
 
 
 def store(x: torch.Tensor, fmt: StateFormat, moment: Moment, *, rows: bool = False) -> dict[str, torch.Tensor]:
@@ -209,31 +192,33 @@ def store(x: torch.Tensor, fmt: StateFormat, moment: Moment, *, rows: bool = Fal
         return {key: x.float()}
     if fmt is StateFormat.BF16:
         return {key: x.to(torch.bfloat16)}
-    if not rows:
-        codes, extra = _encode(_groups(x.float(), fmt.group), fmt, moment)
-        return {key: codes.reshape(-1)[:x.numel()].view(x.shape), **{key + s: v for s, v in extra.items()}}
-    rows_, per_row = row_groups(tuple(x.shape), fmt)
-    codes, extra = _encode(_row_groups(x.float(), fmt.group), fmt, moment)
-    codes = codes.reshape(rows_, per_row * fmt.group)[:, :math.prod(x.shape[1:])].reshape(x.shape)
-    return {key: codes, **{key + s: v.reshape(rows_, per_row) for s, v in extra.items()}}
+    r, n = _rows(tuple(x.shape), rows)
+    groups = _row_groups(x.float(), r, n, fmt.group)
+    if fmt is StateFormat.FP8:
+        codes, a, k = fp8_encode(groups)
+        extra = {"_scale": a, "_expansion": k}
+    else:
+        codes, a = int8_encode(groups, moment)
+        extra = {"_scale": a}
+    g = -(-n // fmt.group)  # groups per row
+    per_group = (r, g) if rows else (g,)
+    return {key: codes.reshape(r, g * fmt.group)[:, :n].reshape(x.shape),
+            **{key + s: v.reshape(per_group) for s, v in extra.items()}}
 
 
 def load(state: dict[str, torch.Tensor], fmt: StateFormat, moment: Moment, *, rows: bool = False) -> torch.Tensor:
     """The float32 moment that :func:`store` stored in ``state`` (with the same ``rows``)."""
-    codes = state[moment.value]
+    key = moment.value
+    codes = state[key]
     if fmt.group is None:
         return codes.float()
-    if not rows:
-        x = _decode(_groups(codes, fmt.group), state, fmt, moment, (-1,))
-        return x.reshape(-1)[:codes.numel()].view(codes.shape)
-    rows_, per_row = row_groups(tuple(codes.shape), fmt)
-    x = _decode(_row_groups(codes, fmt.group), state, fmt, moment, (-1,))
-    return x.reshape(rows_, per_row * fmt.group)[:, :math.prod(codes.shape[1:])].reshape(codes.shape)
-
-
-def row_groups(shape: tuple[int, ...], fmt: StateFormat) -> tuple[int, int]:
-    """The shape of each per-group tensor of a moment of ``shape`` stored with ``rows``."""
-    return shape[0], math.ceil(math.prod(shape[1:]) / fmt.group)
+    r, n = _rows(tuple(codes.shape), rows)
+    groups = _row_groups(codes, r, n, fmt.group)
+    if fmt is StateFormat.FP8:
+        x = fp8_decode(groups, state[key + "_scale"].reshape(-1), state[key + "_expansion"].reshape(-1))
+    else:
+        x = int8_decode(groups, state[key + "_scale"].reshape(-1), moment)
+    return x.reshape(r, -(-n // fmt.group) * fmt.group)[:, :n].reshape(codes.shape)
 
 
 def code_dtype(fmt: StateFormat, moment: Moment) -> torch.dtype:
