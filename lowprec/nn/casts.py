@@ -12,6 +12,8 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from lowprec import kernels as K
 from lowprec import recipes as R
@@ -19,6 +21,7 @@ from lowprec.nn.delayed import DelayedState
 from lowprec.nn.plan import OperandPlan
 from lowprec.nn.recomputation import recomputing
 from lowprec.quant import QuantizedTensor
+from lowprec.quant.scales import amax_scale
 
 Operand = QuantizedTensor | torch.Tensor
 """A GEMM operand: quantized, or a plain high-precision tensor."""
@@ -35,6 +38,20 @@ def _scale(spec: K.CastSpec | None, role: R.Role, state: DelayedState | None, cu
     return state.scale(role, spec.fmt, current)
 
 
+def agreed_scale(x2: torch.Tensor, spec: K.CastSpec, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """The per-tensor current scale of the whole tensor ``x2`` is a part of, under tensor parallelism: its
+    amax is the max over ``group`` of every part's (one small all-reduce), so every rank casts its part
+    as one process casts the whole (see [Note: amaxes under tensor parallelism] in
+    ``lowprec.distributed.tensor_parallel``). None (the cast computes its own scale) without a group or
+    for any other scaling: blocks and MX blocks lie inside one rank's part, and a row split by the group
+    takes a scale per part. A NaN anywhere makes every part's scale NaN, as it would the whole's."""
+    if group is None or spec.delayed or not spec.granularity.per_tensor:
+        return None
+    amax = x2.detach().abs().amax().float()
+    amax = torch.where(torch.isnan(amax), torch.inf, amax)  # a MAX reduction may drop a NaN; inf stays
+    return amax_scale(funcol.all_reduce(amax, "max", group), spec.fmt)  # a non-finite amax: a NaN scale
+
+
 def record_weight_amax(delayed: DelayedState | None, op: OperandPlan, amax: torch.Tensor | None,
                        record: bool = True) -> None:
     """The weight's amax into its delayed-scaling history, where ``op`` (the weight's plan) scales by
@@ -48,10 +65,11 @@ def record_weight_amax(delayed: DelayedState | None, op: OperandPlan, amax: torc
 
 
 def cast_operand(x2: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, state: DelayedState | None,
-                 record: bool) -> tuple[Operand | None, Operand | None]:
+                 record: bool, group: dist.ProcessGroup | None = None) -> tuple[Operand | None, Operand | None]:
     """``(x2 cast along K or None, x2.T cast or None)``, the sides asked for, as ``op`` says. Delayed
     scales come from ``state`` before this tensor's amax is recorded (once, and only with ``record``:
-    evaluation must not move the training scales)."""
+    evaluation must not move the training scales). ``group``: the tensor-parallel group ``x2`` is a part
+    of, whose per-tensor current scales are agreed (see :func:`agreed_scale`)."""
     route = op.both if need_k and need_t else op.along_k if need_k else op.transposed
     k = t = None
     if route is not None:
@@ -63,9 +81,10 @@ def cast_operand(x2: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, 
         # amax the cast kernel takes on its way (the same value: a maximum is exact).
         current = (x2.detach().abs().amax().float()
                    if op.delayed and state is not None and torch.compiler.is_compiling() else None)
-        scale_k = _scale(a, op.role, state, current)
+        scale_k = _scale(a, op.role, state, current) if a is None or a.delayed else agreed_scale(x2, a, group)
         # one scale tensor where the sides are scaled alike, so a fused pass can serve both with it
-        scale_t = scale_k if a is not None and a.scaled_like(b) else _scale(b, op.role, state, current)
+        scale_t = (scale_k if a is not None and a.scaled_like(b) else
+                   _scale(b, op.role, state, current) if b is None or b.delayed else agreed_scale(x2, b, group))
         k, t, amax = K.cast(x2, route, scale_k=scale_k, scale_t=scale_t,
                             record_amax=recording and current is None)
         if recording:
@@ -158,7 +177,7 @@ class InputShare:
 class CastState:
     """What a converted layer keeps between calls for its casts (the plan itself is frozen)."""
 
-    __slots__ = ("delayed", "weight_cache", "cache_depth", "share")
+    __slots__ = ("delayed", "weight_cache", "cache_depth", "share", "group")
 
     def __init__(self) -> None:
         self.delayed: DelayedState | None = None
@@ -166,6 +185,9 @@ class CastState:
         self.cache_depth = 0
         """How many :func:`lowprec.nn.cached_weight_casts` regions hold the layer (0: cast at every forward)."""
         self.share: InputShare | None = None
+        self.group: dist.ProcessGroup | None = None
+        """The tensor-parallel group the layer's operands are parts of, whose per-tensor current scales
+        are agreed (see :func:`agreed_scale`); None outside tensor parallelism."""
 
     @property
     def caching(self) -> bool:
@@ -181,11 +203,11 @@ def input_casts(x: torch.Tensor, x2: torch.Tensor, op: OperandPlan, need_t: bool
     version counter to key on."""
     share = state.share
     if share is None or not op.shareable or torch.compiler.is_compiling() or x.is_inference():
-        return cast_operand(x2, op, True, need_t, state.delayed, record)
+        return cast_operand(x2, op, True, need_t, state.delayed, record, state.group)
     key = (x._version, x.shape, x.stride(), x.dtype, x.device, op, need_t)
     casts = share.get(x, key)
     if casts is None:
-        casts = cast_operand(x2, op, True, need_t, state.delayed, record)
+        casts = cast_operand(x2, op, True, need_t, state.delayed, record, state.group)
         share.put(x, key, casts)
     return casts
 
@@ -213,7 +235,7 @@ def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t
             and (cached.recorded or not record)):  # a training forward needs a cast whose amax was recorded
         record_weight_amax(state.delayed, op, None, record)
         return cached.fprop, cached.dgrad
-    qw, qw_t = cast_operand(weight.detach(), op, True, need_t, state.delayed, record)
+    qw, qw_t = cast_operand(weight.detach(), op, True, need_t, state.delayed, record, state.group)
     if caching:
         state.weight_cache = WeightCasts(key, qw, qw_t, record)
     return qw, qw_t

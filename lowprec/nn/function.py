@@ -44,12 +44,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from lowprec import kernels as K
 from lowprec.nn.casts import (
     CastState,
     Operand,
     QuantizedWeight,
+    agreed_scale,
     cast_operand,
     input_casts,
     record_weight_amax,
@@ -153,15 +155,18 @@ def _stored(codes: tuple, plan: LayerPlan, shape: torch.Size, dtype: torch.dtype
 
 
 def weight_t_again(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor | None,
-              after: torch.Tensor | None = None) -> Operand:
+                   after: torch.Tensor | None = None, group: dist.ProcessGroup | None = None) -> Operand:
     """weight.T's cast made again in backward, with forward's delayed scale and no amax recorded: the
     same bits as forward would have made (every backend equals the reference). ``after``: backward's
-    incoming gradient (see [Note: casts a compiled backward makes] in ``lowprec.kernels.cast``)."""
+    incoming gradient (see [Note: casts a compiled backward makes] in ``lowprec.kernels.cast``).
+    ``group``: the tensor-parallel group the weight is a shard of (see ``lowprec.nn.casts.agreed_scale``)."""
     if isinstance(weight, QuantizedWeight):  # an FP8 weight all-gathered by FSDP2, or not held by a layer
         if weight.serves(plan.weight):
             return weight.quantized(transposed=True)
         weight = weight.dequantize()
     route = plan.weight.transposed
+    if scale_t is None and route.transposed is not None and not route.transposed.delayed:
+        scale_t = agreed_scale(weight, route.transposed, group)
     return K.cast(weight, route, scale_t=scale_t, after=after).transposed
 
 
@@ -265,12 +270,13 @@ class LinearFunction(torch.autograd.Function):
             if w_from is WeightT.CODES:
                 qw_t = _stored_t(saved.codes, plan, meta.w_shape, meta.w_dtype, saved.scale_t, dy)
             elif w_from is WeightT.PARAMETER:
-                qw_t = weight_t_again(saved.weight.detach(), plan, saved.scale_t, dy)
+                qw_t = weight_t_again(saved.weight.detach(), plan, saved.scale_t, dy, ctx.state.group)
             else:
                 qw_t = unpack_operand(saved.w_t, meta.w_meta)
             dy2 = dy.reshape(-1, dy.shape[-1])  # (M, N)
             if need_dgrad or need_wgrad:  # a frozen input (the first layer) needs only wgrad's operand
-                qdy, qdy_t = cast_operand(dy2, plan.grad_output, need_dgrad, need_wgrad, ctx.state.delayed, True)
+                qdy, qdy_t = cast_operand(dy2, plan.grad_output, need_dgrad, need_wgrad, ctx.state.delayed, True,
+                                          ctx.state.group)
                 collector = probe()
                 if collector is not None:
                     collector.backward(ctx.state, plan, dy2, qdy, qdy_t, saved.weight,

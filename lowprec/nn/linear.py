@@ -20,6 +20,7 @@ from lowprec.nn.function import LinearFunction, fprop, output_dtype
 from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan
 from lowprec.nn.record import record_amaxes
 from lowprec.nn.stored_codes import StoredCodes
+from lowprec.ranks import local
 
 
 class Linear(nn.Linear):
@@ -166,32 +167,36 @@ class Linear(nn.Linear):
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             fail("input", f"a last dimension of in_features={self.in_features}", describe(x))
         recipe = resolve(self.recipe)
+        # a tensor-parallel shard (a DTensor) computes on its local part: lowprec.distributed.tensor_parallel
+        weight, bias = local(self.weight), None if self.bias is None else local(self.bias)
         if x.numel() == 0:
-            return nnf.linear(x, self.weight, self.bias)
+            return nnf.linear(x, weight, bias)
         if recipe is None:
-            return self._recorded(x, nnf.linear(x, self.weight, self.bias))
+            return self._recorded(x, nnf.linear(x, weight, bias))
         if not torch.compiler.is_compiling():
             self._check_weight()
         training = self.training and torch.is_grad_enabled()
         plan = self.plan(recipe, nearest=not training)  # evaluation rounds every cast to nearest
         if plan.hp_dtype is not None:
-            return self._recorded(x, self._unscaled(x, plan.hp_dtype))
+            return self._recorded(x, self._unscaled(x, plan.hp_dtype, weight, bias))
         if plan.hp_reason is not None:
             if not torch.compiler.is_compiling():  # a warning would end a graph; eager code said it
                 self._warn_once(plan.hp_reason)
-            return nnf.linear(x, self.weight, self.bias)
+            return nnf.linear(x, weight, bias)
         if plan.delayed:
             self._prepare(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
             self._fold_own()
         # Compiled code without delayed scaling needs none of the layer's state (no cache, no sharing):
         # one stateless object for every layer, so that blocks compiled one by one (FSDP2) share one
         # graph instead of recompiling per layer on the identity of its state
-        state = self.state if plan.delayed or not torch.compiler.is_compiling() else _STATELESS
+        # (a tensor-parallel layer keeps its own: the group it agrees scales over)
+        state = self.state if plan.delayed or self.state.group is not None or not torch.compiler.is_compiling() \
+            else _STATELESS
         codes = self._stored()
         if self._builds_graph(x):
-            return LinearFunction.apply(x, self.weight, self.bias, plan, state, *codes)
+            return LinearFunction.apply(x, weight, bias, plan, state, *codes)
         # inference: no transposed casts, and the delayed-scaling history is left as training made it
-        return fprop(x, self.weight, self.bias, plan, state, False, False, False, codes)[0]
+        return fprop(x, weight, bias, plan, state, False, False, False, codes)[0]
 
     def _stored(self) -> tuple:
         """(codes, scales, amax) of an FP8 primary weight, as plain tensors; () for a plain weight."""
@@ -210,12 +215,13 @@ class Linear(nn.Linear):
         params = (self.weight, self.bias) if self.bias is not None else (self.weight,)
         return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
 
-    def _unscaled(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _unscaled(x: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """bf16/fp16 recipes: operands cast to ``dtype``, output in the input / autocast dtype."""
         out = output_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
-            b = self.bias.to(dtype) if self.bias is not None else None
-            return nnf.linear(x.to(dtype), self.weight.to(dtype), b).to(out)
+            b = bias.to(dtype) if bias is not None else None
+            return nnf.linear(x.to(dtype), weight.to(dtype), b).to(out)
 
     def _recorded(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y``, the layer's output in high precision under an autocast region; where the region
@@ -229,7 +235,7 @@ class Linear(nn.Linear):
         plan = self._prepare(bound)  # its history exists unless an override replaced it since
         if plan.delayed:  # not a layer the policy or its shape keeps in high precision
             self._fold_own()
-            record_amaxes(x, self.weight, y, plan, self.state.delayed)
+            record_amaxes(x, local(self.weight), y, plan, self.state.delayed)
         return y
 
     def _warn_once(self, reason: str) -> None:

@@ -28,10 +28,15 @@ def _flag(u: Unsupported, train: Training) -> str:
 def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
     """One line per option ``lowprec train`` cannot run in this layout; empty when it can run it all."""
     out = []
-    for name, degree in (("tp", par.tp), ("pp", par.pp), ("ep", par.ep)):
-        if degree > 1:
-            what = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}[name]
-            out.append(f"--{name} {degree}: lowprec train has no {what} parallelism")
+    if par.tp > 1:
+        out.append(f"--tp {par.tp}: lowprec train has no tensor parallelism (lowprec.distributed.tensor_parallel."
+                   "parallelize splits a model over tensor-parallel ranks in a loop of your own, with no data "
+                   "parallelism beside it yet)")
+    if par.pp > 1:
+        out.append(f"--pp {par.pp}: lowprec train has no pipeline parallelism")
+    if par.ep > 1 and par.ep != par.gpus:
+        out.append(f"--ep {par.ep}: lowprec train splits the experts over every rank (--ep equal to the number of "
+                   f"ranks, {par.gpus} here); data-parallel replicas of expert groups are not built")
     if par.gpus > 1 and par.zero in (1, 2):
         out.append(f"--zero {par.zero}: lowprec train shards nothing (--parallel ddp, as --zero 0) or everything "
                    "(--parallel fsdp2, as --zero 3)")

@@ -369,4 +369,4 @@ def control_agrees(rank: int, world: int) -> dict:
             "all_reduces": len(calls), "recipes": [model[0].recipe.name, model[2].recipe.name]}
 
 
-from tests.distributed import checks_ep  # noqa: E402,F401  registers the expert-parallel checks
+from tests.distributed import checks_ep, checks_tp  # noqa: E402,F401  register the expert- and tensor-parallel checks

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
-TIMEOUT_S = 90  # the whole spawn; one check takes a second or two
+TIMEOUT_S = 180  # the whole spawn (about 20 s alone on two cores); one check takes a second or a few
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
 
 

@@ -39,7 +39,8 @@ def _refusals(**kwargs) -> tuple[str, ...]:
 def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
     lines = _refusals(gpus=64, tp=8, zero=3, training=Training(fp8_weights=True, optim_states="fp8"))
     assert lines == (
-        "--tp 8: lowprec train has no tensor parallelism",
+        "--tp 8: lowprec train has no tensor parallelism (lowprec.distributed.tensor_parallel.parallelize splits a "
+        "model over tensor-parallel ranks in a loop of your own, with no data parallelism beside it yet)",
         "--fp8-weights: lowprec train expects parallel 'none' or 'ddp' (FSDP2 with FP8 primary weights is not "
         "supported yet), got 'fsdp2' (--parallel fsdp2 on 64 GPUs)",
     )  # FP8 moments run under FSDP2: no line for them
@@ -63,6 +64,16 @@ def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
 ])
 def test_only_what_the_trainer_cannot_run_is_named(kwargs, expected):
     assert _refusals(**kwargs) == expected
+
+
+@pytest.mark.parametrize("gpus, expected", [
+    (8, ()),  # lowprec train --ep 8 on 8 ranks
+    (16, ("--ep 8: lowprec train splits the experts over every rank (--ep equal to the number of ranks, 16 here); "
+          "data-parallel replicas of expert groups are not built",)),
+])
+def test_expert_parallelism_runs_over_every_rank_only(gpus, expected):
+    p = plan(PlanConfig(model="mixtral-8x7b", gpu="h200", recipe="fp8-current", gpus=gpus, ep=8, zero=3))
+    assert p.trainer_refusals == expected
 
 
 def test_no_hint_for_an_option_already_given():

@@ -1,0 +1,291 @@
+"""Tensor and sequence parallelism for Llama-style decoders, with lowprec's Linear inside.
+
+[Note: tensor parallelism]
+With ``W`` ranks in the tensor-parallel group, every decoder block's attention and feed-forward are split
+as Megatron-LM splits them, and the residual stream between them is split along the sequence:
+
+* **colwise** layers (attention's q, k and v, the feed-forward's gate and up) hold rows
+  ``r*N/W .. (r+1)*N/W - 1`` of their weight (a ``DTensor``, ``Shard(0)``): each rank computes its slice
+  of the outputs: its attention heads, its part of the hidden width;
+* **rowwise** layers (attention's output projection, the feed-forward's down projection) hold the matching
+  columns (``Shard(1)``): each rank's product is a partial sum over its part of K;
+* **sequence parallelism**: between the regions each rank holds ``T/W`` positions of the residual stream,
+  so the norms run on a slice. A region's input is all-gathered along the sequence before its colwise
+  layers (backward: the partial input gradients are reduce-scattered); a region's output, the rowwise
+  layer's partial sums, is reduce-scattered along the sequence (backward: all-gathered). The first block
+  splits its input, the embedding's output, along the sequence; the final norm's input is gathered, so the
+  LM head and the loss run on the whole sequence on every rank, as one process runs them (their weights
+  and gradients are equal on every rank; the head's work is repeated W times, not split).
+
+The norms inside the blocks see one slice of the positions, so their weight gradients are partial: a hook
+sums them over the group as autograd makes them. The weights of the split layers are DTensors, so
+``torch.distributed.checkpoint`` saves them at their global shapes, ``lowprec.ranks.local`` takes each
+rank's part, and a gradient norm sums their squares over the ranks (``lowprec.ranks.is_sharded``). The
+layers' ``in_features``/``out_features`` are the local widths, so their plans (MX and block tiles, the
+small-layer rule) are made for the GEMMs each rank runs: a split must leave whole blocks of the recipe.
+
+[Note: amaxes under tensor parallelism]
+One process casts each GEMM operand whole. Under tensor parallelism a rank holds a part of some of them:
+the split weights, a colwise layer's output gradient, a rowwise layer's input. Per-tensor current scales
+(fp8-current) are agreed: every rank takes the max over the group of the parts' amaxes (one all-reduce of
+one number per operand, ``lowprec.nn.casts.agreed_scale``), so a rank casts its part exactly as one process
+casts the whole. Blocks of 1x128, 128x128 and MX blocks of 32 lie inside a rank's part when the local
+widths are multiples of the block (checked when the model is split), so their scales are one process's.
+A row scale (fp8-rowwise) along a split K (a colwise layer's output gradient and ``weight.T`` in dgrad, a
+rowwise layer's input and weight in fprop) is taken over each rank's part of the row: a finer scale than one
+process's, not agreed. NVFP4's global scale is the part's. Delayed histories are made to agree over the
+default group by ``lowprec.distributed.amax.sync_amaxes``, as under data parallelism.
+
+Each rank runs the whole forward on the same tokens, so a run of ``W`` tensor-parallel ranks trains like
+one process on the same batch, up to the order of the partial sums (a rowwise layer's sum over K is
+two partial sums added) and, for row scales, the finer scales.
+
+Not built: the sequence-parallel all-gather in FP8 (the gathered input is in the activations' dtype and
+cast after the gather), a vocabulary-parallel LM head, mixtures of experts, FP8 primary weights, and a
+2-D mesh (data parallelism over tensor-parallel groups).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from lowprec._checks import describe, fail
+from lowprec.distributed.launch import transformer_blocks
+from lowprec.nn import Linear
+from lowprec.ranks import is_dtensor
+
+SEQ_DIM = 1
+"""The sequence dimension of the residual stream, (batch, sequence, width)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """Where a family of models keeps its split layers: the names of a block's attention and feed-forward
+    modules, and of the linears in each, colwise then rowwise."""
+
+    attention: str
+    attention_col: tuple[str, ...]
+    attention_row: str
+    ffn: str
+    ffn_col: tuple[str, ...]
+    ffn_row: str
+    final_norm: str
+    """The final norm's path from the model (its input is gathered along the sequence)."""
+
+
+FAMILIES = (
+    Family("attention", ("wq", "wk", "wv"), "wo", "feed_forward", ("w1", "w3"), "w2", "norm"),  # lowprec's
+    Family("self_attn", ("q_proj", "k_proj", "v_proj"), "o_proj", "mlp", ("gate_proj", "up_proj"), "down_proj",
+           "model.norm"),  # Hugging Face Llama, Mistral, Qwen2/3
+)
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _wait(funcol.all_gather_single(x.contiguous(), SEQ_DIM, group))
+
+
+def _part(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return x.chunk(dist.get_world_size(group), SEQ_DIM)[dist.get_rank(group)].contiguous()
+
+
+class _Split(torch.autograd.Function):
+    """This rank's positions of a tensor every rank holds whole (backward: the parts gathered)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _part(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, ctx.group), None
+
+
+class _GatherWhole(torch.autograd.Function):
+    """Every rank's positions, for work every rank repeats whole (backward: this rank's part of the
+    gradient, which is the same on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _part(g, ctx.group), None
+
+
+def _check_positions(x: torch.Tensor, size: int, where: str) -> None:
+    if x.dim() != 3 or x.shape[SEQ_DIM] % size:
+        fail(where, f"a (batch, sequence, width) tensor whose sequence divides into the {size} tensor-parallel "
+             "ranks", describe(x))
+
+
+def _hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable]:
+    """A module call's hidden states (its first argument, or ``hidden_states``) and how to put a new one back."""
+    if args:
+        return args[0], lambda y: ((y, *args[1:]), kwargs)
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"], lambda y: (args, {**kwargs, "hidden_states": y})
+    fail("hidden_states", "the block's input as its first argument or hidden_states=", f"{len(args)} arguments "
+         f"and {sorted(kwargs)}")
+
+
+def _input_hook(fn, size: int, where: str):
+    def hook(module, args, kwargs):
+        x, put = _hidden(args, kwargs)
+        _check_positions(x, size, where)
+        return put(fn(x))
+    return hook
+
+
+def _output_hook(fn):
+    def hook(module, args, kwargs, out):
+        if isinstance(out, tuple):  # Hugging Face attention: (output, weights)
+            return (fn(out[0]), *out[1:])
+        return fn(out)
+    return hook
+
+
+def _check_split(lin: nn.Module, size: int, dim: int, name: str) -> None:
+    """``lin`` can be split over ``size`` ranks along ``dim`` (0: colwise, 1: rowwise)."""
+    if not isinstance(lin, Linear):
+        fail(name, "a lowprec.nn.Linear (call lowprec.convert before tensor_parallel.parallelize; a layer kept in "
+             "high precision is a Linear too)", describe(lin), TypeError)
+    if lin._codes is not None:
+        fail(name, "a Linear with a plain weight (FP8 primary weights are not split by tensor parallelism yet)",
+             "an FP8 weight")
+    side = "out_features" if dim == 0 else "in_features"
+    features = getattr(lin, side)
+    # each rank's part must hold whole blocks of the recipe's casts (see [Note: amaxes under tensor parallelism])
+    multiple = size * (lin.recipe.required_multiple() if lin.recipe is not None else 1)
+    if features % multiple:
+        fail(name, f"{side} a multiple of {multiple} ({size} tensor-parallel ranks"
+             + (f" x {lin.recipe.name}'s multiple of {multiple // size})" if multiple > size else ")"), features)
+    if lin.bias is not None and dim == 1:
+        fail(name, "bias=False for a rowwise layer (its bias would be added once per rank)", "a bias")
+
+
+def _split_weight(lin: Linear, mesh, dim: int) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    size = mesh.size()
+    w = lin.weight
+    lin.weight = nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(dim)]), requires_grad=w.requires_grad)
+    if lin.bias is not None:
+        b = lin.bias
+        lin.bias = nn.Parameter(distribute_tensor(b.detach(), mesh, [Shard(0)]), requires_grad=b.requires_grad)
+    if dim == 0:
+        lin.out_features //= size
+    else:
+        lin.in_features //= size
+    lin.state.group = mesh.get_group()
+    if lin.recipe is not None:  # the plan for the local GEMM, whose shape decides tiles and blocks
+        lin.set_recipe(lin.recipe, policy_reason=lin.policy_reason, min_features=lin.min_features,
+                       share=lin.state.share, recast_input=lin.recast_input)
+
+
+def _family(block: nn.Module) -> Family:
+    for fam in FAMILIES:
+        att, ffn = getattr(block, fam.attention, None), getattr(block, fam.ffn, None)
+        if att is not None and ffn is not None and all(hasattr(att, n) for n in (*fam.attention_col,
+                                                                                   fam.attention_row)):
+            if not all(hasattr(ffn, n) for n in (*fam.ffn_col, fam.ffn_row)):
+                fail("model", "dense feed-forwards (mixtures of experts are not split by tensor parallelism yet)",
+                     type(ffn).__name__)
+            return fam
+    fail("model", "a Llama-style decoder (lowprec's reference model or a Hugging Face Llama, Mistral or Qwen): "
+         "blocks with attention q/k/v/o and a SwiGLU feed-forward", type(block).__name__)
+
+
+def _module(model: nn.Module, path: str) -> nn.Module:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        fail("model", f"a final norm at {path!r}", "none there")
+
+
+def _sum_grads(p: nn.Parameter, group: dist.ProcessGroup) -> None:
+    p.register_hook(lambda g: _wait(funcol.all_reduce(g, "sum", group)))
+
+
+_HEADS = ("n_heads", "n_kv_heads")
+"""lowprec's attention counts its heads; Hugging Face's infers them from the width."""
+
+
+def _check_heads(att: nn.Module, size: int, name: str) -> None:
+    for attr in _HEADS:
+        n = getattr(att, attr, None)
+        if n is not None and n % size:
+            fail(name, f"{attr} divisible by the {size} tensor-parallel ranks", n)
+
+
+def _set_heads(att: nn.Module, size: int) -> None:
+    for attr in _HEADS:
+        if getattr(att, attr, None) is not None:
+            setattr(att, attr, getattr(att, attr) // size)
+
+
+def parallelize(model: nn.Module, mesh=None) -> int:
+    """Split ``model`` (converted by ``lowprec.convert``, on this rank's device) over the ranks of ``mesh``, a
+    1-D ``DeviceMesh`` (None: the whole default group) as [Note: tensor parallelism] says; returns how many
+    linears were split. Every rank must call it with the same model, and then feed every rank the same tokens."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if not dist.is_initialized():
+        fail("mesh", "an initialized process group (launch through torchrun)", "none")
+    if mesh is None:
+        device = next(model.parameters()).device
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        fail("mesh", "a 1-D torch.distributed.DeviceMesh", describe(mesh), TypeError)
+    if any(is_dtensor(p) for p in model.parameters()):
+        fail("model", "a model with no DTensor parameters yet (split before FSDP2 and without expert "
+             "parallelism)", "DTensor parameters")
+    size, group = mesh.size(), mesh.get_group()
+    blocks = transformer_blocks(model)
+    if not blocks:
+        fail("model", "a decoder with its blocks in an nn.ModuleList", type(model).__name__)
+    fam = _family(blocks[0])
+    # every check before anything changes: a refused model is left as it was
+    final_norm = _module(model, fam.final_norm)
+    plan = []  # (block, region, [(linear, dim)])
+    for i, block in enumerate(blocks):
+        if _family(block) != fam:
+            fail("model", f"blocks of one kind ({type(blocks[0]).__name__})", type(block).__name__)
+        for region, col, row in ((fam.attention, fam.attention_col, fam.attention_row),
+                                 (fam.ffn, fam.ffn_col, fam.ffn_row)):
+            where, mod = f"blocks[{i}].{region}", getattr(block, region)
+            lins = [(getattr(mod, n), 0, f"{where}.{n}") for n in col] + [(getattr(mod, row), 1, f"{where}.{row}")]
+            for lin, dim, name in lins:
+                _check_split(lin, size, dim, name)
+            plan.append((mod, where, lins))
+        _check_heads(getattr(block, fam.attention), size, f"blocks[{i}].{fam.attention}")
+    for mod, where, lins in plan:
+        for lin, dim, _ in lins:
+            _split_weight(lin, mesh, dim)
+        mod.register_forward_pre_hook(
+            _input_hook(lambda x: funcol.all_gather_single_autograd(x.contiguous(), SEQ_DIM, group), size, where),
+            with_kwargs=True)
+        mod.register_forward_hook(
+            _output_hook(lambda y: funcol.reduce_scatter_single_autograd(y.contiguous(), "sum", SEQ_DIM, group)),
+            with_kwargs=True)
+    for block in blocks:
+        _set_heads(getattr(block, fam.attention), size)
+        for p in block.parameters():
+            if not is_dtensor(p) and p.requires_grad:  # the norms: a slice of the positions each
+                _sum_grads(p, group)
+    blocks[0].register_forward_pre_hook(_input_hook(lambda x: _Split.apply(x, group), size, "blocks[0]"),
+                                        with_kwargs=True)
+    final_norm.register_forward_pre_hook(
+        _input_hook(lambda x: _GatherWhole.apply(x, group), size, fam.final_norm), with_kwargs=True)
+    return sum(len(lins) for _, _, lins in plan)

@@ -1,0 +1,62 @@
+"""The tensor-parallel checks (see [Note: one spawn for the whole directory] in ``harness``), registered in
+``checks.CHECKS`` when ``checks`` imports this module."""
+from __future__ import annotations
+
+import torch
+
+from lowprec import recipes
+from lowprec.distributed.tensor_parallel import parallelize
+from lowprec.kernels import CastSpec
+from lowprec.nn.casts import agreed_scale
+from tests.distributed import tp_common as TP
+from tests.distributed.checks import check
+
+
+@check
+def tp_training(rank: int, world: int) -> dict:
+    """The small decoder split over the ranks, trained a few steps in every recipe of ``TP.RECIPES``."""
+    out = {}
+    for name in TP.RECIPES:
+        m = TP.model(name)
+        out[name] = {"split": parallelize(m), **TP.train(m)}
+    return out
+
+
+@check
+def tp_agreed_scale(rank: int, world: int) -> dict:
+    """Each rank's half of one tensor: the scale agreed over the ranks, finite and with a NaN in rank 1's half."""
+    whole = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)) * 5
+    part = whole.chunk(world, 1)[rank].clone()
+    spec = CastSpec.of("e4m3", recipes.get("fp8-current").fprop.lhs.granularity)
+    finite = agreed_scale(part, spec, torch.distributed.group.WORLD)
+    if rank == 1:
+        part[0, 0] = float("nan")
+    return {"finite": finite, "nan": agreed_scale(part, spec, torch.distributed.group.WORLD),
+            "alone": agreed_scale(part, spec, None)}
+
+
+@check
+def tp_refusals(rank: int, world: int) -> dict:
+    """What ``parallelize`` refuses, by message: a split that cuts the recipe's blocks; a model split twice."""
+    out = {}
+    for key, m in (("blocks", TP.model("fp8-blockwise")), ("twice", _split(TP.model("bf16")))):
+        before = {n: type(p) for n, p in m.named_parameters()}
+        try:
+            parallelize(m)
+            out[key] = None
+        except (ValueError, TypeError) as e:
+            out[key] = str(e)
+        out[key + ":untouched"] = before == {n: type(p) for n, p in m.named_parameters()}
+    return out
+
+
+@check
+def tp_hf_llama(rank: int, world: int) -> dict:
+    """A Hugging Face Llama split over the ranks (its blocks take keyword arguments): the losses of a few steps."""
+    m = TP.hf_llama("fp8-current")
+    return {"split": parallelize(m), **TP.train(m, hf=True)}
+
+
+def _split(m):
+    parallelize(m)
+    return m
