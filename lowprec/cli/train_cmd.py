@@ -105,6 +105,10 @@ def _options(d: Defaults) -> list[Callable]:
         click.option("--ep", type=int, default=1, show_default=True,
                      help="Under --parallel ddp|fsdp2: split the routed experts of an MoE model over this many "
                           "ranks (the number of ranks), tokens dispatched in FP8 under low-precision recipes."),
+        click.option("--tp", type=int, default=1, show_default=True,
+                     help="Under --parallel ddp: split every block's attention and feed-forward over this many "
+                          "ranks (the number of ranks), the sequence split between them; the ranks train on the "
+                          "same rows."),
         click.option("--optim-states", type=click.Choice([f.value for f in StateFormat]), default="fp32",
                      show_default=True, help="How AdamW stores its moments: fp32, bf16, fp8 (E4M3 per group of "
                      "128, range-expanded) or int8 (blockwise 8 bits). compare also runs each recipe with FP32 "
@@ -202,6 +206,7 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         device=device, dtype=opts["dtype"] or default_dtype(device.split(":")[0]),
         tensorboard=not opts["no_tensorboard"], progress=not opts["quiet"], parallel=opts["parallel"],
         grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], ep=opts["ep"],
+        tp=opts["tp"],
         policy=_policy_option(opts["policy_file"]),
         compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],

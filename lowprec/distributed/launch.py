@@ -57,6 +57,18 @@ class Ranks:
     world_size: int = 1
     distributed: bool = False
     """A process group is in use (``--parallel ddp|fsdp2``), even with one rank."""
+    tp: int = 1
+    """Ranks in each tensor-parallel group (``--tp``): they train on the same rows."""
+
+    @property
+    def data_rank(self) -> int:
+        """Which rows of each batch this rank trains on: its data-parallel replica's index."""
+        return self.rank // self.tp
+
+    @property
+    def data_world(self) -> int:
+        """Data-parallel replicas: the ranks that train on different rows."""
+        return self.world_size // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -64,15 +76,16 @@ class Ranks:
         return self.rank == 0
 
     @staticmethod
-    def of(parallel: str | Parallel) -> Ranks:
-        """The ranks of a run with ``parallel``; a parallel run needs an initialized process group."""
+    def of(parallel: str | Parallel, tp: int = 1) -> Ranks:
+        """The ranks of a run with ``parallel`` and ``tp`` ranks per tensor-parallel group; a parallel run needs an
+        initialized process group."""
         if Parallel.parse(parallel) is Parallel.NONE:
             return Ranks()
         if not dist.is_initialized():
             fail("parallel", f"an initialized process group for {Parallel.parse(parallel).value!r} (launch "
                  "through torchrun and call lowprec.distributed.launch.process_group, or "
                  "torch.distributed.init_process_group)", "none")
-        return Ranks(dist.get_rank(), dist.get_world_size(), True)
+        return Ranks(dist.get_rank(), dist.get_world_size(), True, tp)
 
 
 def launched_by_torchrun() -> bool:
@@ -120,6 +133,9 @@ def process_group(parallel: str | Parallel, device: str, command: str = "train")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None)
+    # every rank connected before any goes on: a rank refusing its arguments at once and leaving would
+    # otherwise close its connections while another is still making its own (gloo then raises there)
+    dist.barrier()
     try:
         if p is Parallel.NONE and dist.get_world_size() > 1:
             fail("--parallel", f"ddp or fsdp2 when torchrun starts {dist.get_world_size()} processes (each would "

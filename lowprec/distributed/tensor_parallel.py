@@ -36,13 +36,24 @@ rowwise layer's input and weight in fprop) is taken over each rank's part of the
 process's, not agreed. NVFP4's global scale is the part's. Delayed histories are made to agree over the
 default group by ``lowprec.distributed.amax.sync_amaxes``, as under data parallelism.
 
+[Note: the sequence gathered in FP8]
+Where every colwise layer of a region casts their common input alike (q, k and v; gate and up: ``convert``
+groups them to share one cast, ``lowprec.nn.casts.InputShare``), per tensor by current scaling (fp8-current),
+the input is cast before it is gathered rather than after: each rank casts its positions with the scale agreed
+over the group, the E4M3 codes are all-gathered (one byte per value instead of the activations' two or four),
+and the gathered codes with the one scale are the layers' casts, handed to them through their share: the codes
+one process makes casting the whole input, for a quarter or half of the bytes. The layers' input, for anything
+that reads it in high precision, is the codes decoded (the values the GEMMs see). Other recipes, evaluation
+and compiled code gather the input in its own dtype and cast after the gather (under ``torch.compile`` the
+share is not consulted, so the compiled layers would cast the decoded values again: correct, but not the
+same scale to the last bit).
+
 Each rank runs the whole forward on the same tokens, so a run of ``W`` tensor-parallel ranks trains like
 one process on the same batch, up to the order of the partial sums (a rowwise layer's sum over K is
 two partial sums added) and, for row scales, the finer scales.
 
-Not built: the sequence-parallel all-gather in FP8 (the gathered input is in the activations' dtype and
-cast after the gather), a vocabulary-parallel LM head, mixtures of experts, FP8 primary weights, and a
-2-D mesh (data parallelism over tensor-parallel groups).
+Not built: the FP8 all-gather in compiled code, a vocabulary-parallel LM head, mixtures of experts, FP8 primary
+weights, and a 2-D mesh (data parallelism over tensor-parallel groups).
 """
 from __future__ import annotations
 
@@ -54,9 +65,14 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
+from lowprec import kernels as K
 from lowprec._checks import describe, fail
 from lowprec.distributed.launch import transformer_blocks
+from lowprec.distributed.traffic import labelled
 from lowprec.nn import Linear
+from lowprec.nn.casts import InputShare, agreed_scale
+from lowprec.nn.plan import OperandPlan
+from lowprec.nn.recomputation import recomputing
 from lowprec.ranks import is_dtensor
 
 SEQ_DIM = 1
@@ -124,6 +140,79 @@ class _GatherWhole(torch.autograd.Function):
         return _part(g, ctx.group), None
 
 
+@dataclass(frozen=True, slots=True)
+class FP8Gather:
+    """A region whose input is gathered as E4M3 codes (see [Note: the sequence gathered in FP8])."""
+
+    op: OperandPlan
+    """The colwise layers' input plan: per tensor, current scaling, one format on both sides."""
+    share: InputShare
+    """The layers' share, which takes the gathered casts."""
+    group: dist.ProcessGroup
+
+
+def _fp8_gather(cols: list[Linear], group: dist.ProcessGroup) -> FP8Gather | None:
+    """The region's FP8 gather, where its colwise layers (split already) cast their input as one."""
+    share = cols[0].state.share
+    if share is None or any(lin.state.share is not share for lin in cols):
+        return None
+    plans = [lin.plan() for lin in cols]
+    if any(p is None or p.hp_dtype is not None or p.hp_reason is not None for p in plans):
+        return None  # a layer that reads its input in high precision
+    op = plans[0].input
+    route = op.both
+    if any(p.input != op for p in plans) or route is None or not op.shareable or op.delayed:
+        return None
+    a, b = route.along_k, route.transposed
+    if a is None or b is None or a.fmt is not b.fmt:
+        return None
+    if any(not s.granularity.per_tensor or s.hadamard_seed is not None for s in (a, b)):
+        return None
+    return FP8Gather(op, share, group)
+
+
+class _GatherCodes(torch.autograd.Function):
+    """Every rank's positions of ``x``, gathered as E4M3 codes with one agreed scale (see [Note: the sequence
+    gathered in FP8]); the casts are put in ``out``. Backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, gather: FP8Gather, out: list):
+        ctx.group = gather.group
+        b, t, d = x.shape
+        x2 = x.detach().reshape(-1, d)
+        q = K.cast(x2, gather.op.along_k, scale_k=agreed_scale(x2, gather.op.along_k.along_k, gather.group)).along_k
+        with labelled("tp_sequence"):
+            codes = _wait(funcol.all_gather_single(q.data.view(torch.uint8).view(b, t, d), SEQ_DIM, gather.group))
+        data = codes.view(q.data.dtype).reshape(-1, d)  # (B*T, D), each rank's positions in their place
+        qx = type(q)(data, q.scale, q.fmt, q.granularity, data.shape, x.dtype)
+        qx_t = type(q)(data.t().contiguous(), q.scale, q.fmt, q.granularity, data.t().shape, x.dtype)
+        out.append((qx, qx_t))
+        return qx.dequantize(x.dtype).view(b, -1, d)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _wait(funcol.reduce_scatter_single(g.contiguous(), "sum", SEQ_DIM, ctx.group)), None, None
+
+
+def _gather_region(x: torch.Tensor, group: dist.ProcessGroup, gather: FP8Gather | None) -> torch.Tensor:
+    """A region's input, every rank's positions: in FP8 where ``gather`` says and the step is eager training,
+    else in the input's dtype."""
+    if gather is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() or x.is_inference():
+        with labelled("tp_sequence"):
+            return funcol.all_gather_single_autograd(x.contiguous(), SEQ_DIM, group)
+    out: list = []
+    y = _GatherCodes.apply(x, gather, out)
+    # the key each colwise layer's input_casts looks the share up by (training: the transposed cast too)
+    gather.share.put(y, (y._version, y.shape, y.stride(), y.dtype, y.device, gather.op, True), out[0])
+    return y
+
+
+def _scatter_region(y: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """A region's output, the rowwise layer's partial sums, summed and split along the sequence."""
+    with labelled("tp_sequence"):
+        return funcol.reduce_scatter_single_autograd(y.contiguous(), "sum", SEQ_DIM, group)
+
+
 def _check_positions(x: torch.Tensor, size: int, where: str) -> None:
     if x.dim() != 3 or x.shape[SEQ_DIM] % size:
         fail(where, f"a (batch, sequence, width) tensor whose sequence divides into the {size} tensor-parallel "
@@ -140,8 +229,13 @@ def _hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable]:
          f"and {sorted(kwargs)}")
 
 
-def _input_hook(fn, size: int, where: str):
+def _input_hook(fn, size: int, where: str, once: bool = False):
+    """A pre-hook putting ``fn`` of the module's hidden states in their place. ``once``: not in a recomputed
+    forward (activation checkpointing calls the checkpointed block again with the inputs the first call
+    got, after this hook: the first block's input is split already)."""
     def hook(module, args, kwargs):
+        if once and recomputing():
+            return None
         x, put = _hidden(args, kwargs)
         _check_positions(x, size, where)
         return put(fn(x))
@@ -235,10 +329,29 @@ def _set_heads(att: nn.Module, size: int) -> None:
             setattr(att, attr, getattr(att, attr) // size)
 
 
-def parallelize(model: nn.Module, mesh=None) -> int:
+@dataclass(frozen=True, slots=True)
+class Split:
+    """What :func:`parallelize` did."""
+
+    linears: int
+    """Linears split (colwise and rowwise)."""
+    fp8_gathered: tuple[str, ...]
+    """The regions whose input is gathered in FP8 (see [Note: the sequence gathered in FP8])."""
+
+
+def split_tensor_parallel(model: nn.Module, tp: int) -> Split:
+    """``lowprec train --tp``: split ``model`` over every rank, which must number ``tp`` (one tensor-parallel
+    group, no data parallelism beside it)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if tp != world:
+        fail("tp", f"the number of ranks ({world}): data parallelism over tensor-parallel groups is not built", tp)
+    return parallelize(model)
+
+
+def parallelize(model: nn.Module, mesh=None) -> Split:
     """Split ``model`` (converted by ``lowprec.convert``, on this rank's device) over the ranks of ``mesh``, a
-    1-D ``DeviceMesh`` (None: the whole default group) as [Note: tensor parallelism] says; returns how many
-    linears were split. Every rank must call it with the same model, and then feed every rank the same tokens."""
+    1-D ``DeviceMesh`` (None: the whole default group) as [Note: tensor parallelism] says; returns what it
+    split. Every rank must call it with the same model, and then feed every rank the same tokens."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     if not dist.is_initialized():
@@ -270,22 +383,21 @@ def parallelize(model: nn.Module, mesh=None) -> int:
                 _check_split(lin, size, dim, name)
             plan.append((mod, where, lins))
         _check_heads(getattr(block, fam.attention), size, f"blocks[{i}].{fam.attention}")
+    gathers = {}
     for mod, where, lins in plan:
         for lin, dim, _ in lins:
             _split_weight(lin, mesh, dim)
+        gather = gathers[where] = _fp8_gather([lin for lin, dim, _ in lins if dim == 0], group)
         mod.register_forward_pre_hook(
-            _input_hook(lambda x: funcol.all_gather_single_autograd(x.contiguous(), SEQ_DIM, group), size, where),
-            with_kwargs=True)
-        mod.register_forward_hook(
-            _output_hook(lambda y: funcol.reduce_scatter_single_autograd(y.contiguous(), "sum", SEQ_DIM, group)),
-            with_kwargs=True)
+            _input_hook(lambda x, gather=gather: _gather_region(x, group, gather), size, where), with_kwargs=True)
+        mod.register_forward_hook(_output_hook(lambda y: _scatter_region(y, group)), with_kwargs=True)
     for block in blocks:
         _set_heads(getattr(block, fam.attention), size)
         for p in block.parameters():
             if not is_dtensor(p) and p.requires_grad:  # the norms: a slice of the positions each
                 _sum_grads(p, group)
-    blocks[0].register_forward_pre_hook(_input_hook(lambda x: _Split.apply(x, group), size, "blocks[0]"),
+    blocks[0].register_forward_pre_hook(_input_hook(lambda x: _Split.apply(x, group), size, "blocks[0]", once=True),
                                         with_kwargs=True)
     final_norm.register_forward_pre_hook(
         _input_hook(lambda x: _GatherWhole.apply(x, group), size, fam.final_norm), with_kwargs=True)
-    return sum(len(lins) for _, _, lins in plan)
+    return Split(sum(len(lins) for _, _, lins in plan), tuple(w for w, g in gathers.items() if g is not None))

@@ -6,7 +6,8 @@ all-reduce's whole input, an all-to-all's input), whoever calls it: FSDP2, DDP, 
 gradient communication. That is what the rank sends, before the algorithm's own traffic pattern (a
 ring all-reduce moves about twice its input); ratios between runs of one pattern hold either way.
 The functions are wrapped for the region only, on the ``torch.distributed`` module, as FSDP2 and
-DDP look them up at call time. A caller that wants its bytes told apart names them: inside
+DDP look them up at call time, and on its functional collectives' module, which tensor parallelism
+calls. A caller that wants its bytes told apart names them: inside
 ``labelled("ep_dispatch")`` an all-to-all counts as ``all_to_all:ep_dispatch``.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 _COUNTED = {
     "all_gather_into_tensor": ("all_gather", 1), "all_gather_single": ("all_gather", 1),
@@ -26,6 +28,11 @@ _COUNTED = {
     "all_to_all_single": ("all_to_all", 1), "broadcast": ("broadcast", 0),
 }
 """torch.distributed function -> (kind, position of the input tensor among its arguments)."""
+
+_FUNCTIONAL = {"all_gather_single": ("all_gather", 0), "reduce_scatter_single": ("reduce_scatter", 0),
+               "all_reduce": ("all_reduce", 0)}
+"""The same for ``torch.distributed._functional_collectives`` (the input first; its ``*_autograd`` forms call
+these, but the backward of those runs the operators below them, uncounted)."""
 
 _LABELS: list[str] = []
 """The innermost :func:`labelled` region's name last."""
@@ -63,8 +70,8 @@ def count_traffic() -> Iterator[Traffic]:
     traffic = Traffic()
     saved = {}
 
-    def wrap(name: str, kind: str, pos: int):
-        real = getattr(dist, name)
+    def wrap(module, name: str, kind: str, pos: int):
+        real = getattr(module, name)
 
         def counted(*args, **kwargs):
             named = kwargs.get("input_tensor", kwargs.get("input", kwargs.get("tensor")))
@@ -74,12 +81,13 @@ def count_traffic() -> Iterator[Traffic]:
 
         return real, counted
 
-    for name, (kind, pos) in _COUNTED.items():
-        if hasattr(dist, name):
-            saved[name], counted = wrap(name, kind, pos)
-            setattr(dist, name, counted)
+    for module, table in ((dist, _COUNTED), (funcol, _FUNCTIONAL)):
+        for name, (kind, pos) in table.items():
+            if hasattr(module, name):
+                saved[module, name], counted = wrap(module, name, kind, pos)
+                setattr(module, name, counted)
     try:
         yield traffic
     finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)
+        for (module, name), real in saved.items():
+            setattr(module, name, real)

@@ -14,8 +14,11 @@ _FLAGS = {"fp8_weights": "--fp8-weights", "optim_states": "--optim-states", "mas
 
 
 def trainer_parallel(par: Parallel) -> str:
-    """The ``--parallel`` ``lowprec train`` would run the layout's GPUs with, every one a data-parallel
-    rank (it has no other parallelism): ``none`` on one GPU, ``ddp`` without ZeRO, else ``fsdp2``."""
+    """The ``--parallel`` ``lowprec train`` would run the layout's GPUs with: ``ddp`` for tensor parallelism
+    (``--parallel ddp --tp N``, the ranks one replica); else every GPU a data-parallel rank, ``none`` on one
+    GPU, ``ddp`` without ZeRO, else ``fsdp2``."""
+    if par.tp > 1:
+        return "ddp"
     if par.gpus == 1:
         return "none"
     return "ddp" if par.zero == 0 else "fsdp2"
@@ -28,16 +31,18 @@ def _flag(u: Unsupported, train: Training) -> str:
 def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
     """One line per option ``lowprec train`` cannot run in this layout; empty when it can run it all."""
     out = []
-    if par.tp > 1:
-        out.append(f"--tp {par.tp}: lowprec train has no tensor parallelism (lowprec.distributed.tensor_parallel."
-                   "parallelize splits a model over tensor-parallel ranks in a loop of your own, with no data "
-                   "parallelism beside it yet)")
+    if par.tp > 1 and par.tp != par.gpus:
+        out.append(f"--tp {par.tp}: lowprec train splits over every rank (--parallel ddp --tp equal to the number "
+                   f"of ranks, {par.gpus} here); data parallelism over tensor-parallel groups is not built")
+    if par.tp > 1 and train.fp8_weights:
+        out.append(f"--fp8-weights: lowprec train expects False with tp {par.tp} (FP8 primary weights are not "
+                   "split by tensor parallelism yet)")
     if par.pp > 1:
         out.append(f"--pp {par.pp}: lowprec train has no pipeline parallelism")
     if par.ep > 1 and par.ep != par.gpus:
         out.append(f"--ep {par.ep}: lowprec train splits the experts over every rank (--ep equal to the number of "
                    f"ranks, {par.gpus} here); data-parallel replicas of expert groups are not built")
-    if par.gpus > 1 and par.zero in (1, 2):
+    if par.gpus > 1 and par.zero in (1, 2) and par.tp == 1:
         out.append(f"--zero {par.zero}: lowprec train shards nothing (--parallel ddp, as --zero 0) or everything "
                    "(--parallel fsdp2, as --zero 3)")
     parallel = trainer_parallel(par)

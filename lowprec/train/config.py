@@ -84,6 +84,11 @@ class TrainConfig:
     Needs ``ddp`` or ``fsdp2`` and equals the number of ranks; tokens go to their experts' ranks in FP8
     (1x128 E4M3 blocks) under a low-precision recipe, in the parameters' dtype otherwise, and come back in
     the parameters' dtype (see [Note: expert parallelism] in ``lowprec.distributed.expert_parallel``)."""
+    tp: int = 1
+    """Tensor and sequence parallelism: split every block's attention and feed-forward over this many ranks (1:
+    none), which train on the same rows (see [Note: tensor parallelism] in ``lowprec.distributed.tensor_parallel``).
+    Needs ``parallel`` ``ddp`` and equals the number of ranks: one tensor-parallel group, so no replicas to
+    average gradients over (``grad_comm`` fp32)."""
     optim_states: str = "fp32"
     """How AdamW keeps its moments: ``fp32`` (torch's AdamW), ``bf16``, ``fp8`` (E4M3 with range expansion)
     or ``int8`` (blockwise 8 bits); see :mod:`lowprec.optim.states`. Under ``fsdp2``: ``fp32`` or ``bf16``."""
@@ -158,12 +163,26 @@ class TrainConfig:
         check_positive_int("ep", self.ep)
         if self.ep > 1 and self.parallel == "none":
             fail("ep", "1 with parallel 'none' (experts are split over the ranks of a ddp or fsdp2 run)", self.ep)
+        self._check_tp()
         self._check_fp8_weights()
         self._check_optimizer()
         try:
             torch.device(self.device)
         except RuntimeError:
             fail("device", "a torch device such as 'cpu' or 'cuda:0'", repr(self.device))
+
+    def _check_tp(self) -> None:
+        check_positive_int("tp", self.tp)
+        if self.tp == 1:
+            return
+        if self.parallel != "ddp":
+            fail("tp", "1 unless parallel is 'ddp' (the tensor-parallel ranks are one replica; FSDP2 over "
+                 "tensor-parallel groups is not built)", f"{self.tp} with parallel {self.parallel!r}")
+        for name, ok, expected in (("ep", self.ep == 1, "1"), ("fp8_weights", not self.fp8_weights, "False"),
+                                   ("grad_comm", self.grad_comm == "fp32", "'fp32' (one replica: no gradient "
+                                                                            "communication)")):
+            if not ok:
+                fail(name, f"{expected} with tp {self.tp}", repr(getattr(self, name)))
 
     def _check_optimizer(self) -> None:
         check_choice("optim_states", self.optim_states, [f.value for f in StateFormat])
@@ -206,11 +225,11 @@ class TrainConfig:
 
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
                           if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
-                                            "parallel", "grad_comm", "fp8_all_gather", "ep", "compile",
+                                            "parallel", "grad_comm", "fp8_all_gather", "ep", "tp", "compile",
                                             "telemetry_every", "recompute"))
 """Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
-parallelism and number of ranks may change (the global batch does not; experts split by ``ep`` are saved
-as shards and reshard like FSDP2's), and so may ``recompute``, which
+parallelism and number of ranks may change (the global batch does not; experts split by ``ep`` and linears
+split by ``tp`` are saved as shards and reshard like FSDP2's), and so may ``recompute``, which
 gives the same numbers bit for bit."""
 
 

@@ -51,6 +51,7 @@ from lowprec.distributed.launch import (
     unwrap,
     wrap,
 )
+from lowprec.distributed.tensor_parallel import split_tensor_parallel
 from lowprec.nn import cached_weight_casts
 from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import AdamWLP, Optimizer
@@ -132,8 +133,8 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
         group["lr"] = lr
     switches = step_control.before_step(run, step)
     inputs, targets = run.data.train_batch(cfg.seed, step + run.data_offset, cfg.grad_accum, cfg.batch_size,
-                                           cfg.seq_len, rank=run.ranks.rank,
-                                           world_size=run.ranks.world_size)  # (M, B/W, T)
+                                           cfg.seq_len, rank=run.ranks.data_rank,
+                                           world_size=run.ranks.data_world)  # (M, B/W, T)
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
@@ -259,7 +260,7 @@ def train(model: nn.Module, data: TokenData, cfg: TrainConfig, *, out_dir: str |
     every rank through ``torch.distributed.checkpoint``. The result's history is the same on every
     rank, but for timings.
     """
-    ranks = Ranks.of(cfg.parallel)
+    ranks = Ranks.of(cfg.parallel, cfg.tp)
     if resume and out_dir is None:
         fail("resume", "an output directory holding checkpoints", "out_dir=None")
     _check_arguments(cfg, out_dir is not None and checkpoints, out_dir is None, ranks)
@@ -311,16 +312,19 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     model.to(device=device, dtype=cfg.torch_dtype)
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
     conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
+    if cfg.tp > 1:  # before the blocks are wrapped for recomputation: the split finds their linears by name
+        split_tensor_parallel(model, cfg.tp)
     recompute_blocks(model, cfg.recompute)  # in place, before wrapping: FSDP2 shards the checkpointed blocks
     if cfg.ep > 1:  # before wrapping: the wrappers leave the experts' DTensors alone
         parallelize_experts(model, expert_parallel(cfg.ep, fp8=recipe.low_precision))
     # said at the start, not by a missing file
     warn_nothing_to_sample(model, Telemetry(cfg.telemetry_every), recipe.low_precision)
-    val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.rank,
-                           world_size=ranks.world_size)  # refuses a batch the ranks cannot share
+    val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.data_rank,
+                           world_size=ranks.data_world)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers
-    model = wrap(model, cfg.parallel, cfg.grad_comm, fp8_weights=cfg.fp8_all_gather)
-    apply_grad_comm(model, cfg.parallel, cfg.grad_comm)
+    # one tensor-parallel group holds the one replica: nothing to average over replicas (see TrainConfig.tp)
+    model = wrap(model, cfg.parallel if cfg.tp == 1 else "none", cfg.grad_comm, fp8_weights=cfg.fp8_all_gather)
+    apply_grad_comm(model, cfg.parallel if cfg.tp == 1 else "none", cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     # compiled after wrapping (DDP's hooks stay outside the graph), sharing the wrapped model's parameters
     forward = torch.compile(model, backend=cfg.compile) if cfg.compile is not None else model

@@ -6,6 +6,7 @@ import torch
 
 from lowprec import recipes
 from lowprec.distributed.tensor_parallel import parallelize
+from lowprec.distributed.traffic import count_traffic
 from lowprec.kernels import CastSpec
 from lowprec.nn.casts import agreed_scale
 from tests.distributed import tp_common as TP
@@ -18,7 +19,22 @@ def tp_training(rank: int, world: int) -> dict:
     out = {}
     for name in TP.RECIPES:
         m = TP.model(name)
-        out[name] = {"split": parallelize(m), **TP.train(m)}
+        split = parallelize(m)
+        out[name] = {"split": (split.linears, split.fp8_gathered), **TP.train(m)}
+    return out
+
+
+@check
+def tp_traffic(rank: int, world: int) -> dict:
+    """Bytes of one training step's collectives, by kind: fp8-current gathers its regions' inputs as codes, bf16
+    in the activations' dtype (float32 here)."""
+    out = {}
+    for name in ("bf16", "fp8-current"):
+        m = TP.model(name)
+        parallelize(m)
+        with count_traffic() as traffic:
+            TP.step(m)
+        out[name] = dict(traffic)
     return out
 
 
@@ -54,7 +70,8 @@ def tp_refusals(rank: int, world: int) -> dict:
 def tp_hf_llama(rank: int, world: int) -> dict:
     """A Hugging Face Llama split over the ranks (its blocks take keyword arguments): the losses of a few steps."""
     m = TP.hf_llama("fp8-current")
-    return {"split": parallelize(m), **TP.train(m, hf=True)}
+    split = parallelize(m)
+    return {"split": (split.linears, split.fp8_gathered), **TP.train(m, hf=True)}
 
 
 def _split(m):

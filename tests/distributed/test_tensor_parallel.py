@@ -41,7 +41,10 @@ def test_two_tensor_parallel_ranks_train_like_one_process(dist_results, one_proc
     initial = TP.build_model(TP.CONFIG, seed=0).state_dict()
     for rank, r in enumerate(result(dist_results, "tp_training")):
         got = r[recipe]
-        assert got["split"] == 7 * TP.CONFIG.n_layers  # q, k, v, o and the SwiGLU's three per block
+        linears, fp8_gathered = got["split"]
+        assert linears == 7 * TP.CONFIG.n_layers  # q, k, v, o and the SwiGLU's three per block
+        regions = tuple(f"blocks[{i}].{r}" for i in range(TP.CONFIG.n_layers) for r in ("attention", "feed_forward"))
+        assert fp8_gathered == (regions if recipe == "fp8-current" else ())
         gaps = [abs(a / b - 1) for a, b in zip(got["losses"], ref["losses"], strict=True)]
         assert max(gaps) <= GAP[recipe], (rank, gaps)
         for name, p in got["params"].items():
@@ -53,6 +56,20 @@ def test_two_tensor_parallel_ranks_train_like_one_process(dist_results, one_proc
         assert got["losses"] == other["losses"]
         assert torch.equal(got["params"]["layers.0.attention_norm.weight"],
                            other["params"]["layers.0.attention_norm.weight"])
+
+
+def test_fp8_current_gathers_the_sequence_as_codes(dist_results):
+    """Each region's input, (batch 2, 16 of 32 positions, width 192) per rank, goes as one byte per value under
+    fp8-current and four (float32 activations) under bf16; the outputs' reduce-scatters and the final norm's
+    gather stay in float32 (the scale's all-reduce is one float per cast)."""
+    part = 2 * 16 * TP.CONFIG.dim
+    regions = 2 * TP.CONFIG.n_layers
+    for r in result(dist_results, "tp_traffic"):
+        bf16, fp8 = r["bf16"], r["fp8-current"]
+        assert bf16["all_gather:tp_sequence"] == regions * part * 4
+        assert fp8["all_gather:tp_sequence"] == regions * part * 1
+        whole = 2 * 32 * TP.CONFIG.dim
+        assert bf16["reduce_scatter:tp_sequence"] == fp8["reduce_scatter:tp_sequence"] == regions * whole * 4
 
 
 def test_norm_gradients_are_summed_over_the_ranks(dist_results, one_process):
@@ -84,7 +101,7 @@ def test_splits_that_cut_blocks_or_split_twice_are_refused(dist_results):
 def test_a_hugging_face_llama_splits_and_trains_like_one_process(dist_results):
     ref = TP.train(TP.hf_llama("fp8-current"), hf=True)
     for r in result(dist_results, "tp_hf_llama"):
-        assert r["split"] == 14
+        assert r["split"] == (14, ("blocks[0].self_attn", "blocks[0].mlp", "blocks[1].self_attn", "blocks[1].mlp"))
         assert max(abs(a / b - 1) for a, b in zip(r["losses"], ref["losses"], strict=True)) <= GAP["fp8-current"]
 
 

@@ -42,6 +42,12 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, CONFIG.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
 
 
+def step(m: torch.nn.Module) -> None:
+    """One forward and backward on the tokens."""
+    toks = tokens()
+    F.cross_entropy(m(toks[:, :-1]).flatten(0, 1).float(), toks[:, 1:].flatten()).backward()
+
+
 def train(m: torch.nn.Module, hf: bool = False) -> dict:
     """``STEPS`` AdamW steps on the same tokens; the losses and the watched parameters, whole (``hf``: a Hugging
     Face model, the losses alone)."""
