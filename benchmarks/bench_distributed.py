@@ -252,7 +252,8 @@ def with_ratios(rows: dict) -> dict:
             continue
         ratios = {"speed_vs_bf16": r["tokens_per_s_per_gpu"] / bf["tokens_per_s_per_gpu"],
                   "memory_vs_bf16": r["peak_gib"] / bf["peak_gib"] if r["peak_gib"] and bf["peak_gib"] else None,
-                  "sent_bytes_vs_bf16": r["sent_bytes_per_step_total"] / bf["sent_bytes_per_step_total"],
+                  "sent_bytes_vs_bf16": (r["sent_bytes_per_step_total"] / bf["sent_bytes_per_step_total"]
+                                         if bf["sent_bytes_per_step_total"] else None),  # one rank sends nothing
                   "all_gather_vs_bf16": (r["bytes_per_step"]["all_gather"] / bf["bytes_per_step"]["all_gather"]
                                          if bf["bytes_per_step"]["all_gather"] else None)}
         out[name] = {**r, **ratios}
