@@ -106,6 +106,16 @@ def is_sharded(t: torch.Tensor) -> bool:
     return isinstance(t.placements[0], _dtensor_module().Shard)
 
 
+def replicas(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
+    """How many ranks of ``group`` hold each part of ``t``: 0 for a tensor that is not split (every rank
+    holds it whole), else the group's size over the mesh's: 1 for FSDP2's shards over the whole group,
+    the data-parallel degree for tensor-parallel shards on data-parallel x tensor-parallel ranks. A norm
+    over the group counts each part's square once: divided by this."""
+    if not is_sharded(t):
+        return 0
+    return max(world_size(group) // t.device_mesh.size(), 1)
+
+
 def agree(values: Sequence[torch.Tensor | float], group: dist.ProcessGroup | None = None, *,
           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, device: torch.device | None = None) -> torch.Tensor:
     """The group's ``op`` (SUM or MAX) of each of this rank's ``values``, from one all-reduce.

@@ -180,7 +180,7 @@ def share_fp8_initials(model: nn.Module) -> None:
 
 
 def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm = GradComm.FP32,
-         fp8_weights: bool = False) -> nn.Module:
+         fp8_weights: bool = False, group: dist.ProcessGroup | None = None) -> nn.Module:
     """``model`` (converted, on this rank's device) wrapped for ``parallel``; the model itself for none.
 
     FSDP2 shards in place: ``fully_shard`` on each transformer block then on the root, so a
@@ -191,7 +191,9 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
     each optimizer step).
 
     Parameters that are DTensors already (experts split by expert parallelism, see
-    :mod:`lowprec.distributed.expert_parallel`) are left out of both wrappers: their layout is their own.
+    :mod:`lowprec.distributed.expert_parallel`; weights split by tensor parallelism) are left out of both
+    wrappers: their layout is their own. ``group``: DDP's (the data-parallel replicas of tensor-parallel
+    groups; None: every rank).
     """
     p = Parallel.parse(parallel)
     placed = {name: q for name, q in model.named_parameters() if is_dtensor(q)}
@@ -199,7 +201,8 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
         share_fp8_initials(model)
         device = next(model.parameters()).device
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(placed))
-        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                       process_group=group)
     if p is Parallel.FSDP2:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -53,7 +53,8 @@ one process on the same batch, up to the order of the partial sums (a rowwise la
 two partial sums added) and, for row scales, the finer scales.
 
 Not built: the FP8 all-gather in compiled code, a vocabulary-parallel LM head, mixtures of experts, FP8 primary
-weights, and a 2-D mesh (data parallelism over tensor-parallel groups).
+weights, and FSDP2 over tensor-parallel groups (:func:`split_tensor_parallel` makes the data-parallel group that
+``lowprec train`` runs DDP over: every replica holds its tensor-parallel group's whole model).
 """
 from __future__ import annotations
 
@@ -339,13 +340,42 @@ class Split:
     """The regions whose input is gathered in FP8 (see [Note: the sequence gathered in FP8])."""
 
 
-def split_tensor_parallel(model: nn.Module, tp: int) -> Split:
-    """``lowprec train --tp``: split ``model`` over every rank, which must number ``tp`` (one tensor-parallel
-    group, no data parallelism beside it)."""
+def split_tensor_parallel(model: nn.Module, tp: int) -> tuple[Split, dist.ProcessGroup | None]:
+    """``lowprec train --tp``: the ranks as a (data-parallel, tensor-parallel) mesh of ``world / tp`` replicas of
+    ``tp`` ranks (consecutive ranks in one tensor-parallel group), ``model`` split over its tensor-parallel
+    group. Returns what was split and the data-parallel group (None for one replica), over which the caller
+    averages the other parameters' gradients (DDP's ``process_group``); the split weights' gradients are
+    averaged over it here (:func:`average_over_replicas`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp != world:
-        fail("tp", f"the number of ranks ({world}): data parallelism over tensor-parallel groups is not built", tp)
-    return parallelize(model)
+    if world % tp:
+        fail("tp", f"a divisor of the number of ranks ({world})", tp)
+    mesh = init_device_mesh(next(model.parameters()).device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    split = parallelize(model, mesh["tp"])
+    if world == tp:
+        return split, None
+    replicas = mesh["dp"].get_group()
+    average_over_replicas(model, replicas)
+    return split, replicas
+
+
+def average_over_replicas(model: nn.Module, group: dist.ProcessGroup) -> int:
+    """Average the gradients of ``model``'s split weights (DTensors) over the data-parallel ``group`` as autograd
+    makes them, the part DDP leaves alone (``lowprec.distributed.launch.wrap`` ignores DTensors); returns how
+    many parameters it hooked."""
+    from torch.distributed.tensor import DTensor
+
+    size = dist.get_world_size(group)
+
+    def mean(g):
+        reduced = _wait(funcol.all_reduce(g.to_local(), "sum", group)) / size
+        return DTensor.from_local(reduced, g.device_mesh, g.placements, run_check=False)
+
+    hooked = [p for p in model.parameters() if is_dtensor(p) and p.requires_grad]
+    for p in hooked:
+        p.register_hook(mean)
+    return len(hooked)
 
 
 def parallelize(model: nn.Module, mesh=None) -> Split:

@@ -15,7 +15,9 @@ the replicas part for good (see [Note: ranks agree] in ``lowprec.ranks``). The
 synchronisation above becomes one all-reduce (SUM) of four float32 numbers, then one host read:
 
 * the squared norm of this rank's *sharded* gradients (FSDP2's DTensor shards): summed over ranks,
-  the square of the norm of the whole gradient; inf or NaN on any rank stays so in the sum;
+  the square of the norm of the whole gradient; inf or NaN on any rank stays so in the sum. Parts that
+  several ranks hold alike (tensor-parallel shards, held by every data-parallel replica) count once:
+  divided by how many hold each (``lowprec.ranks.replicas``);
 * a flag, 1 when the norm of the *replicated* gradients (DDP's, equal on every rank once reduced)
   is not finite here: replicated norms are not summed, which would count them once per rank;
 * this rank's loss and 1 (or 0 and 0 without a loss): their sums give the mean loss of the global
@@ -72,11 +74,12 @@ def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Te
     return torch.stack(norms).square().sum()  # ()
 
 
-def agreed_norm_and_loss(grads: list[torch.Tensor], sharded: list[bool], loss: Any,
+def agreed_norm_and_loss(grads: list[torch.Tensor], sharded: list[int], loss: Any,
                          group) -> tuple[torch.Tensor, float, float | None]:
     """The group's gradient norm (tensor and float) and mean loss, from one all-reduce and one host
-    read; ``grads`` are this rank's local tensors, ``sharded`` says which are shards of a larger
-    one. See [Note: one decision for all ranks]."""
+    read; ``grads`` are this rank's local tensors, ``sharded`` says which are parts of a larger one: 0
+    for a whole tensor, else how many ranks hold each part (``lowprec.ranks.replicas``; True counts as
+    1). See [Note: one decision for all ranks]."""
     if grads:
         device = grads[0].device
     elif isinstance(loss, torch.Tensor):
@@ -84,7 +87,9 @@ def agreed_norm_and_loss(grads: list[torch.Tensor], sharded: list[bool], loss: A
     else:
         device = collective_device(group)
     replicated = grad_norm([g for g, s in zip(grads, sharded) if not s]).to(device)  # ()
-    shard_sq = _sum_of_squares([g for g, s in zip(grads, sharded) if s], device)  # ()
+    shard_sq = torch.zeros((), device=device)
+    for r in sorted({int(s) for s in sharded if s}):  # each part's square once over the group
+        shard_sq = shard_sq + _sum_of_squares([g for g, s in zip(grads, sharded) if int(s) == r], device) / r
     if isinstance(loss, torch.Tensor):
         loss_sum, count = loss.detach().reshape(()).float(), 1.0
     else:
@@ -142,7 +147,7 @@ class StepGuard:
         self.spike_count = 0
 
     def inspect(self, grads: list[torch.Tensor], loss: Any, group=None,
-                sharded: list[bool] | None = None) -> tuple[Verdict, torch.Tensor]:
+                sharded: list[int] | None = None) -> tuple[Verdict, torch.Tensor]:
         """Judge a step from its unscaled ``grads`` and ``loss``; returns the verdict and the norm tensor.
 
         With a data-parallel ``group`` the verdict is the group's (``grads`` are this rank's local
@@ -150,7 +155,7 @@ class StepGuard:
         """
         _check_loss(loss)
         if group is not None:
-            norm, norm_value, loss_value = agreed_norm_and_loss(grads, sharded or [False] * len(grads), loss, group)
+            norm, norm_value, loss_value = agreed_norm_and_loss(grads, sharded or [0] * len(grads), loss, group)
             return self._judge(norm_value, loss_value), norm
         norm = grad_norm(grads)  # ()
         if isinstance(loss, torch.Tensor):

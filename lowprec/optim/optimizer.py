@@ -40,7 +40,7 @@ from lowprec.optim.guard import StepGuard, by_device
 from lowprec.optim.loss_scale import LossScaleConfig, LossScaler
 from lowprec.optim.master import MasterWeights
 from lowprec.optim.stochastic import StochasticRounding
-from lowprec.ranks import data_parallel_group, is_dtensor, is_sharded, local
+from lowprec.ranks import data_parallel_group, is_dtensor, local, replicas
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STATE_KEYS = {"optimizer", "master_weights", "loss_scale", "guard", "stochastic_rounding"}
@@ -229,7 +229,7 @@ class Optimizer(torch.optim.Optimizer):
         if scale is not None and scale != 1.0:
             for gs in by_device(shards).values():
                 torch._foreach_mul_(gs, self.scaler.inv_scale)
-        sharded = None if self.group is None else [is_sharded(g) for g in present]
+        sharded = None if self.group is None else [replicas(g, self.group) for g in present]
         verdict, norm = self.guard.inspect(shards, loss, self.group, sharded)
         clipped = False
         if verdict.reason is None:

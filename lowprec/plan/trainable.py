@@ -15,8 +15,8 @@ _FLAGS = {"fp8_weights": "--fp8-weights", "optim_states": "--optim-states", "mas
 
 def trainer_parallel(par: Parallel) -> str:
     """The ``--parallel`` ``lowprec train`` would run the layout's GPUs with: ``ddp`` for tensor parallelism
-    (``--parallel ddp --tp N``, the ranks one replica); else every GPU a data-parallel rank, ``none`` on one
-    GPU, ``ddp`` without ZeRO, else ``fsdp2``."""
+    (``--parallel ddp --tp N``, DDP over the tensor-parallel groups); else every GPU a data-parallel rank,
+    ``none`` on one GPU, ``ddp`` without ZeRO, else ``fsdp2``."""
     if par.tp > 1:
         return "ddp"
     if par.gpus == 1:
@@ -31,9 +31,9 @@ def _flag(u: Unsupported, train: Training) -> str:
 def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
     """One line per option ``lowprec train`` cannot run in this layout; empty when it can run it all."""
     out = []
-    if par.tp > 1 and par.tp != par.gpus:
-        out.append(f"--tp {par.tp}: lowprec train splits over every rank (--parallel ddp --tp equal to the number "
-                   f"of ranks, {par.gpus} here); data parallelism over tensor-parallel groups is not built")
+    if par.tp > 1 and par.zero != 0 and par.gpus > par.tp * par.pp:
+        out.append(f"--tp {par.tp} with --zero {par.zero}: lowprec train runs DDP over the tensor-parallel groups "
+                   "(as --zero 0); FSDP2 over them is not built")
     if par.tp > 1 and train.fp8_weights:
         out.append(f"--fp8-weights: lowprec train expects False with tp {par.tp} (FP8 primary weights are not "
                    "split by tensor parallelism yet)")

@@ -312,8 +312,9 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     model.to(device=device, dtype=cfg.torch_dtype)
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
     conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
+    replicas = None  # the data-parallel group over tensor-parallel groups (None: every rank, or one replica)
     if cfg.tp > 1:  # before the blocks are wrapped for recomputation: the split finds their linears by name
-        split_tensor_parallel(model, cfg.tp)
+        _, replicas = split_tensor_parallel(model, cfg.tp)
     recompute_blocks(model, cfg.recompute)  # in place, before wrapping: FSDP2 shards the checkpointed blocks
     if cfg.ep > 1:  # before wrapping: the wrappers leave the experts' DTensors alone
         parallelize_experts(model, expert_parallel(cfg.ep, fp8=recipe.low_precision))
@@ -322,9 +323,10 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     val = data.val_batches(cfg.val_batches, cfg.batch_size, cfg.seq_len, rank=ranks.data_rank,
                            world_size=ranks.data_world)  # refuses a batch the ranks cannot share
     # after converting: the wrappers hold lowprec's layers
-    # one tensor-parallel group holds the one replica: nothing to average over replicas (see TrainConfig.tp)
-    model = wrap(model, cfg.parallel if cfg.tp == 1 else "none", cfg.grad_comm, fp8_weights=cfg.fp8_all_gather)
-    apply_grad_comm(model, cfg.parallel if cfg.tp == 1 else "none", cfg.grad_comm)
+    # tensor parallelism: DDP over the replicas, none for one (see TrainConfig.tp)
+    parallel = cfg.parallel if cfg.tp == 1 or replicas is not None else "none"
+    model = wrap(model, parallel, cfg.grad_comm, fp8_weights=cfg.fp8_all_gather, group=replicas)
+    apply_grad_comm(model, parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     # compiled after wrapping (DDP's hooks stay outside the graph), sharing the wrapped model's parameters
     forward = torch.compile(model, backend=cfg.compile) if cfg.compile is not None else model

@@ -39,14 +39,14 @@ def _refusals(**kwargs) -> tuple[str, ...]:
 def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
     lines = _refusals(gpus=64, tp=8, zero=3, training=Training(fp8_weights=True, optim_states="fp8"))
     assert lines == (
-        "--tp 8: lowprec train splits over every rank (--parallel ddp --tp equal to the number of ranks, 64 here); "
-        "data parallelism over tensor-parallel groups is not built",
+        "--tp 8 with --zero 3: lowprec train runs DDP over the tensor-parallel groups (as --zero 0); FSDP2 over them "
+        "is not built",
         "--fp8-weights: lowprec train expects False with tp 8 (FP8 primary weights are not split by tensor "
         "parallelism yet)",
     )  # FP8 moments run under FSDP2: no line for them
     text = format_plan(plan(PlanConfig(model="llama-3-70b", gpu="h200", recipe="fp8-current", gpus=64, tp=8,
                                        zero=3, training=Training(fp8_weights=True, optim_states="fp8"))))
-    assert "lowprec train cannot run this layout as planned:\n  --tp 8: " in text
+    assert "lowprec train cannot run this layout as planned:\n  --tp 8 with --zero 3: " in text
 
 
 @pytest.mark.parametrize("kwargs, expected", [
@@ -59,6 +59,9 @@ def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
     (dict(gpus=8, pp=2, ep=1), ("--pp 2: lowprec train has no pipeline parallelism",)),
     (dict(gpus=8, tp=8), ()),  # lowprec train --parallel ddp --tp 8
     (dict(gpus=8, tp=8, zero=1), ()),  # one replica: nothing for ZeRO to shard over
+    (dict(gpus=16, tp=8, zero=0), ()),  # lowprec train --parallel ddp --tp 8 on 16 ranks: two replicas
+    (dict(gpus=16, tp=8, zero=1), ("--tp 8 with --zero 1: lowprec train runs DDP over the tensor-parallel groups "
+                                   "(as --zero 0); FSDP2 over them is not built",)),
     (dict(gpus=8, zero=3, training=Training(recompute="full")), ()),  # lowprec train --recompute full
     (dict(gpus=8, zero=0, training=Training(master_weights=False)),
      ("--no-master-weights: lowprec train expects True under ddp/fsdp2 (stochastic rounding swaps param.data), "
