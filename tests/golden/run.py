@@ -7,11 +7,15 @@ and writes what it saw to ``golden.json``; ``test_golden.py`` trains them again 
 the same. Bits are comparable across machines only where the arithmetic is pinned, so each run happens in
 a child process whose environment fixes it: PyTorch's own kernels at their ``default`` dispatch level
 (no AVX2/AVX-512 variants), MKL in its conditional-numerical-reproducibility mode (``MKL_CBWR``), oneDNN
-at its lowest instruction set, and one thread (no reduction split across threads). Any x86-64 machine
-then computes the same bits with the same torch; another torch version records its own file.
+at its lowest instruction set, and one thread (no reduction split across threads). A CPU with AMX tiles
+computes other bits under the same pins (seen on one: most final weights differ in their last bits, the
+losses of the FP32 variants not, fp16's too; which kernel takes another path there is not pinned down), so
+the bits are recorded per class of CPU: ``golden.json`` for x86-64 without AMX, ``golden_amx.json`` with
+it. Any x86-64 machine of a class then computes that class's bits with the same torch; another torch
+version records its own files.
 
-Regenerate after a change that is meant to move numbers (say why in the commit):
-``python -m tests.golden.run --write``.
+Regenerate after a change that is meant to move numbers (say why in the commit), on a machine of each
+class: ``python -m tests.golden.run --write`` (it writes its own class's file).
 """
 from __future__ import annotations
 
@@ -24,7 +28,20 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-GOLDEN = Path(__file__).with_name("golden.json")
+GOLDEN_FILES = {"x86-64": Path(__file__).with_name("golden.json"),
+                "x86-64 with AMX": Path(__file__).with_name("golden_amx.json")}
+"""The recorded bits by class of CPU (see [Note: golden runs])."""
+
+
+def cpu_class() -> str:
+    import torch
+
+    return "x86-64 with AMX" if torch.cpu._is_amx_tile_supported() else "x86-64"
+
+
+def golden_file() -> Path:
+    """This machine's class's file."""
+    return GOLDEN_FILES[cpu_class()]
 PINNED_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 STEPS = 4
@@ -100,15 +117,15 @@ def run_pinned(names: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--child", nargs="*")
-    p.add_argument("--write", action="store_true", help=f"write {GOLDEN.name} from this tree's code")
+    p.add_argument("--write", action="store_true", help="write this CPU class's file from this tree's code")
     args = p.parse_args()
     if args.child is not None:
         _child(args.child)
         return
     got = run_pinned(list(variants()))
     if args.write:
-        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {len(got)} variants to {GOLDEN}")
+        golden_file().write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(got)} variants to {golden_file()} ({cpu_class()})")
 
 
 if __name__ == "__main__":

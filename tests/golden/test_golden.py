@@ -8,7 +8,7 @@ import platform
 import pytest
 import torch
 
-from tests.golden.run import GOLDEN, run_pinned, variants
+from tests.golden.run import GOLDEN_FILES, cpu_class, golden_file, run_pinned, variants
 
 pytestmark = pytest.mark.slow
 
@@ -16,16 +16,17 @@ pytestmark = pytest.mark.slow
 def _golden() -> dict:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip(f"the golden bits are pinned for x86-64 (MKL's reproducible mode); this is {platform.machine()}")
-    golden = json.loads(GOLDEN.read_text())
+    golden = json.loads(golden_file().read_text())
     recorded = {v["torch"] for v in golden.values()}
     if recorded != {torch.__version__}:
-        pytest.skip(f"golden runs recorded with torch {sorted(recorded)}, this is {torch.__version__}: "
-                    "regenerate with python -m tests.golden.run --write")
+        pytest.skip(f"golden runs for {cpu_class()} recorded with torch {sorted(recorded)}, this is "
+                    f"{torch.__version__}: regenerate with python -m tests.golden.run --write")
     return golden
 
 
-def test_the_golden_file_covers_every_variant():
-    assert set(json.loads(GOLDEN.read_text())) == set(variants())
+@pytest.mark.parametrize("cpu", sorted(GOLDEN_FILES))
+def test_the_golden_file_covers_every_variant(cpu):
+    assert set(json.loads(GOLDEN_FILES[cpu].read_text())) == set(variants())
 
 
 def test_training_is_bit_identical_to_the_golden_runs():
