@@ -104,7 +104,8 @@ def _options(d: Defaults) -> list[Callable]:
                           "(half of BF16's bytes)."),
         click.option("--ep", type=int, default=1, show_default=True,
                      help="Under --parallel ddp|fsdp2: split the routed experts of an MoE model over this many "
-                          "ranks (the number of ranks), tokens dispatched in FP8 under low-precision recipes."),
+                          "ranks (dividing the number of ranks: groups of consecutive ranks, replicas of each other), "
+                          "tokens dispatched in FP8 under low-precision recipes."),
         click.option("--tp", type=int, default=1, show_default=True,
                      help="Under --parallel ddp: split every block's attention and feed-forward over this many "
                           "ranks (the number of ranks), the sequence split between them; the ranks train on the "

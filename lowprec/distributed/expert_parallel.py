@@ -29,9 +29,12 @@ through the dispatch's backward), the sum over the ranks of their losses' gradie
 averages the other parameters' gradients over the ranks, so the experts' are divided by ``W`` (a hook on
 each expert parameter) and every parameter moves as one process moves it on the whole batch.
 
-One process per expert-parallel rank, and the group is the whole data-parallel world today (``--ep`` equal
-to the number of ranks): experts are split over every rank, nothing else is. A mesh of data-parallel
-replicas of expert groups (``dp x ep``) is not built.
+Replicas (``dp x ep``): with ``N`` ranks and ``W`` dividing ``N``, consecutive ranks form ``N / W`` expert
+groups, each holding every expert once; rank ``r``'s replicas are the ranks holding the same experts
+(``r mod W`` alike). Every rank still routes its own rows, within its group. The hook then sums an expert's
+gradient over its replicas (one all-reduce per expert parameter) and divides by ``N``: the mean over every
+rank, as DDP or FSDP2 averages the other parameters over all ``N``. A gradient norm counts each expert slice
+once, not once per replica (``lowprec.ranks.replicas``).
 """
 from __future__ import annotations
 
@@ -98,6 +101,8 @@ class ExpertParallel:
     group: dist.ProcessGroup
     size: int
     fp8: bool
+    replicas: dist.ProcessGroup | None = None
+    """The ranks holding this rank's experts in the other groups (None: one group of every rank)."""
 
     def run(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``experts(rows, offsets)`` (this rank's local experts, offsets per local expert) applied to the
@@ -116,10 +121,11 @@ class ExpertParallel:
         return _AllToAll.apply(y, recv, send, self.group, False, "ep_combine")  # (T, D_out) in x's order
 
 
-def shard_grouped(layer: GroupedLinear, group: dist.ProcessGroup) -> None:
+def shard_grouped(layer: GroupedLinear, group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None) -> None:
     """Keep this rank's slice of ``layer``'s experts: weight and bias become DTensors split by experts over
     ``group`` (each rank's slice taken from its own copy of the whole, identical on every rank as the model
-    is built from one seed), their gradients divided by the group's size (see [Note: expert parallelism])."""
+    is built from one seed), their gradients divided by the group's size, or summed over ``replicas`` (the
+    ranks holding the same slice) and divided by every rank's count (see [Note: expert parallelism])."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -134,22 +140,51 @@ def shard_grouped(layer: GroupedLinear, group: dist.ProcessGroup) -> None:
             continue
         shard = DTensor.from_local(p.detach()[rank * n:(rank + 1) * n].clone(), mesh, [Shard(0)], run_check=False)
         param = nn.Parameter(shard, requires_grad=p.requires_grad)
-        param.register_hook(lambda g, w=w: g / w)
+        param.register_hook((lambda g, w=w: g / w) if replicas is None else _mean_over(replicas, w))
         setattr(layer, name, param)
 
 
+def _mean_over(replicas: dist.ProcessGroup, w: int):
+    """A hook: the gradient summed over ``replicas`` and divided by every rank's count (``w`` per group)."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import DTensor
+
+    n = w * dist.get_world_size(replicas)
+
+    def hook(g):
+        summed = funcol.all_reduce(g.to_local(), "sum", replicas)
+        summed = summed.wait() if isinstance(summed, funcol.AsyncCollectiveTensor) else summed
+        return DTensor.from_local(summed / n, g.device_mesh, g.placements, run_check=False)
+
+    return hook
+
+
 def expert_parallel(size: int, fp8: bool, group: dist.ProcessGroup | None = None) -> ExpertParallel:
-    """The expert-parallel group of ``size`` ranks: today the whole default group, so ``size`` must be the
-    number of ranks (see [Note: expert parallelism])."""
+    """This rank's expert-parallel group of ``size`` ranks: ``group`` (its size must be ``size``), else the
+    whole default group when it has ``size`` ranks, else consecutive ranks of it, ``size`` dividing the number
+    of ranks, with their replicas (see [Note: expert parallelism]). Every rank must call it alike."""
     if isinstance(size, bool) or not isinstance(size, int) or size < 2:
         fail("ep", "an int of at least 2 (the ranks experts are split over)", describe(size))
     if not (dist.is_available() and dist.is_initialized()):
         fail("ep", "an initialized process group (launch through torchrun with --parallel ddp or fsdp2)", size)
-    group = group if group is not None else dist.group.WORLD
-    if dist.get_world_size(group) != size:
-        fail("ep", f"the number of ranks ({dist.get_world_size(group)}): experts are split over every rank "
-             "(no data-parallel replicas of expert groups yet)", size)
-    return ExpertParallel(group, size, fp8)
+    if group is not None:
+        if dist.get_world_size(group) != size:
+            fail("ep", f"the size of the given group ({dist.get_world_size(group)})", size)
+        return ExpertParallel(group, size, fp8)
+    world = dist.get_world_size()
+    if world == size:
+        return ExpertParallel(dist.group.WORLD, size, fp8)
+    if world % size:
+        fail("ep", f"a divisor of the number of ranks ({world})", size)
+    # every rank makes every group, in the same order (torch.distributed's rule for new groups)
+    mine = replicas = None
+    for start in range(0, world, size):
+        g = dist.new_group(list(range(start, start + size)))
+        mine = g if start <= dist.get_rank() < start + size else mine
+    for offset in range(size):
+        g = dist.new_group(list(range(offset, world, size)))
+        replicas = g if dist.get_rank() % size == offset else replicas
+    return ExpertParallel(mine, size, fp8, replicas)
 
 
 __all__ = ["ExpertParallel", "expert_parallel", "pack_rows", "shard_grouped", "unpack_rows"]

@@ -39,9 +39,8 @@ def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
                    "split by tensor parallelism yet)")
     if par.pp > 1:
         out.append(f"--pp {par.pp}: lowprec train has no pipeline parallelism")
-    if par.ep > 1 and par.ep != par.gpus:
-        out.append(f"--ep {par.ep}: lowprec train splits the experts over every rank (--ep equal to the number of "
-                   f"ranks, {par.gpus} here); data-parallel replicas of expert groups are not built")
+    if par.ep > 1 and par.tp > 1:
+        out.append(f"--ep {par.ep} with --tp {par.tp}: lowprec train splits experts or splits layers, not both")
     if par.gpus > 1 and par.zero in (1, 2) and par.tp == 1:
         out.append(f"--zero {par.zero}: lowprec train shards nothing (--parallel ddp, as --zero 0) or everything "
                    "(--parallel fsdp2, as --zero 3)")

@@ -81,7 +81,8 @@ class TrainConfig:
     all-gather in the parameters' dtype."""
     ep: int = 1
     """Expert parallelism: split the routed experts of every MoE layer over this many ranks (1: none).
-    Needs ``ddp`` or ``fsdp2`` and equals the number of ranks; tokens go to their experts' ranks in FP8
+    Needs ``ddp`` or ``fsdp2`` and divides the number of ranks (groups of ``ep`` consecutive ranks, replicas of
+    each other, their experts' gradients averaged over all); tokens go to their experts' ranks in FP8
     (1x128 E4M3 blocks) under a low-precision recipe, in the parameters' dtype otherwise, and come back in
     the parameters' dtype (see [Note: expert parallelism] in ``lowprec.distributed.expert_parallel``)."""
     tp: int = 1

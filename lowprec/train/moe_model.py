@@ -156,7 +156,7 @@ def parallelize_experts(model: nn.Module, ep: ExpertParallel) -> int:
              f"{type(model).__name__} without any")
     for m in layers:
         for lin in (m.experts.w1, m.experts.w3, m.experts.w2):
-            shard_grouped(lin, ep.group)
+            shard_grouped(lin, ep.group, ep.replicas)
         m.ep = ep
     return len(layers)
 

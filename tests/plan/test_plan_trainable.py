@@ -71,13 +71,13 @@ def test_only_what_the_trainer_cannot_run_is_named(kwargs, expected):
     assert _refusals(**kwargs) == expected
 
 
-@pytest.mark.parametrize("gpus, expected", [
-    (8, ()),  # lowprec train --ep 8 on 8 ranks
-    (16, ("--ep 8: lowprec train splits the experts over every rank (--ep equal to the number of ranks, 16 here); "
-          "data-parallel replicas of expert groups are not built",)),
+@pytest.mark.parametrize("gpus, tp, expected", [
+    (8, 1, ()),  # lowprec train --ep 8 on 8 ranks
+    (16, 1, ()),  # two replicas of 8
+    (16, 2, ("--ep 8 with --tp 2: lowprec train splits experts or splits layers, not both",)),
 ])
-def test_expert_parallelism_runs_over_every_rank_only(gpus, expected):
-    p = plan(PlanConfig(model="mixtral-8x7b", gpu="h200", recipe="fp8-current", gpus=gpus, ep=8, zero=3))
+def test_expert_parallelism_runs_with_replicas_but_not_beside_tensor_parallelism(gpus, tp, expected):
+    p = plan(PlanConfig(model="mixtral-8x7b", gpu="h200", recipe="fp8-current", gpus=gpus, ep=8, tp=tp, zero=0))
     assert p.trainer_refusals == expected
 
 
