@@ -16,6 +16,7 @@ importing DTensor.
 """
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 
@@ -111,9 +112,13 @@ def replicas(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
     holds it whole), else the group's size over the mesh's: 1 for FSDP2's shards over the whole group,
     the data-parallel degree for tensor-parallel shards on data-parallel x tensor-parallel ranks. A norm
     over the group counts each part's square once: divided by this."""
-    if not is_sharded(t):
+    if not is_dtensor(t):
         return 0
-    return max(world_size(group) // t.device_mesh.size(), 1)
+    # split along a mesh dimension: every placement but Replicate and Partial (FSDP2 over tensor parallelism
+    # splits one dimension twice, its first placement a _StridedShard, which is no Shard)
+    parts = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                      if not (p.is_replicate() or p.is_partial()))
+    return 0 if parts == 1 else max(world_size(group) // parts, 1)
 
 
 def agree(values: Sequence[torch.Tensor | float], group: dist.ProcessGroup | None = None, *,

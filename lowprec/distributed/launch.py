@@ -180,7 +180,7 @@ def share_fp8_initials(model: nn.Module) -> None:
 
 
 def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm = GradComm.FP32,
-         fp8_weights: bool = False, group: dist.ProcessGroup | None = None) -> nn.Module:
+         fp8_weights: bool = False, mesh=None) -> nn.Module:
     """``model`` (converted, on this rank's device) wrapped for ``parallel``; the model itself for none.
 
     FSDP2 shards in place: ``fully_shard`` on each transformer block then on the root, so a
@@ -192,11 +192,13 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
 
     Parameters that are DTensors already (experts split by expert parallelism, see
     :mod:`lowprec.distributed.expert_parallel`; weights split by tensor parallelism) are left out of both
-    wrappers: their layout is their own. ``group``: DDP's (the data-parallel replicas of tensor-parallel
-    groups; None: every rank).
+    wrappers: their layout is their own, but FSDP2 shards tensor-parallel weights further over the
+    data-parallel ``mesh`` (a ``DeviceMesh`` of the replicas of tensor-parallel groups; None: every rank; DDP
+    takes its group).
     """
     p = Parallel.parse(parallel)
     placed = {name: q for name, q in model.named_parameters() if is_dtensor(q)}
+    group = mesh.get_group() if mesh is not None else None
     if p is Parallel.DDP:
         share_fp8_initials(model)
         device = next(model.parameters()).device
@@ -209,10 +211,10 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
         policy = MixedPrecisionPolicy(reduce_dtype=fsdp_reduce_dtype(grad_comm))
         if fp8_weights:
             fp8_all_gather(model)
-        ignored = set(placed.values()) or None
+        ignored = {q for q in placed.values() if not getattr(q, "_lowprec_tensor_parallel", False)} or None
         for block in transformer_blocks(model):
-            fully_shard(block, mp_policy=policy, ignored_params=ignored)
-        fully_shard(model, mp_policy=policy, ignored_params=ignored)
+            fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+        fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     return model
 
 

@@ -53,8 +53,8 @@ one process on the same batch, up to the order of the partial sums (a rowwise la
 two partial sums added) and, for row scales, the finer scales.
 
 Not built: the FP8 all-gather in compiled code, a vocabulary-parallel LM head, mixtures of experts, FP8 primary
-weights, and FSDP2 over tensor-parallel groups (:func:`split_tensor_parallel` makes the data-parallel group that
-``lowprec train`` runs DDP over: every replica holds its tensor-parallel group's whole model).
+weights, and FSDP2's FP8 all-gather of split weights (they are gathered in their dtype). Over tensor-parallel
+groups :func:`split_tensor_parallel` makes the data-parallel mesh ``lowprec train`` wraps with DDP or FSDP2.
 """
 from __future__ import annotations
 
@@ -276,9 +276,11 @@ def _split_weight(lin: Linear, mesh, dim: int) -> None:
     size = mesh.size()
     w = lin.weight
     lin.weight = nn.Parameter(distribute_tensor(w.detach(), mesh, [Shard(dim)]), requires_grad=w.requires_grad)
+    lin.weight._lowprec_tensor_parallel = True  # FSDP2 shards it further (lowprec.distributed.launch.wrap)
     if lin.bias is not None:
         b = lin.bias
         lin.bias = nn.Parameter(distribute_tensor(b.detach(), mesh, [Shard(0)]), requires_grad=b.requires_grad)
+        lin.bias._lowprec_tensor_parallel = True
     if dim == 0:
         lin.out_features //= size
     else:
@@ -313,6 +315,27 @@ def _sum_grads(p: nn.Parameter, group: dist.ProcessGroup) -> None:
     p.register_hook(lambda g: _wait(funcol.all_reduce(g, "sum", group)))
 
 
+@torch.no_grad()
+def sum_partial_grads(model: nn.Module) -> int:
+    """Under FSDP2 over tensor-parallel groups: sum the gradients of the parameters that see a slice of the
+    positions (the norms inside the blocks) over their tensor-parallel group. ``fully_shard`` replaces those
+    parameters by its own, so the hooks :func:`parallelize` put on them no longer run; their gradients are
+    FSDP2's shards, equal in shape on every rank of a tensor-parallel group (one all-reduce each). Call after
+    the last backward of a step, before the optimizer step; parameters that are not FSDP2's (their hooks ran)
+    are left alone. Returns how many gradients it summed."""
+    n = 0
+    for m in model.modules():
+        group = getattr(m, "_lowprec_partial_grads", None)
+        if group is None:
+            continue
+        for p in m.parameters(recurse=False):
+            if is_dtensor(p) and p.grad is not None:
+                local = p.grad.to_local()
+                local.copy_(_wait(funcol.all_reduce(local, "sum", group)))
+                n += 1
+    return n
+
+
 _HEADS = ("n_heads", "n_kv_heads")
 """lowprec's attention counts its heads; Hugging Face's infers them from the width."""
 
@@ -340,12 +363,13 @@ class Split:
     """The regions whose input is gathered in FP8 (see [Note: the sequence gathered in FP8])."""
 
 
-def split_tensor_parallel(model: nn.Module, tp: int) -> tuple[Split, dist.ProcessGroup | None]:
+def split_tensor_parallel(model: nn.Module, tp: int, fsdp2: bool = False) -> tuple[Split, object | None]:
     """``lowprec train --tp``: the ranks as a (data-parallel, tensor-parallel) mesh of ``world / tp`` replicas of
     ``tp`` ranks (consecutive ranks in one tensor-parallel group), ``model`` split over its tensor-parallel
-    group. Returns what was split and the data-parallel group (None for one replica), over which the caller
-    averages the other parameters' gradients (DDP's ``process_group``); the split weights' gradients are
-    averaged over it here (:func:`average_over_replicas`)."""
+    group. Returns what was split and the data-parallel ``DeviceMesh`` (None for one replica), over which the
+    caller wraps the model: DDP (its group), whose replicas' split weights are averaged here
+    (:func:`average_over_replicas`), or with ``fsdp2`` FSDP2 (the mesh), which shards the split weights further
+    and averages them itself (then call :func:`sum_partial_grads` after backward)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -355,9 +379,9 @@ def split_tensor_parallel(model: nn.Module, tp: int) -> tuple[Split, dist.Proces
     split = parallelize(model, mesh["tp"])
     if world == tp:
         return split, None
-    replicas = mesh["dp"].get_group()
-    average_over_replicas(model, replicas)
-    return split, replicas
+    if not fsdp2:
+        average_over_replicas(model, mesh["dp"].get_group())
+    return split, mesh["dp"]
 
 
 def average_over_replicas(model: nn.Module, group: dist.ProcessGroup) -> int:
@@ -423,9 +447,12 @@ def parallelize(model: nn.Module, mesh=None) -> Split:
         mod.register_forward_hook(_output_hook(lambda y: _scatter_region(y, group)), with_kwargs=True)
     for block in blocks:
         _set_heads(getattr(block, fam.attention), size)
-        for p in block.parameters():
-            if not is_dtensor(p) and p.requires_grad:  # the norms: a slice of the positions each
+        for m in block.modules():  # the norms: a slice of the positions each
+            own = [p for p in m.parameters(recurse=False) if not is_dtensor(p) and p.requires_grad]
+            for p in own:
                 _sum_grads(p, group)
+            if own:
+                m._lowprec_partial_grads = group  # for sum_partial_grads, where FSDP2 replaces the parameters
     blocks[0].register_forward_pre_hook(_input_hook(lambda x: _Split.apply(x, group), size, "blocks[0]", once=True),
                                         with_kwargs=True)
     final_norm.register_forward_pre_hook(

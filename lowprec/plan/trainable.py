@@ -14,11 +14,8 @@ _FLAGS = {"fp8_weights": "--fp8-weights", "optim_states": "--optim-states", "mas
 
 
 def trainer_parallel(par: Parallel) -> str:
-    """The ``--parallel`` ``lowprec train`` would run the layout's GPUs with: ``ddp`` for tensor parallelism
-    (``--parallel ddp --tp N``, DDP over the tensor-parallel groups); else every GPU a data-parallel rank,
-    ``none`` on one GPU, ``ddp`` without ZeRO, else ``fsdp2``."""
-    if par.tp > 1:
-        return "ddp"
+    """The ``--parallel`` ``lowprec train`` would run the layout's GPUs with (with ``--tp``, over the
+    tensor-parallel groups): ``none`` on one GPU, ``ddp`` without ZeRO, else ``fsdp2``."""
     if par.gpus == 1:
         return "none"
     return "ddp" if par.zero == 0 else "fsdp2"
@@ -31,9 +28,9 @@ def _flag(u: Unsupported, train: Training) -> str:
 def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
     """One line per option ``lowprec train`` cannot run in this layout; empty when it can run it all."""
     out = []
-    if par.tp > 1 and par.zero != 0 and par.gpus > par.tp * par.pp:
-        out.append(f"--tp {par.tp} with --zero {par.zero}: lowprec train runs DDP over the tensor-parallel groups "
-                   "(as --zero 0); FSDP2 over them is not built")
+    if par.tp > 1 and train.optim_states not in ("fp32", "bf16"):
+        out.append(f"--optim-states {train.optim_states}: lowprec train expects fp32 or bf16 with tp {par.tp} (FP8 "
+                   "and 8-bit moments group the rows of shards split along dim 0)")
     if par.tp > 1 and train.fp8_weights:
         out.append(f"--fp8-weights: lowprec train expects False with tp {par.tp} (FP8 primary weights are not "
                    "split by tensor parallelism yet)")
@@ -41,7 +38,7 @@ def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
         out.append(f"--pp {par.pp}: lowprec train has no pipeline parallelism")
     if par.ep > 1 and par.tp > 1:
         out.append(f"--ep {par.ep} with --tp {par.tp}: lowprec train splits experts or splits layers, not both")
-    if par.gpus > 1 and par.zero in (1, 2) and par.tp == 1:
+    if par.gpus > par.tp * par.pp and par.zero in (1, 2):  # data-parallel ranks to shard over
         out.append(f"--zero {par.zero}: lowprec train shards nothing (--parallel ddp, as --zero 0) or everything "
                    "(--parallel fsdp2, as --zero 3)")
     parallel = trainer_parallel(par)

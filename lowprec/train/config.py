@@ -88,8 +88,8 @@ class TrainConfig:
     tp: int = 1
     """Tensor and sequence parallelism: split every block's attention and feed-forward over this many ranks (1:
     none), which train on the same rows (see [Note: tensor parallelism] in ``lowprec.distributed.tensor_parallel``).
-    Needs ``parallel`` ``ddp`` and divides the number of ranks: DDP averages over the ``ranks / tp`` replicas of a
-    tensor-parallel group (``grad_comm`` fp32)."""
+    Needs ``parallel`` ``ddp`` or ``fsdp2`` and divides the number of ranks: DDP or FSDP2 over the ``ranks / tp``
+    replicas of a tensor-parallel group (``grad_comm`` fp32)."""
     optim_states: str = "fp32"
     """How AdamW keeps its moments: ``fp32`` (torch's AdamW), ``bf16``, ``fp8`` (E4M3 with range expansion)
     or ``int8`` (blockwise 8 bits); see :mod:`lowprec.optim.states`. Under ``fsdp2``: ``fp32`` or ``bf16``."""
@@ -176,12 +176,15 @@ class TrainConfig:
         check_positive_int("tp", self.tp)
         if self.tp == 1:
             return
-        if self.parallel != "ddp":
-            fail("tp", "1 unless parallel is 'ddp' (DDP over the replicas of a tensor-parallel group; FSDP2 over "
-                 "them is not built)", f"{self.tp} with parallel {self.parallel!r}")
+        if self.parallel == "none":
+            fail("tp", "1 with parallel 'none' (tensor parallelism splits over the ranks of a ddp or fsdp2 run)",
+                 self.tp)
         for name, ok, expected in (("ep", self.ep == 1, "1"), ("fp8_weights", not self.fp8_weights, "False"),
                                    ("grad_comm", self.grad_comm == "fp32", "'fp32' (the split weights' gradients "
-                                                                            "are averaged in float32)")):
+                                                                            "are averaged in float32)"),
+                                   ("optim_states", self.optim_states in ("fp32", "bf16"),
+                                    "'fp32' or 'bf16' (FP8 and 8-bit moments group the rows of shards split along "
+                                    "dim 0; rowwise layers split along dim 1)")):
             if not ok:
                 fail(name, f"{expected} with tp {self.tp}", repr(getattr(self, name)))
 

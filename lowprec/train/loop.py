@@ -51,7 +51,7 @@ from lowprec.distributed.launch import (
     unwrap,
     wrap,
 )
-from lowprec.distributed.tensor_parallel import split_tensor_parallel
+from lowprec.distributed.tensor_parallel import split_tensor_parallel, sum_partial_grads
 from lowprec.nn import cached_weight_casts
 from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import AdamWLP, Optimizer
@@ -148,6 +148,8 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.to(run.device).flatten())
                 run.opt.backward(loss / cfg.grad_accum)
             loss_sum += loss.detach()
+    if cfg.tp > 1:
+        sum_partial_grads(run.model)  # FSDP2's norms: their tensor-parallel halves (hooks did the rest)
     if run.ranks.distributed and recipes.get(cfg.recipe).uses_delayed_scaling:
         # every rank's next scales from the same amaxes (the BF16 start records too): one all-reduce for all layers
         sync_amaxes(run.model)
@@ -312,9 +314,12 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     model.to(device=device, dtype=cfg.torch_dtype)
     policy = dataclasses.replace(cfg.policy_object() or lowprec.Policy(), saved_activations=cfg.saved_activations)
     conversion = lowprec.convert(model, recipe, policy, fp8_weights=cfg.fp8_weights)
-    replicas = None  # the data-parallel group over tensor-parallel groups (None: every rank, or one replica)
+    replicas = None  # the data-parallel mesh over tensor-parallel groups (None: every rank, or one replica)
     if cfg.tp > 1:  # before the blocks are wrapped for recomputation: the split finds their linears by name
-        _, replicas = split_tensor_parallel(model, cfg.tp)
+        _, replicas = split_tensor_parallel(model, cfg.tp, fsdp2=cfg.parallel == "fsdp2")
+        if cfg.parallel == "fsdp2" and cfg.fp8_all_gather and recipe.low_precision and ranks.is_main:
+            warnings.warn("lowprec: --fp8-all-gather does not apply to weights split by tensor parallelism: FSDP2 "
+                          "all-gathers them in their dtype", stacklevel=2)
     recompute_blocks(model, cfg.recompute)  # in place, before wrapping: FSDP2 shards the checkpointed blocks
     if cfg.ep > 1:  # before wrapping: the wrappers leave the experts' DTensors alone
         parallelize_experts(model, expert_parallel(cfg.ep, fp8=recipe.low_precision))
@@ -325,7 +330,7 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     # after converting: the wrappers hold lowprec's layers
     # tensor parallelism: DDP over the replicas, none for one (see TrainConfig.tp)
     parallel = cfg.parallel if cfg.tp == 1 or replicas is not None else "none"
-    model = wrap(model, parallel, cfg.grad_comm, fp8_weights=cfg.fp8_all_gather, group=replicas)
+    model = wrap(model, parallel, cfg.grad_comm, fp8_weights=cfg.fp8_all_gather and cfg.tp == 1, mesh=replicas)
     apply_grad_comm(model, parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     # compiled after wrapping (DDP's hooks stay outside the graph), sharing the wrapped model's parameters

@@ -71,25 +71,31 @@ def test_a_tp_that_does_not_divide_the_ranks_is_refused(tmp_path):
 
 
 def test_two_replicas_of_two_tensor_parallel_ranks_train_like_ddp_over_two(tmp_path):
-    """A 2-D mesh on four ranks: DDP over two replicas, each a tensor-parallel group of two on its half of the
-    rows; the split weights' gradients averaged over the replicas by hooks, the rest by DDP; the gradient norm
-    counts each part once. It trains as DDP over two ranks does, each replica's per-tensor scales taken over its
-    own rows alike (one process's, over all rows, differ). Measured: the first step's loss within 1e-7 and its
-    gradient norm within 4e-5 of DDP's, the second step's loss within 8e-4 (AdamW's first steps amplify)."""
+    """A 2-D mesh on four ranks: DDP or FSDP2 over two replicas, each a tensor-parallel group of two on its half
+    of the rows. Under DDP hooks average the split weights' gradients over the replicas and DDP the rest; FSDP2
+    shards the split weights further and averages everything, and the norms' halves are summed after backward
+    (``sum_partial_grads``). The gradient norm counts each part once (FSDP2's split weights are split twice:
+    a ``_StridedShard`` then a ``Shard``). Both train as DDP over two ranks does, each replica's per-tensor scales
+    taken over its own rows alike (one process's, over all rows, differ). Measured: the first step's loss within
+    1e-7 and its gradient norm within 4e-5 of DDP's, the second step's loss within 8e-4 (AdamW's first steps
+    amplify)."""
     runs = {}
-    for name, world, extra in (("ddp", 2, ()), ("mesh", 4, ("--tp", "2"))):
-        ranks = forked_cli(*RUN, "--steps", "2", "--parallel", "ddp", *extra, "--out", str(tmp_path / name),
-                           out=tmp_path / f"r_{name}", world_size=world)
+    for name, world, extra in (("ddp", 2, ("--parallel", "ddp")), ("ddp_tp", 4, ("--parallel", "ddp", "--tp", "2")),
+                               ("fsdp2_tp", 4, ("--parallel", "fsdp2", "--tp", "2"))):
+        ranks = forked_cli(*RUN, "--steps", "2", *extra, "--out", str(tmp_path / name), out=tmp_path / f"r_{name}",
+                           world_size=world)
         assert [r["exit_code"] for r in ranks] == [0] * world, ranks
         runs[name] = read_log(tmp_path / name / "log.csv")
-    (first, second), (ref_first, ref_second) = runs["mesh"], runs["ddp"]
-    for key in ("loss", "grad_norm"):
-        assert math.isclose(float(first[key]), float(ref_first[key]), rel_tol=1e-4)
-    assert math.isclose(float(second["loss"]), float(ref_second["loss"]), rel_tol=1e-2)
+    ref_first, ref_second = runs["ddp"]
+    for name in ("ddp_tp", "fsdp2_tp"):
+        first, second = runs[name]
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(float(first[key]), float(ref_first[key]), rel_tol=1e-4), (name, key)
+        assert math.isclose(float(second["loss"]), float(ref_second["loss"]), rel_tol=1e-2), name
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--tp", "2"), "tp: expected 1 unless parallel is 'ddp'"),
+    (("--tp", "2"), "tp: expected 1 with parallel 'none'"),
     (("--tp", "0"), "tp: expected a positive int"),
 ])
 def test_tp_needs_a_ddp_run(args, message):
@@ -99,11 +105,12 @@ def test_tp_needs_a_ddp_run(args, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(parallel="fsdp2", tp=2), "tp: expected 1 unless parallel is 'ddp' (DDP over the replicas of a "
-                                   "tensor-parallel group; FSDP2 over them is not built), got 2 with parallel 'fsdp2'"),
     (dict(parallel="ddp", tp=2, grad_comm="bf16"), "grad_comm: expected 'fp32' (the split weights' gradients are "
                                                    "averaged in float32) with tp 2, got 'bf16'"),
     (dict(parallel="ddp", tp=2, fp8_weights=True), "fp8_weights: expected False with tp 2, got True"),
+    (dict(parallel="fsdp2", tp=2, optim_states="int8"), "optim_states: expected 'fp32' or 'bf16' (FP8 and 8-bit "
+                                                        "moments group the rows of shards split along dim 0; rowwise "
+                                                        "layers split along dim 1) with tp 2, got 'int8'"),
 ])
 def test_the_configuration_refuses_what_tensor_parallelism_cannot_combine(kwargs, message):
     from lowprec.train.config import TrainConfig

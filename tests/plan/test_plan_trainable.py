@@ -39,14 +39,16 @@ def _refusals(**kwargs) -> tuple[str, ...]:
 def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
     lines = _refusals(gpus=64, tp=8, zero=3, training=Training(fp8_weights=True, optim_states="fp8"))
     assert lines == (
-        "--tp 8 with --zero 3: lowprec train runs DDP over the tensor-parallel groups (as --zero 0); FSDP2 over them "
-        "is not built",
+        "--optim-states fp8: lowprec train expects fp32 or bf16 with tp 8 (FP8 and 8-bit moments group the rows of "
+        "shards split along dim 0)",
         "--fp8-weights: lowprec train expects False with tp 8 (FP8 primary weights are not split by tensor "
         "parallelism yet)",
-    )  # FP8 moments run under FSDP2: no line for them
+        "--fp8-weights: lowprec train expects parallel 'none' or 'ddp' (FSDP2 with FP8 primary weights is not "
+        "supported yet), got 'fsdp2' (--parallel fsdp2 on 64 GPUs)",
+    )  # FP8 moments run under FSDP2, but not beside tensor parallelism
     text = format_plan(plan(PlanConfig(model="llama-3-70b", gpu="h200", recipe="fp8-current", gpus=64, tp=8,
                                        zero=3, training=Training(fp8_weights=True, optim_states="fp8"))))
-    assert "lowprec train cannot run this layout as planned:\n  --tp 8 with --zero 3: " in text
+    assert "lowprec train cannot run this layout as planned:\n  --optim-states fp8: " in text
 
 
 @pytest.mark.parametrize("kwargs, expected", [
@@ -60,8 +62,9 @@ def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
     (dict(gpus=8, tp=8), ()),  # lowprec train --parallel ddp --tp 8
     (dict(gpus=8, tp=8, zero=1), ()),  # one replica: nothing for ZeRO to shard over
     (dict(gpus=16, tp=8, zero=0), ()),  # lowprec train --parallel ddp --tp 8 on 16 ranks: two replicas
-    (dict(gpus=16, tp=8, zero=1), ("--tp 8 with --zero 1: lowprec train runs DDP over the tensor-parallel groups "
-                                   "(as --zero 0); FSDP2 over them is not built",)),
+    (dict(gpus=16, tp=8, zero=3), ()),  # --parallel fsdp2 --tp 8: FSDP2 over two groups
+    (dict(gpus=16, tp=8, zero=1), ("--zero 1: lowprec train shards nothing (--parallel ddp, as --zero 0) or "
+                                   "everything (--parallel fsdp2, as --zero 3)",)),
     (dict(gpus=8, zero=3, training=Training(recompute="full")), ()),  # lowprec train --recompute full
     (dict(gpus=8, zero=0, training=Training(master_weights=False)),
      ("--no-master-weights: lowprec train expects True under ddp/fsdp2 (stochastic rounding swaps param.data), "
