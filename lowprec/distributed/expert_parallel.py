@@ -47,6 +47,7 @@ from torch import nn
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.fp8_comm import BLOCK, PACKED_ROW, pack, padded_len, unpack
+from lowprec.distributed.replica_grads import summed_over
 from lowprec.distributed.traffic import labelled
 from lowprec.nn import GroupedLinear
 
@@ -140,23 +141,9 @@ def shard_grouped(layer: GroupedLinear, group: dist.ProcessGroup, replicas: dist
             continue
         shard = DTensor.from_local(p.detach()[rank * n:(rank + 1) * n].clone(), mesh, [Shard(0)], run_check=False)
         param = nn.Parameter(shard, requires_grad=p.requires_grad)
-        param.register_hook((lambda g, w=w: g / w) if replicas is None else _mean_over(replicas, w))
+        param.register_hook((lambda g, w=w: g / w) if replicas is None else
+                            summed_over(replicas, w * dist.get_world_size(replicas)))
         setattr(layer, name, param)
-
-
-def _mean_over(replicas: dist.ProcessGroup, w: int):
-    """A hook: the gradient summed over ``replicas`` and divided by every rank's count (``w`` per group)."""
-    import torch.distributed._functional_collectives as funcol
-    from torch.distributed.tensor import DTensor
-
-    n = w * dist.get_world_size(replicas)
-
-    def hook(g):
-        summed = funcol.all_reduce(g.to_local(), "sum", replicas)
-        summed = summed.wait() if isinstance(summed, funcol.AsyncCollectiveTensor) else summed
-        return DTensor.from_local(summed / n, g.device_mesh, g.placements, run_check=False)
-
-    return hook
 
 
 def expert_parallel(size: int, fp8: bool, group: dist.ProcessGroup | None = None) -> ExpertParallel:

@@ -69,6 +69,8 @@ from torch import nn
 from lowprec import kernels as K
 from lowprec._checks import describe, fail
 from lowprec.distributed.launch import transformer_blocks
+from lowprec.distributed.replica_grads import summed_over
+from lowprec.distributed.replica_grads import waited as _wait
 from lowprec.distributed.traffic import labelled
 from lowprec.nn import Linear
 from lowprec.nn.casts import InputShare, agreed_scale
@@ -102,10 +104,6 @@ FAMILIES = (
 )
 
 
-def _wait(t: torch.Tensor) -> torch.Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
 def _gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _wait(funcol.all_gather_single(x.contiguous(), SEQ_DIM, group))
 
@@ -114,31 +112,19 @@ def _part(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return x.chunk(dist.get_world_size(group), SEQ_DIM)[dist.get_rank(group)].contiguous()
 
 
-class _Split(torch.autograd.Function):
-    """This rank's positions of a tensor every rank holds whole (backward: the parts gathered)."""
+class _Resplit(torch.autograd.Function):
+    """Between a tensor every rank holds whole and each rank's positions of it, with no sum either way:
+    ``gather`` False takes this rank's part (backward gathers the parts), True gathers every rank's for work
+    every rank repeats whole (backward takes this rank's part of a gradient that is the same on every rank)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _part(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _gather(g, ctx.group), None
-
-
-class _GatherWhole(torch.autograd.Function):
-    """Every rank's positions, for work every rank repeats whole (backward: this rank's part of the
-    gradient, which is the same on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
+    def forward(ctx, x, group, gather: bool):
+        ctx.group, ctx.gather = group, gather
+        return _gather(x, group) if gather else _part(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _part(g, ctx.group), None
+        return (_part(g, ctx.group) if ctx.gather else _gather(g, ctx.group)), None, None
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,14 +374,7 @@ def average_over_replicas(model: nn.Module, group: dist.ProcessGroup) -> int:
     """Average the gradients of ``model``'s split weights (DTensors) over the data-parallel ``group`` as autograd
     makes them, the part DDP leaves alone (``lowprec.distributed.launch.wrap`` ignores DTensors); returns how
     many parameters it hooked."""
-    from torch.distributed.tensor import DTensor
-
-    size = dist.get_world_size(group)
-
-    def mean(g):
-        reduced = _wait(funcol.all_reduce(g.to_local(), "sum", group)) / size
-        return DTensor.from_local(reduced, g.device_mesh, g.placements, run_check=False)
-
+    mean = summed_over(group, dist.get_world_size(group))
     hooked = [p for p in model.parameters() if is_dtensor(p) and p.requires_grad]
     for p in hooked:
         p.register_hook(mean)
@@ -453,8 +432,8 @@ def parallelize(model: nn.Module, mesh=None) -> Split:
                 _sum_grads(p, group)
             if own:
                 m._lowprec_partial_grads = group  # for sum_partial_grads, where FSDP2 replaces the parameters
-    blocks[0].register_forward_pre_hook(_input_hook(lambda x: _Split.apply(x, group), size, "blocks[0]", once=True),
-                                        with_kwargs=True)
+    blocks[0].register_forward_pre_hook(
+        _input_hook(lambda x: _Resplit.apply(x, group, False), size, "blocks[0]", once=True), with_kwargs=True)
     final_norm.register_forward_pre_hook(
-        _input_hook(lambda x: _GatherWhole.apply(x, group), size, fam.final_norm), with_kwargs=True)
+        _input_hook(lambda x: _Resplit.apply(x, group, True), size, fam.final_norm), with_kwargs=True)
     return Split(sum(len(lins) for _, _, lins in plan), tuple(w for w, g in gathers.items() if g is not None))

@@ -52,6 +52,36 @@ def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
+def cli_ok(*args: str) -> None:
+    """``lowprec <args>`` in this process, which must succeed."""
+    from click.testing import CliRunner
+
+    from lowprec.cli import main
+
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 0, result.output
+
+
+def log_losses(out: Path) -> list[tuple[float, str]]:
+    """(loss, validation loss or "") of every step in ``out``'s log."""
+    from lowprec.train.logs import read_log
+
+    return [(float(r["loss"]), r["val_loss"]) for r in read_log(out / "log.csv")]
+
+
+def split_then_one(tmp_path: Path, run: tuple[str, ...], *split: str) -> tuple[list, list]:
+    """``run`` two steps on two forked ranks with the ``split`` arguments, resumed to four by one process, and
+    one process's own four (two, then grown by a resume alike): the losses of each, split run's first."""
+    one = tmp_path / "one"
+    cli_ok(*run, "--steps", "2", "--out", str(one))
+    cli_ok(*run, "--steps", "4", "--out", str(one), "--resume")
+    out = tmp_path / "split"
+    ranks = forked_cli(*run, "--steps", "2", *split, "--out", str(out), out=tmp_path / "ranks")
+    assert [r["exit_code"] for r in ranks] == [0, 0], ranks
+    cli_ok(*run, "--steps", "4", "--out", str(out), "--resume")  # split parameters saved as shards, loaded whole
+    return log_losses(out), log_losses(one)
+
+
 def _rank_main(rank: int, fn: Callable, world_size: int, store: str, args: tuple) -> None:
     warnings.simplefilter("ignore")  # "emulated on cpu" is expected
     torch.set_num_threads(1)

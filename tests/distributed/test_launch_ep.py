@@ -8,7 +8,8 @@ from click.testing import CliRunner
 
 from lowprec.cli import main
 from lowprec.train.logs import read_log
-from tests.distributed.launch_helpers import forked_cli
+from tests.distributed.launch_helpers import cli_ok as _cli
+from tests.distributed.launch_helpers import forked_cli, split_then_one
 
 RUN = ("train", "--model", "moe-tiny", "--recipe", "fp8-blockwise", "--batch-size", "4", "--seq-len", "32",
        "--val-batches", "2", "--eval-every", "2", "--save-every", "2", "--no-tensorboard", "--quiet")
@@ -18,24 +19,8 @@ weight-gradient casts take blocks of each rank's half of the tokens; the FP8 dis
 for this recipe (see tests/distributed/test_expert_parallel.py)."""
 
 
-def _cli(*args: str) -> None:
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == 0, result.output
-
-
-def _losses(out) -> list[tuple[float, str]]:
-    return [(float(r["loss"]), r["val_loss"]) for r in read_log(out / "log.csv")]
-
-
 def test_ep_trains_like_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
-    one = tmp_path / "one"  # two steps, then grown to four by a resume (as the split run below)
-    _cli(*RUN, "--steps", "2", "--out", str(one))
-    _cli(*RUN, "--steps", "4", "--out", str(one), "--resume")
-    ep = tmp_path / "ep"
-    ranks = forked_cli(*RUN, "--steps", "2", "--parallel", "fsdp2", "--ep", "2", "--out", str(ep), out=tmp_path / "r")
-    assert [r["exit_code"] for r in ranks] == [0, 0], ranks
-    _cli(*RUN, "--steps", "4", "--out", str(ep), "--resume")  # experts saved as shards, loaded whole
-    got, want = _losses(ep), _losses(one)
+    got, want = split_then_one(tmp_path, RUN, "--parallel", "fsdp2", "--ep", "2")
     assert len(got) == len(want) == 4
     for (loss, val), (ref, ref_val) in zip(got, want):
         assert math.isclose(loss, ref, rel_tol=LOOSE)

@@ -12,7 +12,9 @@ from click.testing import CliRunner
 
 from lowprec.cli import main
 from lowprec.train.logs import read_log
-from tests.distributed.launch_helpers import forked_cli
+from tests.distributed.launch_helpers import cli_ok as _cli
+from tests.distributed.launch_helpers import forked_cli, split_then_one
+from tests.distributed.launch_helpers import log_losses as _losses
 
 RUN = ("train", "--model", "tiny", "--recipe", "fp8-current", "--batch-size", "4", "--seq-len", "32",
        "--val-batches", "2", "--eval-every", "2", "--save-every", "2", "--no-tensorboard", "--quiet")
@@ -23,24 +25,8 @@ ranks, so the runs part by the order of partial sums alone, which AdamW's first 
 rate amplify."""
 
 
-def _cli(*args: str) -> None:
-    result = CliRunner().invoke(main, list(args))
-    assert result.exit_code == 0, result.output
-
-
-def _losses(out) -> list[tuple[float, str]]:
-    return [(float(r["loss"]), r["val_loss"]) for r in read_log(out / "log.csv")]
-
-
 def test_tp_trains_like_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
-    one = tmp_path / "one"  # two steps, then grown to four by a resume (as the split run below)
-    _cli(*RUN, "--steps", "2", "--out", str(one))
-    _cli(*RUN, "--steps", "4", "--out", str(one), "--resume")
-    tp = tmp_path / "tp"
-    ranks = forked_cli(*RUN, "--steps", "2", "--parallel", "ddp", "--tp", "2", "--out", str(tp), out=tmp_path / "r")
-    assert [r["exit_code"] for r in ranks] == [0, 0], ranks
-    _cli(*RUN, "--steps", "4", "--out", str(tp), "--resume")  # split weights saved as shards, loaded whole
-    got, want = _losses(tp), _losses(one)
+    got, want = split_then_one(tmp_path, RUN, "--parallel", "ddp", "--tp", "2")
     assert len(got) == len(want) == 4
     for (loss, val), (ref, ref_val) in zip(got, want, strict=True):
         assert math.isclose(loss, ref, rel_tol=CLOSE), (got, want)
