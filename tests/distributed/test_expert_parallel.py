@@ -118,9 +118,10 @@ RUNS = [(None, "fsdp2", False), (None, "ddp", True), ("fp8-blockwise", "fsdp2", 
 def test_experts_split_over_ranks_train_like_one_process(dist_results, references, run):
     """Every rank ends with the same weights, close to one process's on the whole batch. Without a recipe
     the one-process run rounds the experts' rows as the FP8 dispatch does (or not), and the two match to
-    float rounding (1e-5 of the update; without the 1/W of the experts' gradients they miss by 0.1 of
-    it). Recipes miss by at most twice what quantization itself moves the one-process run (see [Note: how
-    close a data-parallel run must be] in tests.distributed.common)."""
+    float rounding (within 1e-3 of the update: measured below 1e-5 on most CPUs, 8.8e-5 at
+    ATEN_CPU_CAPABILITY=default on one with AMX, where a last bit moves a row's E4M3 code; without the 1/W of
+    the experts' gradients they miss by 0.1 of it). Recipes miss by at most twice what quantization itself
+    moves the one-process run (see [Note: how close a data-parallel run must be] in tests.distributed.common)."""
     recipe, _, fp8 = run
     ranks = [r[run] for r in result(dist_results, "ep_train")]
     assert ranks[0]["layers"] == 2
@@ -131,7 +132,7 @@ def test_experts_split_over_ranks_train_like_one_process(dist_results, reference
     update = _distance(weights, start)
     miss = _distance(ranks[0]["weights"], weights)
     if recipe is None:
-        assert miss <= 1e-5 * update
+        assert miss <= 1e-3 * update
         for step, loss in enumerate(losses):
             assert math.isclose((ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2, loss, rel_tol=1e-5)
         return
