@@ -107,9 +107,9 @@ def _options(d: Defaults) -> list[Callable]:
                           "ranks (dividing the number of ranks: groups of consecutive ranks, replicas of each other), "
                           "tokens dispatched in FP8 under low-precision recipes."),
         click.option("--tp", type=int, default=1, show_default=True,
-                     help="Under --parallel ddp: split every block's attention and feed-forward over this many "
-                          "ranks (the number of ranks), the sequence split between them; the ranks train on the "
-                          "same rows."),
+                     help="Under --parallel ddp|fsdp2: split every block's attention and feed-forward over groups "
+                          "of this many ranks (dividing the number of ranks), the sequence split between them; a "
+                          "group's ranks train on the same rows, DDP or FSDP2 runs over the groups."),
         click.option("--optim-states", type=click.Choice([f.value for f in StateFormat]), default="fp32",
                      show_default=True, help="How AdamW stores its moments: fp32, bf16, fp8 (E4M3 per group of "
                      "128, range-expanded) or int8 (blockwise 8 bits). compare also runs each recipe with FP32 "
