@@ -63,6 +63,9 @@ SIZES: dict[str, Size] = {
     "1b": Size(config=replace(preset("1b"), n_heads=16, vocab_size=VOCAB), batch=8, seq_len=2048),
     "3b": Size(config=ModelConfig(dim=3072, n_layers=26, n_heads=24, n_kv_heads=8, ffn_dim=llama_ffn(3072),
                                   vocab_size=VOCAB, max_seq_len=4096), batch=4, seq_len=4096),
+    # Llama 3 8B's shape and vocabulary: what one H200 trains with lowprec's memory options and recomputation
+    "8b": Size(config=ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+                                  max_seq_len=4096), batch=2, seq_len=4096),
     # a mixture of experts: 32 experts of 512 per block, 4 per token (its MFU counts the 4, as the planner)
     "moe-1b": Size(config=replace(preset("moe-1b"), vocab_size=VOCAB), batch=8, seq_len=2048),
 }

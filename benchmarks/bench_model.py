@@ -2,7 +2,7 @@
 
     python benchmarks/bench_model.py --out results/ [--sizes 125m,1b,3b] [--modes compiled,eager]
         [--params fp32-autocast,bf16-master] [--variants bf16,lowprec:fp8-current,torchao:tensorwise]
-        [--steps 10] [--warmup 3] [--convert-on device|cpu|cpu,device]
+        [--steps 10] [--warmup 3] [--convert-on device|cpu|cpu,device] [--recompute none,selective,full]
     python benchmarks/bench_model.py --sizes tiny --modes eager --steps 2   # dry run, any machine
 
 A step is what a user writes: zero the gradients, the forward on a fixed batch of random tokens,
@@ -13,9 +13,12 @@ the same for every variant so they compare alike. Variants: ``bf16`` (the plain 
 ``lowprec:<recipe>`` (``lowprec.convert`` with the default policy), ``torchao:<recipe>``
 (``convert_to_float8_training``, when torchao is importable). The LM head stays BF16 in all.
 ``torch.compile`` compiles the model; the optimizer step runs eagerly, as in most training scripts.
+``--recompute`` checkpoints every block of every variant (``lowprec.train.recompute.recompute_blocks``),
+one group per mode.
 
 For each (size, mode, params) group, in one process: tokens/s (median step), the ratio to BF16,
-peak memory over the timed steps and its ratio, the first step's seconds (compilation included)
+peak memory over the timed steps and its ratio, the peak ``lowprec.plan`` predicts (``bf16-master``
+variants: the planner models BF16 parameters with FP32 masters), the first step's seconds (compilation included)
 apart from the steady state, graph breaks, and MFU against the dense BF16 peak of ``--gpu``.
 The JSON is rewritten after every variant, so a run cut short keeps what it measured.
 """
@@ -39,8 +42,12 @@ from torch import nn
 import lowprec
 from lowprec import recipes
 from lowprec.nn.saved import fp8_activations
+from lowprec.plan import PlanConfig, Training, plan
+from lowprec.plan.activations import RECOMPUTE
 from lowprec.plan.gpus import GPUS, get_gpu
+from lowprec.plan.models import reference_spec
 from lowprec.train.model import build_model
+from lowprec.train.recompute import recompute_blocks
 
 MODES = ("compiled", "eager")
 PARAMS = ("fp32-autocast", "bf16-master")
@@ -104,15 +111,39 @@ def convert(model: nn.Module, name: str) -> str:
     return "plain nn.Linear"
 
 
-def place(base: nn.Module, name: str, dtype: torch.dtype, convert_on: str) -> tuple[nn.Module, str, float]:
+def memory_options(name: str) -> tuple[str, set[str], str]:
+    """The recipe (``bf16`` for the plain model), the memory options and AdamW's moments (``fp32``:
+    the inner optimizer's own) of a variant."""
+    recipe, options = lowprec_options(name) if name.startswith("lowprec:") else (name.partition(":")[2] or name, set())
+    states = next((o.removesuffix("states") for o in options if o.endswith("states")), "fp32")
+    return recipe, options, states
+
+
+def planned_gib(size: Size, name: str, params: str, recompute: str, gpu: str) -> float | None:
+    """The peak ``lowprec.plan`` predicts for the variant on one ``gpu``; None where it models no such step:
+    FP32 parameters under autocast, torchao, inputs recast in backward."""
+    recipe, options, states = memory_options(name)
+    if params != "bf16-master" or name.startswith("torchao:") or "recast" in options:
+        return None
+    training = Training(seq=size.seq_len, micro_batch=size.batch, recompute=recompute, optim_states=states,
+                        fp8_weights="fp8w" in options,
+                        saved_activations=fp8_activations("1x128") if "fp8act" in options else None)
+    config = PlanConfig(model=reference_spec("bench", size.config), recipe=recipe, gpu=gpu, gpus=1, training=training)
+    return plan(config).memory.total / 2**30
+
+
+def place(base: nn.Module, name: str, dtype: torch.dtype, convert_on: str,
+          recompute: str = "none") -> tuple[nn.Module, str, float]:
     """A copy of ``base`` in ``dtype`` on ``DEVICE`` set up as ``name``, converted on the CPU then moved,
-    or moved then converted; with the description and the seconds conversion and move took."""
+    or moved then converted, its blocks checkpointed as ``recompute`` says; with the description and the
+    seconds conversion and move took."""
     model = copy.deepcopy(base).to(dtype)  # cast before conversion: delayed-scaling state stays FP32
     sync(DEVICE)
     t0 = time.perf_counter()
     if convert_on == "device":
         model.to(DEVICE)
     what = convert(model, name)
+    recompute_blocks(model, recompute)
     model.to(DEVICE)
     sync(DEVICE)
     return model, what, time.perf_counter() - t0
@@ -184,13 +215,14 @@ def measure(model: nn.Module, size: Size, params: str, compiled: bool, tokens: t
 
 
 def run_variant(base: nn.Module, size: Size, name: str, where: str, params: str, mode: str,
-                tokens: torch.Tensor, args) -> dict:
+                tokens: torch.Tensor, args, recompute: str = "none") -> dict:
     if name.startswith("torchao:") and torchao_float8() is None:
         return {"skipped": TORCHAO_MISSING}
+    planned = {"planned_gib": planned_gib(size, name, params, recompute, args.gpu)}
     try:
-        row = _variant(base, size, name, where, params, mode, tokens, args)
+        row = {**planned, **_variant(base, size, name, where, params, mode, tokens, args, recompute)}
     except Exception as e:  # a variant that fails (out of memory, say) is recorded and the group goes on
-        row = {"convert_on": where, "error": f"{type(e).__name__}: {str(e)[:400]}"}
+        row = {"convert_on": where, **planned, "error": f"{type(e).__name__}: {str(e)[:400]}"}
     # the model, optimizer and compiled graphs died with _variant's frame (or its traceback's)
     gc.collect()
     if DEVICE == "cuda":
@@ -200,15 +232,14 @@ def run_variant(base: nn.Module, size: Size, name: str, where: str, params: str,
 
 
 def _variant(base: nn.Module, size: Size, name: str, where: str, params: str, mode: str,
-             tokens: torch.Tensor, args) -> dict:
-    dtype = torch.float32 if params == "fp32-autocast" else torch.bfloat16
-    model, what, setup_s = place(base, name, dtype, where)
-    model_gib = gib(torch.cuda.memory_allocated()) if DEVICE == "cuda" else None  # parameters, buffers, batch
-    options = lowprec_options(name)[1] if name.startswith("lowprec:") else set()
-    states = next((o.removesuffix("states") for o in options if o.endswith("states")), None)
-    if (states or "fp8w" in options) and params != "bf16-master":
+             tokens: torch.Tensor, args, recompute: str = "none") -> dict:
+    _, options, states = memory_options(name)
+    if (states != "fp32" or "fp8w" in options) and params != "bf16-master":
         raise ValueError(f"{name}: its memory options need --params bf16-master (lowprec's optimizer)")
-    row = measure(model, size, params, mode == "compiled", tokens, args, states)
+    dtype = torch.float32 if params == "fp32-autocast" else torch.bfloat16
+    model, what, setup_s = place(base, name, dtype, where, recompute)
+    model_gib = gib(torch.cuda.memory_allocated()) if DEVICE == "cuda" else None  # parameters, buffers, batch
+    row = measure(model, size, params, mode == "compiled", tokens, args, None if states == "fp32" else states)
     return {"convert_on": where, "conversion": what, "setup_s": setup_s, "model_gib": model_gib, **row}
 
 
@@ -226,6 +257,7 @@ def json_name(args) -> str:
     variants = "all" if args.variants == DEFAULT_VARIANTS else "-".join(args.variants)
     parts = [args.sizes, args.modes, args.params, variants] + ([] if args.convert_on == ["device"] else
                                                                ["convert-on-" + "-".join(args.convert_on)])
+    parts += [] if args.recompute == ["none"] else ["recompute-" + "-".join(args.recompute)]
     return result_name("bench_model", *parts)
 
 
@@ -236,13 +268,15 @@ def run_size(size_name: str, args, env: dict, results: dict) -> None:
     tokens = torch.randint(size.config.vocab_size, (size.batch, size.seq_len + 1), generator=gen).to(DEVICE)
     for params in args.params.split(","):
         for mode in args.modes.split(","):
-            group = f"{size_name} / {mode} / {params}"
-            rows = results.setdefault(group, {})
-            for label, name, where in runs(args.variants, args.convert_on):
-                rows[label] = run_variant(base, size, name, where, params, mode, tokens, args)
-                print(group, label, {k: v for k, v in rows[label].items() if k != "step_ms"}, flush=True)
-                write_json(args.out, json_name(args), {"env": env, "args": vars(args), "sizes": sizes_info(args),
-                                                       "results": results})
+            for recompute in args.recompute:
+                group = f"{size_name} / {mode} / {params}" + ("" if args.recompute == ["none"] else
+                                                              f" / recompute {recompute}")
+                rows = results.setdefault(group, {})
+                for label, name, where in runs(args.variants, args.convert_on):
+                    rows[label] = run_variant(base, size, name, where, params, mode, tokens, args, recompute)
+                    print(group, label, {k: v for k, v in rows[label].items() if k != "step_ms"}, flush=True)
+                    write_json(args.out, json_name(args), {"env": env, "args": vars(args),
+                                                           "sizes": sizes_info(args), "results": results})
 
 
 def sizes_info(args) -> dict:
@@ -260,19 +294,21 @@ def _num(v: float | None, fmt: str) -> str:
 
 
 def table(results: dict) -> None:
-    headers = ["variant", "tokens/s", "speed vs bf16", "peak GiB", "memory vs bf16", "MFU", "first step s",
-               "convert s", "breaks"]
+    headers = ["variant", "tokens/s", "speed vs bf16", "peak GiB", "memory vs bf16", "planned GiB", "MFU",
+               "first step s", "convert s", "breaks"]
     for group, rows in results.items():
         bf = rows.get("bf16", {})
         out = []
         for label, r in rows.items():
             if "tokens_per_s" not in r:
-                out.append([label, r.get("skipped") or r.get("error", "")[:80]] + [""] * (len(headers) - 2))
+                row = [label, r.get("skipped") or r.get("error", "")[:80]] + [""] * (len(headers) - 2)
+                row[headers.index("planned GiB")] = _num(r.get("planned_gib"), ".2f")  # what did not fit, say
+                out.append(row)
                 continue
             out.append([label, f"{r['tokens_per_s']:.0f}", _ratio(r["tokens_per_s"], bf.get("tokens_per_s")),
                         _num(r["peak_gib"], ".2f"), _ratio(r["peak_gib"], bf.get("peak_gib")),
-                        _num(r.get("mfu"), ".1%"), f"{r['first_step_s']:.2f}", f"{r['setup_s']:.2f}",
-                        r["graph_breaks"]])
+                        _num(r.get("planned_gib"), ".2f"), _num(r.get("mfu"), ".1%"), f"{r['first_step_s']:.2f}",
+                        f"{r['setup_s']:.2f}", r["graph_breaks"]])
         print_table(group, headers, out)
 
 
@@ -288,11 +324,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="device (move, then convert), cpu (convert, then move), or both: cpu,device")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after the first and the warmup)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    ap.add_argument("--recompute", default="none",
+                    help="comma-separated, of " + ", ".join(RECOMPUTE) + ": every block checkpointed so, a group each")
     ap.add_argument("--compile-cache", action="store_true",
                     help="let torch.compile reuse its on-disk caches (default: every first step compiles cold)")
     ap.add_argument("--gpu", default="h200", choices=sorted(GPUS), help="whose dense BF16 peak MFU is against")
     args = ap.parse_args(argv)
-    for flag, choices in (("sizes", SIZES), ("modes", MODES), ("params", PARAMS), ("convert_on", CONVERT_ON)):
+    for flag, choices in (("sizes", SIZES), ("modes", MODES), ("params", PARAMS), ("convert_on", CONVERT_ON),
+                          ("recompute", RECOMPUTE)):
         for v in getattr(args, flag).split(","):
             if v not in choices:
                 ap.error(f"--{flag.replace('_', '-')}: expected one of {', '.join(choices)}, got {v!r}")
@@ -303,6 +342,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps: expected at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
     args.convert_on = args.convert_on.split(",")
+    args.recompute = args.recompute.split(",")
     args.peak_flops = get_gpu(args.gpu).peak("bf16")[0] * 1e12
     return args
 

@@ -15,7 +15,8 @@ from lowprec.train.model import PRESETS, Transformer, build_model
 from tests.helpers import load_benchmark
 
 ROW_FIELDS = {"convert_on", "conversion", "setup_s", "model_gib", "tokens_per_s", "step_ms", "peak_gib",
-              "first_step_s", "warmup_s", "graph_breaks", "graphs", "loss_first", "loss_last", "skipped_steps"}
+              "first_step_s", "warmup_s", "graph_breaks", "graphs", "loss_first", "loss_last", "skipped_steps",
+              "planned_gib"}
 
 
 @pytest.fixture(name="bench", scope="module")
@@ -54,6 +55,8 @@ def test_dry_run_measures_whole_training_steps(bench, dry_run, params, variant):
     assert row["tokens_per_s"] == pytest.approx(size.tokens / statistics.median(row["step_ms"]) * 1e3, rel=1e-12)
     assert row["first_step_s"] > 0 and row["graph_breaks"] == 0 and row["skipped_steps"] == 0
     assert row["peak_gib"] is None and row["model_gib"] is None  # no CUDA allocator to ask on a CPU
+    # the planner models BF16 parameters with FP32 masters, not FP32 parameters under autocast
+    assert (row["planned_gib"] is None) == (params == "fp32-autocast")
     # initial weights of std 0.02 give nearly uniform logits: the first loss is close to ln(vocab) ...
     assert abs(row["loss_first"] - math.log(size.config.vocab_size)) < 0.2
     # ... and four optimizer steps on the same batch lower it: backward and step really ran
@@ -104,7 +107,9 @@ def test_reference_shapes(bench):
     shapes = {name: (s.config.dim, s.config.n_layers, s.config.n_heads, s.config.n_kv_heads, s.seq_len, s.batch,
                      s.config.vocab_size) for name, s in bench.SIZES.items() if name != "tiny"}
     assert shapes == {"125m": (768, 12, 12, 4, 2048, 16, 32000), "1b": (2048, 16, 16, 8, 2048, 8, 32000),
-                      "3b": (3072, 26, 24, 8, 4096, 4, 32000), "moe-1b": (1024, 16, 16, 8, 2048, 8, 32000)}
+                      "3b": (3072, 26, 24, 8, 4096, 4, 32000), "moe-1b": (1024, 16, 16, 8, 2048, 8, 32000),
+                      "8b": (4096, 32, 32, 8, 4096, 2, 128256)}
+    assert bench.SIZES["8b"].config.num_params() == pytest.approx(8.03e9, rel=0.001)  # Llama 3 8B
     assert bench.SIZES["3b"].config.num_params() == pytest.approx(2.8e9, rel=0.02)
     moe = bench.SIZES["moe-1b"].config.moe
     assert (moe.n_experts, moe.top_k, moe.n_shared, bench.SIZES["moe-1b"].config.ffn_dim) == (32, 4, 1, 512)
@@ -113,9 +118,29 @@ def test_reference_shapes(bench):
 
 @pytest.mark.parametrize("argv", [["--variants", "lowprec:fp9"], ["--variants", "torchao:mxfp8"],
                                   ["--sizes", "7b"], ["--modes", "jit"], ["--params", "fp16"],
-                                  ["--convert-on", "gpu"], ["--steps", "0"]])
+                                  ["--convert-on", "gpu"], ["--steps", "0"], ["--recompute", "some"]])
 def test_bad_flags_are_refused(bench, argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)
     assert e.value.code == 2
     assert "expected" in capsys.readouterr().err
+
+
+def test_recompute_runs_a_group_per_mode_with_the_planner_beside(bench, tmp_path):
+    """``--recompute``: one group per mode, every block checkpointed (the same first loss: the same model),
+    the planner's peak falling from none to full as it does for the 1B model on the H200."""
+    with torch.random.fork_rng():
+        results = bench.main(["--sizes", "tiny", "--modes", "eager", "--params", "bf16-master", "--steps", "1",
+                              "--warmup", "0", "--variants", "bf16,lowprec:fp8-current+fp8act",
+                              "--recompute", "none,selective,full", "--out", str(tmp_path)])
+    groups = {mode: results[f"tiny / eager / bf16-master / recompute {mode}"] for mode in ("none", "selective", "full")}
+    for variant in ("bf16", "lowprec:fp8-current+fp8act"):
+        rows = [groups[mode][variant] for mode in groups]
+        assert all("error" not in r for r in rows), rows
+        assert len({r["loss_first"] for r in rows}) == 1  # recomputation changes no number
+    bf16 = [groups[mode]["bf16"]["planned_gib"] for mode in groups]
+    assert bf16[0] > bf16[1] > bf16[2]
+    size = bench.SIZES["1b"]
+    planned = [bench.planned_gib(size, "bf16", "bf16-master", mode, "h200") for mode in groups]
+    assert planned[0] > planned[1] > planned[2]
+    assert bench.planned_gib(size, "torchao:tensorwise", "bf16-master", "none", "h200") is None

@@ -310,3 +310,33 @@ def test_the_delayed_bank_neither_records_nor_folds_in_a_recomputed_forward():
     assert all(torch.equal(a, b) for a, b in zip(pending, (bank.pending, bank.dy_pending, bank.dy_records)))
     assert bank.count[state.row].tolist() == [1, 1, 1]
     assert state.count.tolist() == [2, 2, 2]  # the second step's amaxes, once each
+
+
+def test_a_second_call_is_refused_and_names_keep():
+    """Blocks keep their names and state_dict keys; checkpointing them twice is refused, naming the call."""
+    model = build_model(MICRO, seed=0)
+    keys = list(model.state_dict())
+    assert len(recompute_blocks(model, "selective")) == MICRO.n_layers
+    assert list(model.state_dict()) == keys
+    with pytest.raises(ValueError, match="recompute: expected one call per model, got a second call \\('full'\\)"):
+        recompute_blocks(model, "full")
+
+
+def test_a_deep_copy_checkpoints_its_own_blocks():
+    """A copy of a checkpointed model (an EMA, a reference) runs and trains its own weights, not the original's."""
+    import copy
+
+    model = build_model(MICRO, seed=0)
+    recompute_blocks(model, "full")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(1.5)
+    plain = build_model(MICRO, seed=0)
+    plain.load_state_dict(twin.state_dict())
+    x = _batch(torch.Generator().manual_seed(0), MICRO.vocab_size)
+    twin(x).sum().backward()
+    plain(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(twin.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
