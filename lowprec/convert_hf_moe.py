@@ -128,7 +128,14 @@ class HFGroupedExperts(nn.Module):
         self.projections = projections
         self._grouped = tuple(GroupedLinear(self.num_experts, p.in_features, p.out_features, bias=p.bias is not None,
                                             device="meta") for p in projections)
+        self.ep = None
+        """Expert parallelism (``lowprec.distributed.expert_parallel.ExpertParallel``), or None: every expert
+        here. Set by ``lowprec.train.moe_model.parallelize_experts``, which splits the parameters."""
         self.train(experts.training)
+
+    def parameter_names(self) -> tuple[str, ...]:
+        """The experts' parameters on this module, stacked by expert along dim 0 in either layout."""
+        return tuple(name for p in self.projections for name in (p.weight, p.bias) if name is not None)
 
     def grouped(self) -> tuple[GroupedLinear, GroupedLinear]:
         """The two ``GroupedLinear``, pointed at this module's parameters as they are now (weights as
@@ -149,13 +156,18 @@ class HFGroupedExperts(nn.Module):
         counts = torch.bincount(expert, minlength=self.num_experts)
         if counts.numel() != self.num_experts:
             fail("top_k_index", f"expert indices in [0, {self.num_experts})", int(expert.max()))
-        first, down = self.grouped()
-        offsets = counts.cumsum(0)
-        h = first(hidden_states[order % tokens], offsets)  # (S, out of the first projection)
-        h = self.hf_class._apply_gate(self, h) if self.has_gate else self.act_fn(h)  # (S, I)
-        y = down(h, offsets)  # (S, H)
+        rows = hidden_states[order % tokens]  # (S, H)
+        y = self._experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self._experts, rows, counts)
         y = (y * top_k_weights.t().reshape(-1)[order, None]).to(hidden_states.dtype)
         return _combine(y, order, top_k_index)
+
+    def _experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The experts this process holds (all, or its slice under expert parallelism) on ``rows`` grouped
+        by expert, ``offsets`` one per expert held."""
+        first, down = self.grouped()
+        h = first(rows, offsets)  # (S, out of the first projection)
+        h = self.hf_class._apply_gate(self, h) if self.has_gate else self.act_fn(h)  # (S, I)
+        return down(h, offsets)  # (S, H)
 
     def _check(self, x, index, weights) -> tuple[int, int]:
         if not isinstance(index, torch.Tensor) or index.dim() != 2 or index.dtype.is_floating_point:

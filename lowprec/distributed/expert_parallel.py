@@ -124,6 +124,14 @@ class ExpertParallel:
 
 def shard_grouped(layer: GroupedLinear, group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None) -> None:
     """Keep this rank's slice of ``layer``'s experts: weight and bias become DTensors split by experts over
+    ``group`` (see :func:`shard_experts`)."""
+    shard_experts(layer, ("weight", "bias"), layer.num_experts, group, replicas)
+
+
+def shard_experts(module: nn.Module, names: tuple[str, ...], num_experts: int, group: dist.ProcessGroup,
+                  replicas: dist.ProcessGroup | None = None) -> None:
+    """Keep this rank's slice of the experts of ``module``'s parameters ``names`` (each stacked by expert
+    along dim 0; a name whose parameter is None is passed over): they become DTensors split by experts over
     ``group`` (each rank's slice taken from its own copy of the whole, identical on every rank as the model
     is built from one seed), their gradients divided by the group's size, or summed over ``replicas`` (the
     ranks holding the same slice) and divided by every rank's count (see [Note: expert parallelism])."""
@@ -131,19 +139,21 @@ def shard_grouped(layer: GroupedLinear, group: dist.ProcessGroup, replicas: dist
     from torch.distributed.tensor import DTensor, Shard
 
     w, rank = dist.get_world_size(group), dist.get_rank(group)
-    if layer.num_experts % w:
-        fail("ep", f"a number of ranks that divides every MoE layer's experts ({layer.num_experts})", w)
-    mesh = DeviceMesh.from_group(group, layer.weight.device.type)
-    n = layer.num_experts // w
-    for name in ("weight", "bias"):
-        p = getattr(layer, name)
+    if num_experts % w:
+        fail("ep", f"a number of ranks that divides every MoE layer's experts ({num_experts})", w)
+    n = num_experts // w
+    for name in names:
+        p = getattr(module, name)
         if p is None:
             continue
+        if p.shape[0] != num_experts:
+            fail(name, f"a parameter stacked by expert along dim 0 ({num_experts} experts)", describe(p))
+        mesh = DeviceMesh.from_group(group, p.device.type)
         shard = DTensor.from_local(p.detach()[rank * n:(rank + 1) * n].clone(), mesh, [Shard(0)], run_check=False)
         param = nn.Parameter(shard, requires_grad=p.requires_grad)
         param.register_hook((lambda g, w=w: g / w) if replicas is None else
                             summed_over(replicas, w * dist.get_world_size(replicas)))
-        setattr(layer, name, param)
+        setattr(module, name, param)
 
 
 def expert_parallel(size: int, fp8: bool, group: dist.ProcessGroup | None = None) -> ExpertParallel:

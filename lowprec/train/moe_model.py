@@ -46,7 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lowprec._checks import describe, fail
-from lowprec.distributed.expert_parallel import ExpertParallel, shard_grouped
+from lowprec.convert_hf_moe import HFGroupedExperts
+from lowprec.distributed.expert_parallel import ExpertParallel, shard_experts, shard_grouped
 from lowprec.nn import GroupedLinear, SwiGLU
 from lowprec.nn.grouped import route
 from lowprec.nn.recomputation import recomputing
@@ -148,17 +149,22 @@ class MoEFeedForward(nn.Module):
 
 
 def parallelize_experts(model: nn.Module, ep: ExpertParallel) -> int:
-    """Split the routed experts of every :class:`MoEFeedForward` of ``model`` over ``ep``'s ranks (after
-    ``lowprec.convert``, before FSDP2 or DDP wrap the model); the number of MoE layers."""
+    """Split the routed experts of every MoE layer of ``model`` over ``ep``'s ranks: the reference model's
+    :class:`MoEFeedForward` and the Hugging Face experts ``lowprec.convert`` runs (``HFGroupedExperts``),
+    after ``lowprec.convert``, before FSDP2 or DDP wrap the model; the number of MoE layers."""
     layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
-    if not layers:
-        fail("ep", "a model with mixture-of-experts layers (a reference MoE preset such as moe-tiny)",
-             f"{type(model).__name__} without any")
+    hf = [m for m in model.modules() if isinstance(m, HFGroupedExperts)]
+    if not layers and not hf:
+        fail("ep", "a model with mixture-of-experts layers (a reference MoE preset such as moe-tiny, or a Hugging "
+             "Face MoE whose experts lowprec.convert runs)", f"{type(model).__name__} without any")
     for m in layers:
         for lin in (m.experts.w1, m.experts.w3, m.experts.w2):
             shard_grouped(lin, ep.group, ep.replicas)
         m.ep = ep
-    return len(layers)
+    for m in hf:
+        shard_experts(m, m.parameter_names(), m.num_experts, ep.group, ep.replicas)
+        m.ep = ep
+    return len(layers) + len(hf)
 
 
 def balance_experts(model: nn.Module, taken: bool = True, group: dist.ProcessGroup | None = None) -> int:
