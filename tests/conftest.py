@@ -38,6 +38,24 @@ def pytest_configure(config):
             importlib.import_module(name)
 
 
+@pytest.fixture(name="triton_cpu")
+def triton_cpu_fixture(monkeypatch):
+    """The CPU taken for a device that runs Triton: plans route the casts to the kernels, which run through
+    Triton's interpreter (set above), opaque operators in a compiled graph as on a GPU."""
+    import dataclasses
+    import importlib
+
+    route_module = importlib.import_module("lowprec.kernels.route")  # the package exports a function of that name
+    plan_module = importlib.import_module("lowprec.nn.plan")
+    cpu = route_module.capability("cpu")
+    monkeypatch.setattr(route_module, "capability", lambda device: dataclasses.replace(cpu, triton=True))
+    plan_module.operand_plan.cache_clear()
+    plan_module.layer_plan.cache_clear()
+    yield
+    plan_module.operand_plan.cache_clear()
+    plan_module.layer_plan.cache_clear()
+
+
 @pytest.fixture(name="sqnr")
 def sqnr_fixture():
     """:func:`tests.helpers.sqnr`, for tests that prefer a fixture to an import."""

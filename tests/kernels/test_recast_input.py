@@ -6,9 +6,6 @@ norm's backward keeps anyway); without it, it keeps one. The gradients are eager
 way."""
 from __future__ import annotations
 
-import dataclasses
-import importlib
-
 import pytest
 import torch
 
@@ -16,25 +13,10 @@ pytest.importorskip("triton")
 
 import lowprec
 from lowprec.nn import RMSNorm
-from lowprec.nn import plan as plan_module
 from tests.nn.common import calls, partitioned_graphs, randn, saved_for_backward
-
-route_module = importlib.import_module("lowprec.kernels.route")  # the package exports a function of that name
 
 pytestmark = pytest.mark.slow
 M, K, N = 64, 128, 256
-
-
-@pytest.fixture
-def triton_cpu(monkeypatch):
-    """The CPU taken for a device that runs Triton: plans route the casts to the (interpreted) kernels."""
-    cpu = route_module.capability("cpu")
-    monkeypatch.setattr(route_module, "capability", lambda device: dataclasses.replace(cpu, triton=True))
-    plan_module.operand_plan.cache_clear()
-    plan_module.layer_plan.cache_clear()
-    yield
-    plan_module.operand_plan.cache_clear()
-    plan_module.layer_plan.cache_clear()
 
 
 def _block(recipe: str, recast: bool) -> torch.nn.Module:

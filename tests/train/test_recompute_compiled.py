@@ -1,12 +1,9 @@
 """Recomputation under ``torch.compile``, with the casts on the Triton route (through the interpreter), where
 they are opaque operators in the graph, as on a GPU: the partitioner ``torch.compile`` uses (min-cut
 rematerialisation) plans what a checkpointed block recomputes. Each mode keeps less than the one before
-(``full`` only the blocks' inputs and what lies outside the blocks), and the gradients are eager's without
-recomputation, bit for bit."""
+(``full`` only the blocks' inputs and what lies outside the blocks), and the gradients are those of the compiled
+model without recomputation, bit for bit (and eager's, to the last bits decompositions move)."""
 from __future__ import annotations
-
-import dataclasses
-import importlib
 
 import pytest
 import torch
@@ -15,27 +12,12 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 import lowprec
-from lowprec.nn import plan as plan_module
 from lowprec.train.model import ModelConfig, build_model
 from lowprec.train.recompute import Recompute, recompute_blocks
 from tests.nn.common import saved_for_backward
 
-route_module = importlib.import_module("lowprec.kernels.route")  # the package exports a function of that name
-
 pytestmark = pytest.mark.slow
 CFG = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=64, max_seq_len=32)
-
-
-@pytest.fixture
-def triton_cpu(monkeypatch):
-    """The CPU taken for a device that runs Triton: plans route the casts to the (interpreted) kernels."""
-    cpu = route_module.capability("cpu")
-    monkeypatch.setattr(route_module, "capability", lambda device: dataclasses.replace(cpu, triton=True))
-    plan_module.operand_plan.cache_clear()
-    plan_module.layer_plan.cache_clear()
-    yield
-    plan_module.operand_plan.cache_clear()
-    plan_module.layer_plan.cache_clear()
 
 
 def _step(recipe: str, mode: str, compiled: bool) -> tuple[int, list[torch.Tensor]]:
