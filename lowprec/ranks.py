@@ -11,8 +11,8 @@ needs no flag of its own. A MAX reduces amaxes.
 
 Gradients of FSDP2 (``fully_shard``) parameters are ``DTensor`` shards: a norm over them is the sum
 of every rank's local squares, while gradients of replicated parameters (DDP) are equal on every
-rank and count once. :func:`local` and :func:`is_sharded` tell the two apart without the caller
-importing DTensor.
+rank and count once. :func:`local`, :func:`is_sharded` and :func:`replicas` tell them apart without the
+caller importing DTensor.
 """
 from __future__ import annotations
 
@@ -93,18 +93,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def is_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor split across ranks (its local values differ from rank to rank).
-
-    Only 1-D meshes are understood (FSDP2's ``fully_shard`` over one group); a DTensor on a mesh of
-    more dimensions (HSDP, tensor parallelism) is refused, since its norm would need a reduction per
-    mesh dimension.
-    """
-    if not is_dtensor(t):
-        return False
-    if t.device_mesh.ndim != 1:
-        fail("gradient", "a DTensor on a 1-D device mesh (fully_shard over one group)",
-             f"a DTensor on a {t.device_mesh.ndim}-D mesh")
-    return isinstance(t.placements[0], _dtensor_module().Shard)
+    """Whether ``t`` is a DTensor split across ranks along some dimension of its mesh (FSDP2's shards,
+    tensor or expert parallelism's parts, both on a data-parallel x tensor-parallel mesh): its local values
+    differ from rank to rank. :func:`replicas` says how many ranks hold each part."""
+    return is_dtensor(t) and any(not (p.is_replicate() or p.is_partial()) for p in t.placements)
 
 
 def replicas(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:

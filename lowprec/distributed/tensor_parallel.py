@@ -20,7 +20,7 @@ as Megatron-LM splits them, and the residual stream between them is split along 
 The norms inside the blocks see one slice of the positions, so their weight gradients are partial: a hook
 sums them over the group as autograd makes them. The weights of the split layers are DTensors, so
 ``torch.distributed.checkpoint`` saves them at their global shapes, ``lowprec.ranks.local`` takes each
-rank's part, and a gradient norm sums their squares over the ranks (``lowprec.ranks.is_sharded``). The
+rank's part, and a gradient norm sums their squares over the ranks (``lowprec.ranks.replicas``). The
 layers' ``in_features``/``out_features`` are the local widths, so their plans (MX and block tiles, the
 small-layer rule) are made for the GEMMs each rank runs: a split must leave whole blocks of the recipe.
 

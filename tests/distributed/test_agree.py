@@ -47,3 +47,22 @@ def test_bad_arguments_are_refused(call, exc, message):
 def test_optimizer_asked_for_data_parallelism_without_a_group_says_how_to_launch():
     with pytest.raises(ValueError, match=r"^data_parallel: expected .*\(launch with torchrun\), got world size 1"):
         Optimizer(C.mlp(None).parameters(), torch.optim.SGD, lr=0.1, data_parallel=True)
+
+
+def test_is_sharded_reads_every_mesh_dimension():
+    """A DTensor split along any dimension of its mesh is sharded; one replicated on every dimension is not."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh("cpu", torch.zeros(1, 1, dtype=torch.int64), mesh_dim_names=("dp", "tp"))
+        t = torch.ones(2, 2)
+        assert is_sharded(DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False))
+        assert is_sharded(DTensor.from_local(t, mesh, [Shard(0), Replicate()], run_check=False))
+        assert not is_sharded(DTensor.from_local(t, mesh, [Replicate(), Replicate()], run_check=False))
+    finally:
+        if started:
+            dist.destroy_process_group()
