@@ -1,7 +1,7 @@
 """Benchmark 7: where a whole training step's time and memory go, BF16 against lowprec and torchao.
 
     python benchmarks/bench_profile.py --out results/ [--size 1b] [--mode compiled] [--params fp32-autocast]
-        [--variants bf16,lowprec:fp8-current,torchao:tensorwise] [--steps 3]
+        [--variants bf16,lowprec:fp8-current,torchao:tensorwise] [--steps 3] [--recompute none|selective|full]
     python benchmarks/bench_profile.py --size tiny --mode eager --steps 1     # dry run, any machine
 
 The step is ``bench_model.py``'s, on the same model and batch. Per variant, after the first step and two
@@ -35,6 +35,7 @@ from bench_model import TORCHAO_MISSING, check_variant, lowprec_options, make_st
 
 from lowprec.plan.gpus import get_gpu
 from lowprec.train.model import build_model
+from lowprec.train.recompute import Recompute
 
 KINDS = (  # (kind, pattern on the kernel's name), the first match wins
     ("attention", r"flash|fmha|sdpa|attention|attn"),
@@ -87,7 +88,7 @@ def profile_variant(base, size, name: str, args, tokens) -> dict:
     if name.startswith("torchao:") and torchao_float8() is None:
         return {"skipped": TORCHAO_MISSING}
     dtype = torch.float32 if args.params == "fp32-autocast" else torch.bfloat16
-    model, what, _ = place(base, name, dtype, "device")
+    model, what, _ = place(base, name, dtype, "device", args.recompute)
     options = lowprec_options(name)[1] if name.startswith("lowprec:") else set()
     states = next((o.removesuffix("states") for o in options if o.endswith("states")), None)
     step, _opt = make_step(model, args.params, args.mode == "compiled", tokens, states)
@@ -209,7 +210,7 @@ def report(size, results: dict, args) -> None:
                      f"{r['optimizer_range_ms']:.1f}",
                      "-" if r["saved_gib"] is None else f"{r['saved_gib']:.2f}",
                      "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"])
-    print_table(f"{args.size} / {args.mode} / {args.params}: ms per step",
+    print_table(f"{args.size} / {args.mode} / {args.params} / recompute {args.recompute}: ms per step",
                 ["variant", "step", "vs bf16", *kinds, "GPU idle", "optimizer.step on GPU", "saved GiB", "peak GiB"],
                 rows)
     if "kinds_ms" in bf:
@@ -254,6 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variants", default="bf16,lowprec:fp8-current,torchao:tensorwise",
                     type=lambda s: [check_variant(v) for v in s.split(",")])
     ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--recompute", default="none", choices=[m.value for m in Recompute],
+                    help="checkpoint every block of every variant as bench_model.py's --recompute does")
     ap.add_argument("--fp8-gemm-speedup", type=float, default=1.9)
     ap.add_argument("--hbm-tb-s", type=float, default=get_gpu("h200").hbm_tb_s,
                     help="the memory bandwidth the cast traffic is timed at (default: the H200's)")
@@ -270,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
             results[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
         print(name, {k: v for k, v in results[name].items() if k != "top_kernels"}, flush=True)
     report(size, results, args)
-    write_json(args.out, f"bench_profile_{args.size}_{args.mode}_{args.params}.json",
+    suffix = "" if args.recompute == "none" else f"_recompute-{args.recompute}"
+    write_json(args.out, f"bench_profile_{args.size}_{args.mode}_{args.params}{suffix}.json",
                {"env": environment(), "args": vars(args), "results": results})
     return results
 

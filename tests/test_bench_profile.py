@@ -82,3 +82,22 @@ def test_dry_run_profiles_each_variant(prof, tmp_path):
     assert 0 < results["ceiling"]["speedup"] < 1.9
     saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master.json").read_text())
     assert set(saved["results"]) == {"bf16", "lowprec:fp8-current+int8states", "ceiling", "cast_traffic"}
+
+
+def test_dry_run_profiles_a_recompute_mode(prof, tmp_path, monkeypatch):
+    checkpointed = []
+    real = prof.place
+
+    def place(*args):
+        model, what, setup_s = real(*args)
+        checkpointed.append(sum(hasattr(b, "_lowprec_recompute") for b in model.layers))
+        return model, what, setup_s
+
+    monkeypatch.setattr(prof, "place", place)
+    with torch.random.fork_rng():
+        results = prof.main(["--size", "tiny", "--mode", "eager", "--params", "bf16-master", "--steps", "1",
+                             "--variants", "bf16", "--recompute", "selective", "--out", str(tmp_path)])
+    assert checkpointed == [prof.SIZES["tiny"].config.n_layers]  # every block of the variant checkpointed
+    assert results["bf16"]["step_ms"] > 0
+    saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master_recompute-selective.json").read_text())
+    assert saved["args"]["recompute"] == "selective"
