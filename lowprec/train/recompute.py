@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -126,6 +125,13 @@ def _contexts(mode: Recompute) -> Callable[[], tuple[Any, Any]]:
     return contexts
 
 
+_CHECKPOINTED = "_lowprec_recompute"
+"""The attribute a checkpointed block carries: its mode."""
+_INNER = "_lowprec_forward"
+"""The attribute that keeps a checkpointed block's own forward where it was an instance's (a wrapper's); None
+where it is its class's, which the checkpoint calls as ``type(block).forward``."""
+
+
 _COMPILED = {Recompute.SELECTIVE: functools.partial(create_selective_checkpoint_contexts, selective_policy),
              Recompute.FULL: functools.partial(create_selective_checkpoint_contexts, recompute_all)}
 """The ``context_fn`` a compiled checkpoint takes for each mode: a constant of the graph."""
@@ -139,11 +145,14 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     Traced by ``torch.compile``, the checkpoint becomes a region of the graph whose recomputation the
     compiler plans (selective: the same policy; full: :func:`recompute_all`), handed over as the constant
     that compiled checkpointing accepts; the graph's recomputed ops are pure, so the bank and the probe are
-    left alone without :func:`_rerun`'s contexts, which only an eager recomputation runs. The method and
-    the inner forward are bound to the block, so a deep copy of the model checkpoints its own blocks."""
+    left alone without :func:`_rerun`'s contexts, which only an eager recomputation runs. The block holds
+    this function as a ``functools.partial`` of itself, which a deep copy rebinds to the copy and pickle
+    saves by name (a bound method would pickle as an attribute lookup that fails on loading)."""
     mode = getattr(self, _CHECKPOINTED)
     context_fn = _COMPILED[mode] if torch.compiler.is_compiling() else _EAGER[mode]
-    return checkpoint(getattr(self, _INNER), *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    inner = getattr(self, _INNER)
+    inner = functools.partial(type(self).forward, self) if inner is None else inner
+    return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def recompute_blocks(model: nn.Module, mode: str | Recompute) -> list[nn.Module]:
@@ -163,13 +172,7 @@ def recompute_blocks(model: nn.Module, mode: str | Recompute) -> list[nn.Module]
             fail("recompute", "one call per model", f"a second call ({mode.value!r}) on a checkpointed block")
     for block in blocks:
         # the instance's forward, so module names, state_dict keys and hooks (FSDP2's) stay the block's own
-        setattr(block, _INNER, block.forward)
+        setattr(block, _INNER, vars(block).get("forward"))  # a wrapper's forward on the instance, kept
         setattr(block, _CHECKPOINTED, mode)
-        block.forward = types.MethodType(_checkpointed_forward, block)
+        block.forward = functools.partial(_checkpointed_forward, block)
     return blocks
-
-
-_CHECKPOINTED = "_lowprec_recompute"
-"""The attribute a checkpointed block carries: its mode."""
-_INNER = "_lowprec_forward"
-"""The attribute that keeps a checkpointed block's own forward."""

@@ -340,3 +340,44 @@ def test_a_deep_copy_checkpoints_its_own_blocks():
     assert all(p.grad is None for p in model.parameters())
     for p, q in zip(twin.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_checkpointed_model_saved_whole_loads_and_recomputes(tmp_path):
+    """``torch.save(model)`` of a checkpointed model reads back (a bound method would save as a lookup that
+    fails on loading) as a model that still recomputes and gives the original's gradients."""
+    model = build_model(MICRO, seed=0)
+    recompute_blocks(model, "selective")
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert [vars(b)["_lowprec_recompute"] for b in loaded.layers] == [Recompute.SELECTIVE] * MICRO.n_layers
+    assert all(vars(b)["forward"].args == (b,) for b in loaded.layers)  # each block bound to itself
+    x = _batch(torch.Generator().manual_seed(0), MICRO.vocab_size)
+    model(x).sum().backward()
+    loaded(x).sum().backward()
+    for p, q in zip(model.parameters(), loaded.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_a_block_the_compiler_breaks_recomputes_without_recording_twice():
+    """A compiled block whose body has a graph break (the compiler cannot take the checkpoint in one graph)
+    still recomputes without recording the delayed amaxes a second time: the counts of a run without."""
+    def run(mode: str):
+        torch._dynamo.reset()
+        model = _model(MICRO, "fp8-delayed", mode)
+        for block in model.layers:
+            inner = block.attention.forward
+
+            def broken(*args, _inner=inner, **kwargs):
+                torch._dynamo.graph_break()
+                return _inner(*args, **kwargs)
+
+            block.attention.forward = broken
+            block.compile(backend="eager")
+        x = _batch(torch.Generator().manual_seed(0), MICRO.vocab_size)
+        for _ in range(2):
+            F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        return [m.delayed_state.count.clone() for m in model.modules() if getattr(m, "delayed_state", None) is not None]
+
+    plain, full = run("none"), run("full")
+    torch._dynamo.reset()
+    assert plain and all(torch.equal(a, b) for a, b in zip(plain, full, strict=True))
