@@ -57,11 +57,12 @@ def _moe(moe, width: int) -> MoESpec | None:
                    shared_ffn=width if moe.n_shared else 0)
 
 
-def reference_spec(name: str, c) -> ModelSpec:
-    """The planner's view of a reference-model shape (``lowprec.train.model.ModelConfig``) named ``name``."""
+def reference_spec(name: str, c, source: str | None = None) -> ModelSpec:
+    """The planner's view of a reference-model shape (``lowprec.train.model.ModelConfig``) named ``name``;
+    ``source``: where the shape comes from, as ``lowprec plan`` prints it (default: a config of that name)."""
     return ModelSpec(name=name, vocab=c.vocab_size, d_model=c.dim, n_layers=c.n_layers, n_heads=c.n_heads,
                      n_kv_heads=c.n_kv_heads, head_dim=c.dim // c.n_heads, ffn=c.ffn_dim, moe=_moe(c.moe, c.ffn_dim),
-                     source=f"lowprec.train.model config {name!r}")
+                     source=source or f"lowprec.train.model config {name!r}")
 
 
 def reference_presets() -> dict[str, ModelSpec]:
@@ -69,7 +70,8 @@ def reference_presets() -> dict[str, ModelSpec]:
     with the vocabulary they are built with."""
     from lowprec.train.model import PRESETS as TRAIN_PRESETS  # the trainer owns these shapes
 
-    return {f"ref-{key}": reference_spec(f"ref-{key}", c) for key, c in TRAIN_PRESETS.items()}
+    return {f"ref-{key}": reference_spec(f"ref-{key}", c, f"lowprec.train.model preset {key!r}")
+            for key, c in TRAIN_PRESETS.items()}
 
 
 def all_presets() -> dict[str, ModelSpec]:

@@ -135,3 +135,14 @@ def forked(fn: Callable, *args, store: Path, world_size: int = 2) -> None:
 def explain(proc: subprocess.CompletedProcess) -> str:
     """The end of a failed launch's output, for an assertion message."""
     return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+
+
+def checkpoint_parts(out: Path) -> dict[str, int]:
+    """How many parts each tensor of the first distributed checkpoint in ``out`` was saved in (one per
+    rank holding a distinct piece: a weight split over the ranks in two, a replicated one whole)."""
+    from lowprec.distributed.safe_metadata import read_metadata
+    from lowprec.state.files import is_distributed_checkpoint, list_checkpoints
+
+    json_path = next(p for _, p in list_checkpoints(out / "checkpoints") if is_distributed_checkpoint(p))
+    meta = read_metadata(json_path.with_suffix("") / ".metadata")
+    return {k: len(v.chunks) for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from click.testing import CliRunner
 
 from lowprec.cli import main
 from lowprec.train.logs import read_log
+from tests.distributed.launch_helpers import checkpoint_parts, forked_cli, split_then_one
 from tests.distributed.launch_helpers import cli_ok as _cli
-from tests.distributed.launch_helpers import forked_cli, split_then_one
 
 RUN = ("train", "--model", "moe-tiny", "--recipe", "fp8-blockwise", "--batch-size", "4", "--seq-len", "32",
        "--val-batches", "2", "--eval-every", "2", "--save-every", "2", "--no-tensorboard", "--quiet")
@@ -64,20 +65,24 @@ def test_ep_needs_a_parallel_run():
     assert "ep: expected 1 with parallel 'none'" in result.output, result.output
 
 
-def test_a_hugging_face_moe_splits_its_experts_like_the_reference(tmp_path):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_a_hugging_face_moe_splits_its_experts_like_the_reference(tmp_path, parallel):
     """``--ep 2`` on a Qwen3-MoE config (transformers' fused experts, run by lowprec as ``HFGroupedExperts``):
-    the experts' parameters split by expert over the two ranks, tokens dispatched in FP8, the same losses
-    as one process within LOOSE (measured: 1.4e-4 under DDP and FSDP2), and the split checkpoint resumed by one
-    process."""
-    import pytest
-
+    the experts' parameters split by expert over the two ranks (under DDP, which splits nothing else, the
+    checkpoint holds them in two parts and every other weight whole), tokens dispatched in FP8, the same
+    losses as one process within LOOSE (measured: 1.4e-4), and the split checkpoint resumed by one process."""
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=32, intermediate_size=128,
                                          moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2)
     config.save_pretrained(tmp_path / "qwen3-moe")
     run = (RUN[0], "--model", str(tmp_path / "qwen3-moe"), *RUN[3:])
-    got, want = split_then_one(tmp_path, run, "--parallel", "fsdp2", "--ep", "2")
+    got, want = split_then_one(tmp_path, run, "--parallel", parallel, "--ep", "2")
     assert len(got) == len(want) == 4
     for (loss, _), (ref, _) in zip(got, want):
         assert math.isclose(loss, ref, rel_tol=LOOSE), (got, want)
+    if parallel == "ddp":
+        parts = {k: n for k, n in checkpoint_parts(tmp_path / "split").items() if not k.endswith("/step")}
+        experts = {k: n for k, n in parts.items() if ".experts." in k}  # weights and their moments
+        assert experts and set(experts.values()) == {2}, parts
+        assert {n for k, n in parts.items() if k not in experts} == {1}, parts
