@@ -6,12 +6,12 @@
 
 Every rank trains the same model on its own batch (``--sizes``: batch and sequence per GPU); NCCL on
 GPUs, gloo on a CPU. A variant is ``<parallel>:<recipe>[+option...]``: ``ddp`` (DistributedDataParallel)
-or ``fsdp2`` (``fully_shard`` on each block, then the root); ``bf16`` is the plain model, any other
-recipe goes through ``lowprec.convert`` with the default policy. Options: ``+fp8comm`` (DDP gradients
-all-reduced in FP8, ``lowprec.distributed.register_ddp``), ``+fp8ag`` (FSDP2 all-gathers per-tensor
-FP8 weights in E4M3, ``fp8_weights.fp8_all_gather``, scales precomputed after every optimizer step),
-``+fp8rs`` (FSDP2 reduce-scatters gradients in FP8, ``register_fsdp``). Parameters are BF16 in every
-variant, in ``lowprec.optim.Optimizer`` (FP32 masters, fused AdamW), so all compare alike.
+or ``fsdp2`` (``fully_shard`` on each block, resharding as ``lowprec train`` does, then the root); ``bf16``
+is the plain model, any other recipe goes through ``lowprec.convert`` with the default policy. Options:
+``+fp8comm`` (DDP gradients all-reduced in FP8, ``lowprec.distributed.register_ddp``), ``+fp8ag``
+(FSDP2 all-gathers per-tensor FP8 weights in E4M3, ``fp8_weights.fp8_all_gather``, scales precomputed
+after every optimizer step), ``+fp8rs`` (FSDP2 reduce-scatters gradients in FP8, ``register_fsdp``).
+Parameters are BF16 in every variant, in ``lowprec.optim.Optimizer`` (FP32 masters, fused AdamW), so all compare alike.
 
 A step: zero the gradients, forward, cross-entropy, backward, ``sync_amaxes`` (delayed recipes; nothing
 for current scaling), the optimizer step (the group's one agreement all-reduce), and for ``+fp8ag`` the
@@ -55,6 +55,7 @@ import lowprec
 from lowprec import recipes
 from lowprec.distributed import register_ddp, register_fsdp, sync_amaxes
 from lowprec.distributed.fp8_weights import fp8_all_gather, precompute_fp8_scales
+from lowprec.distributed.launch import reshard_after_forward
 from lowprec.distributed.traffic import count_traffic
 from lowprec.optim import Optimizer
 from lowprec.train.model import build_model
@@ -143,8 +144,9 @@ def setup(base: nn.Module, v: Variant, device: torch.device, mesh: DeviceMesh, c
         else:
             call.register_comm_hook(None, allreduce_hook)  # DDP's own all-reduce, made from Python: counted
     else:
-        for block in model.layers:
-            fully_shard(block, mesh=mesh)
+        n = len(model.layers)
+        for i, block in enumerate(model.layers):  # resharding as lowprec's trainer does
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward(i, n))
         fully_shard(model, mesh=mesh)  # the root: embedding, final norm, LM head
         call = model
         if "fp8rs" in v.options:
