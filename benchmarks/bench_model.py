@@ -41,13 +41,14 @@ from torch import nn
 
 import lowprec
 from lowprec import recipes
+from lowprec.distributed.launch import transformer_blocks
 from lowprec.nn.saved import fp8_activations
 from lowprec.plan import PlanConfig, Training, plan
 from lowprec.plan.activations import RECOMPUTE
 from lowprec.plan.gpus import GPUS, get_gpu
 from lowprec.plan.models import reference_spec
 from lowprec.train.model import build_model
-from lowprec.train.recompute import recompute_blocks
+from lowprec.train.recompute import Recompute, recompute_blocks, recompute_mode
 
 MODES = ("compiled", "eager")
 PARAMS = ("fp32-autocast", "bf16-master")
@@ -240,7 +241,9 @@ def _variant(base: nn.Module, size: Size, name: str, where: str, params: str, mo
     model, what, setup_s = place(base, name, dtype, where, recompute)
     model_gib = gib(torch.cuda.memory_allocated()) if DEVICE == "cuda" else None  # parameters, buffers, batch
     row = measure(model, size, params, mode == "compiled", tokens, args, None if states == "fp32" else states)
-    return {"convert_on": where, "conversion": what, "setup_s": setup_s, "model_gib": model_gib, **row}
+    checkpointed = sum(recompute_mode(b) is not Recompute.NONE for b in transformer_blocks(model))
+    return {"convert_on": where, "conversion": what, "setup_s": setup_s, "model_gib": model_gib,
+            "checkpointed_blocks": checkpointed, **row}
 
 
 def runs(variants: list[str], convert_on: list[str]) -> list[tuple[str, str, str]]:

@@ -92,11 +92,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def _splits(placement) -> bool:
+    """Whether a DTensor placement splits the tensor over its mesh dimension: every placement but Replicate
+    and Partial (FSDP2 over tensor parallelism splits one dimension twice, its first placement a
+    _StridedShard, which is no Shard)."""
+    return not (placement.is_replicate() or placement.is_partial())
+
+
 def is_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor split across ranks along some dimension of its mesh (FSDP2's shards,
-    tensor or expert parallelism's parts, both on a data-parallel x tensor-parallel mesh): its local values
-    differ from rank to rank. :func:`replicas` says how many ranks hold each part."""
-    return is_dtensor(t) and any(not (p.is_replicate() or p.is_partial()) for p in t.placements)
+    tensor or expert parallelism's parts, both on a data-parallel x tensor-parallel mesh): each rank holds
+    a different part of it (a Replicate or Partial placement splits nothing). :func:`replicas` says how many
+    ranks hold each part."""
+    return is_dtensor(t) and any(_splits(p) for p in t.placements)
 
 
 def replicas(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
@@ -106,10 +114,7 @@ def replicas(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> int:
     over the group counts each part's square once: divided by this."""
     if not is_dtensor(t):
         return 0
-    # split along a mesh dimension: every placement but Replicate and Partial (FSDP2 over tensor parallelism
-    # splits one dimension twice, its first placement a _StridedShard, which is no Shard)
-    parts = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
-                      if not (p.is_replicate() or p.is_partial()))
+    parts = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if _splits(p))
     return 0 if parts == 1 else max(world_size(group) // parts, 1)
 
 

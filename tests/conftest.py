@@ -8,9 +8,9 @@ import torch
 
 from tests.helpers import SQNR_FLOORS, sqnr
 
-# Triton's kernels run on the CPU through its interpreter in these tests (tests/kernels). The switch must
-# be set before anything imports triton: Triton decorates its own standard functions (tl.cdiv, ...) when it
-# is first imported, for the interpreter only if this is set then, and libraries the tests import
+# Triton's kernels run on the CPU through its interpreter in these tests (tests/kernels, tests/train, ...).
+# The switch must be set before anything imports triton: Triton decorates its own standard functions
+# (tl.cdiv, ...) when it is first imported, for the interpreter only if this is set then, and libraries the tests import
 # (lightning, compressed-tensors) import triton. No route picks Triton for a CPU tensor unless a test
 # forces it, so the switch changes nothing else.
 os.environ["TRITON_INTERPRET"] = "1"

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from lowprec.train.model import ModelConfig, Transformer
+from lowprec.train.recompute import Recompute, recompute_mode
 from tests.helpers import load_benchmark
 
 
@@ -90,14 +91,14 @@ def test_dry_run_profiles_a_recompute_mode(prof, tmp_path, monkeypatch):
 
     def place(*args):
         model, what, setup_s = real(*args)
-        checkpointed.append(sum(hasattr(b, "_lowprec_recompute") for b in model.layers))
+        checkpointed.append([recompute_mode(b) for b in model.layers])
         return model, what, setup_s
 
     monkeypatch.setattr(prof, "place", place)
     with torch.random.fork_rng():
         results = prof.main(["--size", "tiny", "--mode", "eager", "--params", "bf16-master", "--steps", "1",
                              "--variants", "bf16", "--recompute", "selective", "--out", str(tmp_path)])
-    assert checkpointed == [prof.SIZES["tiny"].config.n_layers]  # every block of the variant checkpointed
+    assert checkpointed == [[Recompute.SELECTIVE] * prof.SIZES["tiny"].config.n_layers]  # every block
     assert results["bf16"]["step_ms"] > 0
     saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master_recompute-selective.json").read_text())
     assert saved["args"]["recompute"] == "selective"

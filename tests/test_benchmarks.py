@@ -138,6 +138,8 @@ def test_recompute_runs_a_group_per_mode_with_the_planner_beside(bench, tmp_path
         rows = [groups[mode][variant] for mode in groups]
         assert all("error" not in r for r in rows), rows
         assert len({r["loss_first"] for r in rows}) == 1  # recomputation changes no number
+        n = bench.SIZES["tiny"].config.n_layers
+        assert [r["checkpointed_blocks"] for r in rows] == [0, n, n]
     bf16 = [groups[mode]["bf16"]["planned_gib"] for mode in groups]
     assert bf16[0] > bf16[1] > bf16[2]
     size = bench.SIZES["1b"]

@@ -142,13 +142,16 @@ def shard_experts(module: nn.Module, names: tuple[str, ...], num_experts: int, g
     if num_experts % w:
         fail("ep", f"a number of ranks that divides every MoE layer's experts ({num_experts})", w)
     n = num_experts // w
+    meshes: dict[str, DeviceMesh] = {}  # one per device type
     for name in names:
         p = getattr(module, name)
         if p is None:
             continue
         if p.shape[0] != num_experts:
             fail(name, f"a parameter stacked by expert along dim 0 ({num_experts} experts)", describe(p))
-        mesh = DeviceMesh.from_group(group, p.device.type)
+        if p.device.type not in meshes:
+            meshes[p.device.type] = DeviceMesh.from_group(group, p.device.type)
+        mesh = meshes[p.device.type]
         shard = DTensor.from_local(p.detach()[rank * n:(rank + 1) * n].clone(), mesh, [Shard(0)], run_check=False)
         param = nn.Parameter(shard, requires_grad=p.requires_grad)
         param.register_hook((lambda g, w=w: g / w) if replicas is None else

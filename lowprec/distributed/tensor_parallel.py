@@ -218,8 +218,9 @@ def _hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable]:
 
 def _input_hook(fn, size: int, where: str, once: bool = False):
     """A pre-hook putting ``fn`` of the module's hidden states in their place. ``once``: not in a recomputed
-    forward (activation checkpointing calls the checkpointed block again with the inputs the first call
-    got, after this hook: the first block's input is split already)."""
+    forward: a checkpoint that calls the module itself again (Hugging Face's ``gradient_checkpointing``)
+    passes the inputs the first call got after this hook, split already. lowprec's own recomputation runs
+    the block's inner forward, past its hooks, and never meets this."""
     def hook(module, args, kwargs):
         if once and recomputing():
             return None

@@ -54,7 +54,7 @@ from lowprec.distributed.launch import transformer_blocks
 from lowprec.nn.probe import reporting_to
 from lowprec.nn.recomputation import recomputation
 
-__all__ = ["KEPT_OPS", "Recompute", "recompute_all", "recompute_blocks", "selective_policy"]
+__all__ = ["KEPT_OPS", "Recompute", "recompute_all", "recompute_blocks", "recompute_mode", "selective_policy"]
 
 
 class Recompute(str, enum.Enum):
@@ -176,3 +176,8 @@ def recompute_blocks(model: nn.Module, mode: str | Recompute) -> list[nn.Module]
         setattr(block, _CHECKPOINTED, mode)
         block.forward = functools.partial(_checkpointed_forward, block)
     return blocks
+
+
+def recompute_mode(block: nn.Module) -> Recompute:
+    """The mode :func:`recompute_blocks` checkpointed ``block`` with; ``none`` for a block it did not."""
+    return vars(block).get(_CHECKPOINTED, Recompute.NONE)

@@ -39,8 +39,9 @@ def test_tp_trains_like_one_process_and_its_checkpoint_resumes_in_one(tmp_path):
 
 
 def test_tp_with_recomputation_and_compiled(tmp_path):
-    """Recomputed blocks give the split run's numbers bit for bit (the first block's input is not split again
-    when checkpointing calls the block once more); the compiled split run stays within ``CLOSE`` of them."""
+    """Recomputed blocks give the split run's numbers bit for bit (the checkpoint reruns the blocks' inner
+    forward: the first block's input, split by a hook, is not split again); the compiled split run stays
+    within ``CLOSE`` of them."""
     runs = {}
     for name, extra in (("plain", ()), ("selective", ("--recompute", "selective")),
                         ("compiled", ("--compile",))):  # (with --recompute full, inductor's C++ fails to build a

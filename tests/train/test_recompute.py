@@ -33,7 +33,7 @@ from lowprec.train.config import RESUME_MUST_MATCH, TrainConfig
 from lowprec.train.loop import train
 from lowprec.train.model import ModelConfig, build_model, preset
 from lowprec.train.moe_model import MoEConfig
-from lowprec.train.recompute import Recompute, recompute_blocks
+from lowprec.train.recompute import Recompute, recompute_blocks, recompute_mode
 
 MICRO = ModelConfig(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=128, vocab_size=64, max_seq_len=64)
 MOE = ModelConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=64,
@@ -349,7 +349,7 @@ def test_a_checkpointed_model_saved_whole_loads_and_recomputes(tmp_path):
     recompute_blocks(model, "selective")
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert [vars(b)["_lowprec_recompute"] for b in loaded.layers] == [Recompute.SELECTIVE] * MICRO.n_layers
+    assert [recompute_mode(b) for b in loaded.layers] == [Recompute.SELECTIVE] * MICRO.n_layers
     assert all(vars(b)["forward"].args == (b,) for b in loaded.layers)  # each block bound to itself
     x = _batch(torch.Generator().manual_seed(0), MICRO.vocab_size)
     model(x).sum().backward()
