@@ -80,7 +80,7 @@ def _traceable_amax(x2: torch.Tensor, kind: int, hadamard: bool, transposed: boo
     return amax.float().view(torch.int32) & 0x7FFFFFFF  # a NaN's sign may survive abs(): clear it
 
 
-def _amaxes(x2, launch: Launch, hmat, compiling: bool):
+def _amaxes(x2, launch: Launch, hmat, compiling: bool, opaque: bool):
     """Each side's amax bits, None for a side that takes none. In compiled code an absent side is None
     rather than a fresh empty tensor: the compiler never merges two calls that take distinct allocations,
     and layers reading one input (q/k/v) must make one cast of it (see :class:`lowprec.nn.casts.InputShare`)."""
@@ -92,16 +92,26 @@ def _amaxes(x2, launch: Launch, hmat, compiling: bool):
                  for kind, h, t in zip(kinds, launch.hadamard, (False, True), strict=True)]
         if all(s is not None or kind == T.AMAX_NONE for s, kind in zip(sides, kinds, strict=True)):
             return tuple(sides)
+    if opaque:
         return ops.tile_amax(x2, list(launch.ints), hmat)
     return ops.amax(x2, launch.ints, hmat)
 
 
+def as_operators() -> bool:
+    """Whether the kernels run as their ``torch.library`` operators rather than by direct calls: in a
+    compiled graph, and under a Python dispatch mode (selective checkpointing's, a FLOP counter's, fake
+    tensors'). A mode intercepts every ATen operator of a direct call (a cast's few allocations, each
+    through Python: on one H200, eager 1B training under selective checkpointing spent about twice BF16's
+    host time per step), but an operator once, its implementation running below the mode."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+
+
 def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator, after=None):
-    compiling = torch.compiler.is_compiling()  # ops in a graph; direct calls in eager mode
-    amax_a, amax_b = _amaxes(x2, launch, hmat, compiling)
+    opaque = as_operators()  # ops in a graph or under a mode; direct calls otherwise
+    amax_a, amax_b = _amaxes(x2, launch, hmat, torch.compiler.is_compiling(), opaque)
     given = None if given is None else given.detach().float().reshape(1).contiguous()
     args = (x2, hmat, amax_a, amax_b, given, rand_a, rand_b, _seeds(launch, x2.device, generator))
-    if compiling:
+    if opaque:
         return ops.tile_cast(args[0], list(launch.ints), *args[1:], after)
     return ops.cast(args[0], launch.ints, *args[1:])
 
@@ -159,7 +169,8 @@ def rows_by_amax(x2: torch.Tensor, spec: CastSpec, row_amax: torch.Tensor) -> to
     m, k = x2.shape
     plan = launch(spec, None, m, k, True, False, False, False, False)
     bits = row_amax.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF  # as the amax kernel's
-    out = ops.cast(x2, plan.ints, None, bits, None, None, None, None, _seeds(plan, x2.device, None))
+    args = (None, bits, None, None, None, None, _seeds(plan, x2.device, None))
+    out = ops.tile_cast(x2, list(plan.ints), *args) if as_operators() else ops.cast(x2, plan.ints, *args)
     return out[0]
 
 
