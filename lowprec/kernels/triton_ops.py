@@ -144,15 +144,6 @@ def _cast_fake(x, plan, hmat, amax_a, amax_b, given, rand_a, rand_b, seed, after
     return (*_outputs(x, out_a), *_outputs(x, out_b), x.new_empty(1 if p.record else 0, dtype=torch.int32))
 
 
-def _quantize_op(x, plan, hmat, given, rand_a, rand_b, seed):
-    amax_a, amax_b = amax(x, tuple(plan), hmat)
-    return cast(x, tuple(plan), hmat, amax_a, amax_b, given, rand_a, rand_b, seed)
-
-
-def _quantize_fake(x, plan, hmat, given, rand_a, rand_b, seed):
-    return _cast_fake(x, plan, hmat, None, None, given, rand_a, rand_b, seed)
-
-
 tile_amax = define("tile_amax(Tensor x, int[] plan, Tensor? hmat) -> (Tensor, Tensor)", _amax_op, _amax_fake)
 """:func:`amax` as an operator (see [Note: how kernels become operators] in ``lowprec.kernels.ops``)."""
 tile_cast = define("tile_cast(Tensor x, int[] plan, Tensor? hmat, Tensor? amax_a, Tensor? amax_b, Tensor? given, "
@@ -161,9 +152,3 @@ tile_cast = define("tile_cast(Tensor x, int[] plan, Tensor? hmat, Tensor? amax_a
 """:func:`cast` as an operator: (data_a, scale_a, global_a, data_b, scale_b, global_b, recorded amax bits).
 ``after`` is never read: a tensor the cast must come after in the graph (see [Note: casts a compiled
 backward makes] in ``lowprec.kernels.cast``)."""
-tile_quantize = define("tile_quantize(Tensor x, int[] plan, Tensor? hmat, Tensor? given, Tensor? rand_a, "
-                       "Tensor? rand_b, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
-                       _quantize_op, _quantize_fake)
-""":func:`amax` then :func:`cast` as one operator, for eager code under a Python dispatch mode, which then
-intercepts one call per cast (see ``lowprec.kernels.triton_quant.as_operators``). A plan whose sides take
-no amax (a given scale) casts through ``tile_cast``."""

@@ -101,20 +101,16 @@ def as_operators() -> bool:
     """Whether the kernels run as their ``torch.library`` operators rather than by direct calls: in a
     compiled graph, and under a Python dispatch mode (selective checkpointing's, a FLOP counter's, fake
     tensors'). A mode intercepts every ATen operator of a direct call (a cast's few allocations, each
-    through Python), but an operator once, its implementation running below the mode: on one H200, eager
-    1B fp8-current under selective checkpointing went from 0.53x to 0.82x BF16's speed (3B: 0.78x to 1.12x)."""
+    through Python: on one H200, eager 1B training under selective checkpointing spent about twice BF16's
+    host time per step), but an operator once, its implementation running below the mode."""
     return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator, after=None):
-    compiling = torch.compiler.is_compiling()
-    opaque = compiling or as_operators()  # ops in a graph or under a mode; direct calls otherwise
+    opaque = as_operators()  # ops in a graph or under a mode; direct calls otherwise
+    amax_a, amax_b = _amaxes(x2, launch, hmat, torch.compiler.is_compiling(), opaque)
     given = None if given is None else given.detach().float().reshape(1).contiguous()
-    seeds = _seeds(launch, x2.device, generator)
-    if opaque and not compiling and launch.amax_kinds != (T.AMAX_NONE, T.AMAX_NONE):  # one call for the mode
-        return ops.tile_quantize(x2, list(launch.ints), hmat, given, rand_a, rand_b, seeds)
-    amax_a, amax_b = _amaxes(x2, launch, hmat, compiling, opaque)
-    args = (x2, hmat, amax_a, amax_b, given, rand_a, rand_b, seeds)
+    args = (x2, hmat, amax_a, amax_b, given, rand_a, rand_b, _seeds(launch, x2.device, generator))
     if opaque:
         return ops.tile_cast(args[0], list(launch.ints), *args[1:], after)
     return ops.cast(args[0], launch.ints, *args[1:])
