@@ -17,6 +17,11 @@ A step: zero the gradients, forward, cross-entropy, backward, ``sync_amaxes`` (d
 for current scaling), the optimizer step (the group's one agreement all-reduce), and for ``+fp8ag`` the
 scales' all-reduce. ``--compile`` compiles each transformer block in place before DDP / FSDP2 wrap them.
 
+``--rounds N`` (N > 1) sets every variant up first, then times N rounds of ``--steps`` steps of each in
+turn: the speed of a shared machine drifts between calls and within one (15% and more), and a ratio of
+variants timed in the same rounds holds better than one of variants timed one after another. It reports no
+peak memory (every variant is resident), and each round's median step beside the whole median.
+
 Per variant, the slowest rank decides: tokens/s per GPU from the largest of the ranks' median step times
 (CUDA events; wall clock on a CPU), the ratio to the same parallelism's ``bf16``, peak memory per GPU
 (``torch.cuda.max_memory_allocated`` over the timed steps, max over ranks), the first step's seconds
@@ -174,29 +179,59 @@ def make_step(s: Setup, v: Variant, tokens: torch.Tensor) -> Callable[[], float]
     return step
 
 
-def measure(s: Setup, v: Variant, tokens: torch.Tensor, device: torch.device, args) -> dict:
-    """This rank's figures: first step, warmup, then ``args.steps`` timed steps inside ``count_traffic``."""
+@dataclass
+class Timing:
+    """A variant being measured: its step, the first step's figures, and what its timed steps gave so far."""
+
+    step: Callable[[], float]
+    first_s: float
+    loss_first: float
+    seconds: list[float]
+    traffic: dict
+    loss_last: float = float("nan")
+
+
+def start(s: Setup, v: Variant, tokens: torch.Tensor, device: torch.device, args) -> Timing:
+    """The first step (compilation, the optimizer state, FSDP2's lazy init) and the warmup."""
     step = make_step(s, v, tokens)
     sync(device)
     t0 = time.perf_counter()
-    loss_first = step()  # compiles, creates the optimizer state, FSDP2's lazy init
+    loss_first = step()
     first_s = time.perf_counter() - t0
     for _ in range(args.warmup):
         step()
     sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     if s.comm is not None:
         s.comm.take()  # drop what the untimed steps sent
+    return Timing(step, first_s, loss_first, [], dict.fromkeys(KINDS, 0))
+
+
+def time_steps(t: Timing, device: torch.device, steps: int) -> None:
+    """``steps`` more timed steps of ``t``, their bytes counted."""
     with count_traffic() as traffic:
-        seconds, loss_last = timed(step, args.steps, device)
-    out = {"median_s": statistics.median(seconds), "first_s": first_s,
-           "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0,
-           **{k: traffic[k] for k in KINDS}, "loss_first": loss_first, "loss_last": loss_last,
-           "skipped_steps": s.opt.skipped_steps, "info": s.info}
+        seconds, t.loss_last = timed(t.step, steps, device)
+    t.seconds += seconds
+    for k in KINDS:
+        t.traffic[k] += traffic[k]
+
+
+def figures(s: Setup, t: Timing, peak_bytes: int) -> dict:
+    """This rank's figures of a measured variant (bytes: summed over its timed steps)."""
+    out = {"median_s": statistics.median(t.seconds), "first_s": t.first_s, "peak_bytes": peak_bytes, **t.traffic,
+           "loss_first": t.loss_first, "loss_last": t.loss_last, "skipped_steps": s.opt.skipped_steps,
+           "info": s.info}
     if s.comm is not None:  # the hook's own count: bandwidth-optimal schedule, see grad_comm's [Note: counting bytes]
-        out["info"] = {**s.info, "grad_comm_hook_bytes_per_step": s.comm.take() // args.steps}
+        out["info"] = {**s.info, "grad_comm_hook_bytes_per_step": s.comm.take() // len(t.seconds)}
     return out
+
+
+def measure(s: Setup, v: Variant, tokens: torch.Tensor, device: torch.device, args) -> dict:
+    """This rank's figures: first step, warmup, then ``args.steps`` timed steps inside ``count_traffic``."""
+    t = start(s, v, tokens, device, args)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    time_steps(t, device, args.steps)
+    return figures(s, t, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0)
 
 
 def reduce_ranks(local: dict | None, error: str | None, device: torch.device) -> dict:
@@ -226,6 +261,13 @@ def row_of(group: dict, local: dict, size: Size, steps: int) -> dict:
             **{k: local[k] for k in ("loss_first", "loss_last", "skipped_steps")}, **local["info"]}
 
 
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
 def run_variant(base: nn.Module, size: Size, v: Variant, tokens: torch.Tensor, device: torch.device,
                 mesh: DeviceMesh, args) -> dict:
     local, error, s = None, None, None
@@ -235,13 +277,48 @@ def run_variant(base: nn.Module, size: Size, v: Variant, tokens: torch.Tensor, d
     except Exception as e:  # recorded; the ranks still meet in reduce_ranks
         error = f"{type(e).__name__}: {str(e)[:400]}"
     s = None  # the model, its wrappers and optimizer go before the next variant is built
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    torch._dynamo.reset()
+    _free(device)
     group = reduce_ranks(local, error, device)
     dist.barrier()
     return group if "error" in group else row_of(group, local, size, args.steps)
+
+
+def run_rounds(base: nn.Module, size: Size, names: list[str], tokens: torch.Tensor, device: torch.device,
+               mesh: DeviceMesh, args) -> dict:
+    """``--rounds``: every variant set up and warmed, then ``args.rounds`` rounds of ``args.steps`` timed steps
+    of each in turn, so that a drift of the machine's speed meets every variant alike; the median over all of
+    a variant's timed steps. The variants are resident together, so no peak is taken. A variant that fails
+    to set up is left out on every rank; a failure while the rounds run ends the run."""
+    runs: dict[str, tuple[Setup, Timing]] = {}
+    rows: dict[str, dict] = {}
+    for name in names:
+        v, error = Variant.parse(name), None
+        try:
+            s = setup(base, v, device, mesh, args.compile)
+            runs[name] = (s, start(s, v, tokens, device, args))
+        except Exception as e:
+            error = f"{type(e).__name__}: {str(e)[:400]}"
+            runs.pop(name, None)
+            _free(device)
+        ok = reduce_ranks(None if error else {f: 0.0 for f in ("median_s", "first_s", "peak_bytes", *KINDS)},
+                          error, device)
+        if "error" in ok:
+            rows[name] = ok
+            runs.pop(name, None)
+    for _ in range(args.rounds):
+        for _s, t in runs.values():
+            time_steps(t, device, args.steps)
+    for name, (s, t) in runs.items():
+        local = figures(s, t, 0)
+        group = reduce_ranks(local, None, device)
+        row = row_of(group, local, size, args.steps * args.rounds)
+        rows[name] = {**row, "peak_gib": None, "rounds": args.rounds,
+                      "round_median_ms": [statistics.median(t.seconds[i:i + args.steps]) * 1e3
+                                          for i in range(0, len(t.seconds), args.steps)]}
+    runs.clear()
+    _free(device)
+    dist.barrier()
+    return {name: rows[name] for name in names}
 
 
 def with_ratios(rows: dict) -> dict:
@@ -290,7 +367,8 @@ def table(results: dict) -> None:
 def json_name(args) -> str:
     variants = "all" if args.variants == DEFAULT_VARIANTS else "-".join(args.variants)
     mode = "compiled" if args.compile else "eager"
-    return result_name("bench_distributed", args.sizes, mode, f"{dist.get_world_size()}ranks", variants)
+    rounds = [f"rounds{args.rounds}"] if args.rounds > 1 else []
+    return result_name("bench_distributed", args.sizes, mode, f"{dist.get_world_size()}ranks", variants, *rounds)
 
 
 def run_size(size_name: str, device: torch.device, mesh: DeviceMesh, args, env: dict, results: dict) -> None:
@@ -300,12 +378,21 @@ def run_size(size_name: str, device: torch.device, mesh: DeviceMesh, args, env: 
     tokens = torch.randint(size.config.vocab_size, (size.batch, size.seq_len + 1), generator=gen).to(device)
     group = f"{size_name} / {'compiled' if args.compile else 'eager'} / {dist.get_world_size()} ranks"
     rows = results.setdefault(group, {})
-    for name in args.variants:
-        rows[name] = run_variant(base, size, Variant.parse(name), tokens, device, mesh, args)
+
+    def record(name: str) -> None:
         if dist.get_rank() == 0:
             print(group, name, rows[name], flush=True)
             write_json(args.out, json_name(args), {"env": env, "args": vars(args), "sizes": sizes_info(args),
                                                    "results": {g: with_ratios(r) for g, r in results.items()}})
+
+    if args.rounds > 1:
+        rows.update(run_rounds(base, size, args.variants, tokens, device, mesh, args))
+        for name in args.variants:
+            record(name)
+        return
+    for name in args.variants:
+        rows[name] = run_variant(base, size, Variant.parse(name), tokens, device, mesh, args)
+        record(name)
 
 
 def sizes_info(args) -> dict:
@@ -321,6 +408,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="comma-separated <ddp|fsdp2>:<recipe>[+fp8comm (ddp) | +fp8ag, +fp8rs (fsdp2)]")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after the first and the warmup)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with more than 1: every variant set up at once, then this many rounds of --steps timed "
+                         "steps of each in turn (speed only: no peak memory)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     ap.add_argument("--compile-cache", action="store_true",
                     help="let torch.compile reuse its on-disk caches (default: every first step compiles cold)")
@@ -334,8 +424,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.variants = [Variant.parse(v).name for v in args.variants.split(",")]
     except argparse.ArgumentTypeError as e:
         ap.error(str(e))
-    if args.steps < 1 or args.warmup < 0:
-        ap.error(f"--steps: expected at least 1 and --warmup at least 0, got {args.steps} and {args.warmup}")
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
+        ap.error(f"--steps, --warmup, --rounds: expected at least 1, 0 and 1, got {args.steps}, {args.warmup} "
+                 f"and {args.rounds}")
     if "LOCAL_RANK" not in os.environ:
         ap.error("expected a launch by torchrun, got none: torchrun --nproc-per-node N "
                  "benchmarks/bench_distributed.py ...")

@@ -97,11 +97,11 @@ def test_fsdp2_bytes_follow_the_shapes(rows):
     s = _shapes()
     root = s["all"] - s["blocks"]
     bf16, fp8 = rows["fsdp2:bf16"], rows["fsdp2:fp8-current+fp8ag+fp8rs"]
-    # each rank hands its half of every weight: blocks for the forward and again for the backward, the root
-    # (embedding, final norm, LM head) once, as it stays gathered from its forward to its backward
-    assert bf16["bytes_per_step"]["all_gather"] == 2 * (2 * s["blocks"] + root) // WORLD
+    # each rank hands its half of every weight: blocks for the forward and again for the backward, but the
+    # last block and the root (embedding, final norm, LM head) once: they stay gathered into the backward
+    assert bf16["bytes_per_step"]["all_gather"] == 2 * (2 * s["blocks"] - s["block"] + root) // WORLD
     block_bytes = s["block_linears"] + 2 * (s["blocks"] - s["block_linears"])  # E4M3 linear weights, BF16 norms
-    assert fp8["bytes_per_step"]["all_gather"] == (2 * block_bytes + 2 * root) // WORLD
+    assert fp8["bytes_per_step"]["all_gather"] == (2 * block_bytes - block_bytes // s["layers"] + 2 * root) // WORLD
     assert fp8["bytes_per_step"]["all_gather"] < bf16["bytes_per_step"]["all_gather"]
     assert fp8["all_gather_vs_bf16"] == fp8["bytes_per_step"]["all_gather"] / bf16["bytes_per_step"]["all_gather"]
     # the reduce-scatter takes the whole BF16 gradient; in FP8 each unit's goes as 132 bytes per 128 values
@@ -130,7 +130,8 @@ def test_variant_names(bench):
 
 @pytest.mark.parametrize("argv", [["--variants", "ddp:fp8-current+fp8ag"], ["--variants", "fsdp2:fp8-current+fp8comm"],
                                   ["--variants", "fsdp2:fp9"], ["--variants", "tp:bf16"],
-                                  ["--variants", "fsdp2:bf16+fp8rs+fp8rs"], ["--sizes", "7b"], ["--steps", "0"]])
+                                  ["--variants", "fsdp2:bf16+fp8rs+fp8rs"], ["--sizes", "7b"], ["--steps", "0"],
+                                  ["--rounds", "0"]])
 def test_bad_flags_are_refused(bench, argv, capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(SystemExit) as e:
@@ -144,3 +145,23 @@ def test_a_launch_without_torchrun_says_how(bench, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         bench.parse_args(["--sizes", "tiny"])
     assert "torchrun --nproc-per-node N" in capsys.readouterr().err
+
+
+def test_rounds_time_every_variant_in_turn(rows, tmp_path):
+    """``--rounds 3``: the variants set up together, then three rounds of a step of each: a median per round
+    and over all, no peak (every variant resident), and per step the bytes of the variants measured alone."""
+    variants = ["ddp:bf16", "fsdp2:bf16"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+           str(BENCHMARKS / "bench_distributed.py"), "--sizes", "tiny", "--steps", "1", "--warmup", "0",
+           "--rounds", "3", "--variants", ",".join(variants), "--out", str(tmp_path), "--timeout-s", "60"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.endswith("_rounds3.json")
+    got = json.loads(path.read_text())["results"]["tiny / eager / 2 ranks"]
+    for name in variants:
+        r = got[name]
+        assert r["rounds"] == 3 and len(r["round_median_ms"]) == 3 and all(ms > 0 for ms in r["round_median_ms"])
+        assert r["peak_gib"] is None and r["memory_vs_bf16"] is None
+        assert r["bytes_per_step"] == rows[name]["bytes_per_step"]  # the same step as alone
+    assert got["fsdp2:bf16"]["speed_vs_bf16"] == 1.0
