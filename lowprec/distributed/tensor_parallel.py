@@ -29,8 +29,10 @@ One process casts each GEMM operand whole. Under tensor parallelism a rank holds
 the split weights, a colwise layer's output gradient, a rowwise layer's input. Per-tensor current scales
 (fp8-current) are agreed: every rank takes the max over the group of the parts' amaxes (one all-reduce of
 one number per operand, ``lowprec.nn.casts.agreed_scale``), so a rank casts its part exactly as one process
-casts the whole. Blocks of 1x128, 128x128 and MX blocks of 32 lie inside a rank's part when the local
-widths are multiples of the block (checked when the model is split), so their scales are one process's.
+casts the whole. A split weight is agreed once a step: backward casts weight.T again with the scale forward
+agreed (the same format, one scale per tensor), not with a second all-reduce of the same amax. Blocks of
+1x128, 128x128 and MX blocks of 32 lie inside a rank's part when the local widths are multiples of the block
+(checked when the model is split), so their scales are one process's.
 A row scale (fp8-rowwise) along a split K (a colwise layer's output gradient and ``weight.T`` in dgrad, a
 rowwise layer's input and weight in fprop) is taken over each rank's part of the row: a finer scale than one
 process's, not agreed. NVFP4's global scale is the part's. Delayed histories are made to agree over the

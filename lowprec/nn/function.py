@@ -105,7 +105,8 @@ class Forward(NamedTuple):
     w_t: Operand | None
     """weight.T's cast, kept (``WeightT.KEPT``); None otherwise."""
     scale_t: torch.Tensor | None
-    """The delayed scale backward casts weight.T with (``SavePlan.scale_t``), or None."""
+    """The scale backward casts weight.T with: forward's delayed scale (``SavePlan.scale_t``), or under
+    tensor parallelism the per-tensor scale forward agreed over the group; else None."""
     x_scale: torch.Tensor | None
     """The per-tensor scale backward casts x.T with (``SavePlan.input_scale``), or None."""
 
@@ -136,6 +137,10 @@ def fprop(x, weight, bias, plan: LayerPlan, state: CastState, need_dgrad: bool, 
             qw, qw_t = weight_casts(weight, w_op, state, keep_w_t, record, stored)
             if need_dgrad and save.scale_t and state.delayed is not None:
                 scale_t = qw.scale  # forward's own, taken before this forward recorded the weight's amax
+            elif (need_dgrad and state.group is not None and save.weight_t is WeightT.PARAMETER
+                  and w_op.transposed_takes_k_scale):
+                scale_t = qw.scale  # the scale agreed over the tensor-parallel group: backward's weight.T
+                # takes it rather than agree the same amax again (see agreed_scale)
         collector = probe()  # None but on a sampled step (see [Note: telemetry under torch.compile])
         if collector is not None:
             quantized = stored is not None or isinstance(weight, QuantizedWeight)

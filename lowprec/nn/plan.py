@@ -75,6 +75,12 @@ class OperandPlan:
     where it is one per tensor, is given: forward's along-K scale. None where the side cannot be made
     again alike (stochastic rounding; a per-tensor scale of another format than along K's)."""
 
+    @property
+    def transposed_takes_k_scale(self) -> bool:
+        """The transposed side is scaled per tensor with the along-K side's scale: the same format and
+        granularity, no Hadamard transform (so :attr:`recast` exists and gives its scale)."""
+        return self.recast is not None and self.recast.transposed.granularity.per_tensor
+
 
 @dataclass(frozen=True, slots=True)
 class GemmPlan:

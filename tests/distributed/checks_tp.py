@@ -39,6 +39,24 @@ def tp_traffic(rank: int, world: int) -> dict:
 
 
 @check
+def tp_backward_weight_scales(rank: int, world: int) -> dict:
+    """How often backward agrees a scale for weight.T's cast made again (``weight_t_again``), in one fp8-current
+    step, and the all-reduced bytes of the step: forward's agreed scale is kept for it instead."""
+    import lowprec.nn.function as function
+
+    m = TP.model("fp8-current")
+    split = parallelize(m)
+    real, calls = function.agreed_scale, []
+    function.agreed_scale = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        with count_traffic() as traffic:
+            TP.step(m)
+    finally:
+        function.agreed_scale = real
+    return {"calls": len(calls), "all_reduce": traffic["all_reduce"], "split": split.linears}
+
+
+@check
 def tp_agreed_scale(rank: int, world: int) -> dict:
     """Each rank's half of one tensor: the scale agreed over the ranks, finite and with a NaN in rank 1's half."""
     whole = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)) * 5

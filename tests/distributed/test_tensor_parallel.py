@@ -81,6 +81,14 @@ def test_norm_gradients_are_summed_over_the_ranks(dist_results, one_process):
     assert (got - ref).norm() <= 1e-4 * (ref - initial).norm()
 
 
+def test_backward_recasts_weight_t_with_the_scale_forward_agreed(dist_results):
+    """fp8-current casts weight.T again in backward: with forward's agreed scale, not one more all-reduce per
+    split linear (the numbers are the same: ``test_two_tensor_parallel_ranks_train_like_one_process``)."""
+    for r in result(dist_results, "tp_backward_weight_scales"):
+        assert r["split"] > 0 and r["calls"] == 0, r
+        assert r["all_reduce"] > 0  # the other operands' scales are still agreed
+
+
 def test_per_tensor_scales_are_agreed_over_the_ranks(dist_results):
     whole = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)) * 5
     expected = amax_scale(whole.abs().amax().float(), formats.get("e4m3"))
