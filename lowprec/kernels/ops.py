@@ -8,7 +8,7 @@ and mutation checks, argument re-parsing) that cost about 30 microseconds per ca
 against about 6 for an operator defined from its schema and implemented directly (``define``
 below). The operators here are functional (fresh outputs, no input written) and never see autograd
 (their callers detach their inputs), so the direct form loses nothing. Eager code skips them and
-calls the implementations.
+calls the implementations, but under a Python dispatch mode, which then sees one operator per call.
 """
 from __future__ import annotations
 
