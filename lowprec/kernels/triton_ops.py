@@ -4,8 +4,8 @@ Registered as opaque operators (``lowprec.kernels.ops.define``) so that ``torch.
 its graph without a break. Eager code calls the same implementations directly (``amax`` / ``cast``
 below), skipping the dispatcher's few tens of microseconds per call, which matter next to kernels of
 a few hundred; under a Python dispatch mode it calls the operators (see
-``lowprec.kernels.triton_quant.as_operators``). A plan travels as a tuple of ints (see ``triton_plan``); the kernel arguments it
-implies are worked out once per plan. Every output is a fresh tensor; unused outputs are empty.
+``lowprec.kernels.triton_quant.as_operators``). A plan travels as a tuple of ints (see ``triton_plan``);
+the kernel arguments it implies are worked out once per plan. Every output is a fresh tensor; unused outputs are empty.
 """
 from __future__ import annotations
 
