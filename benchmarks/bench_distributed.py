@@ -10,8 +10,10 @@ or ``fsdp2`` (``fully_shard`` on each block, resharding as ``lowprec train`` doe
 is the plain model, any other recipe goes through ``lowprec.convert`` with the default policy. Options:
 ``+fp8comm`` (DDP gradients all-reduced in FP8, ``lowprec.distributed.register_ddp``), ``+fp8ag``
 (FSDP2 all-gathers per-tensor FP8 weights in E4M3, ``fp8_weights.fp8_all_gather``, scales precomputed
-after every optimizer step), ``+fp8rs`` (FSDP2 reduce-scatters gradients in FP8, ``register_fsdp``).
-Parameters are BF16 in every variant, in ``lowprec.optim.Optimizer`` (FP32 masters, fused AdamW), so all compare alike.
+after every optimizer step), ``+fp8rs`` (FSDP2 reduce-scatters gradients in FP8, ``register_fsdp``),
+``+fp8w`` (FP8 primary weights, ``convert(..., fp8_weights=True)``: under FSDP2 each rank stores its rows as
+codes and the ranks gather the codes, ``fp8_weight_shards``). Parameters are BF16 in every variant (stored as
+E4M3 codes with ``+fp8w``), in ``lowprec.optim.Optimizer`` (FP32 masters, fused AdamW), so all compare alike.
 
 A step: zero the gradients, forward, cross-entropy, backward, ``sync_amaxes`` (delayed recipes; nothing
 for current scaling), the optimizer step (the group's one agreement all-reduce), and for ``+fp8ag`` the
@@ -59,14 +61,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import lowprec
 from lowprec import recipes
 from lowprec.distributed import register_ddp, register_fsdp, sync_amaxes
+from lowprec.distributed.fp8_weight_shards import finish_fp8_weight_shards, shard_fp8_weights
 from lowprec.distributed.fp8_weights import fp8_all_gather, precompute_fp8_scales
 from lowprec.distributed.launch import reshard_after_forward
 from lowprec.distributed.traffic import count_traffic
 from lowprec.optim import Optimizer
 from lowprec.train.model import build_model
 
-OPTIONS = {"ddp": ("fp8comm",), "fsdp2": ("fp8ag", "fp8rs")}
-"""What each parallelism can add: FP8 gradient all-reduce (DDP); FP8 weight all-gather, FP8 reduce-scatter (FSDP2)."""
+OPTIONS = {"ddp": ("fp8comm", "fp8w"), "fsdp2": ("fp8ag", "fp8rs", "fp8w")}
+"""What each parallelism can add: FP8 gradient all-reduce (DDP); FP8 weight all-gather, FP8 reduce-scatter (FSDP2);
+FP8 primary weights (both)."""
 DEFAULT_VARIANTS = ["ddp:bf16", "ddp:fp8-current", "ddp:fp8-current+fp8comm", "fsdp2:bf16", "fsdp2:fp8-current",
                     "fsdp2:fp8-current+fp8ag", "fsdp2:fp8-current+fp8ag+fp8rs"]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
@@ -135,7 +139,9 @@ class Setup:
 def setup(base: nn.Module, v: Variant, device: torch.device, mesh: DeviceMesh, compiled: bool) -> Setup:
     """A copy of ``base`` in BF16 on ``device``, converted, wrapped and given its optimizer as ``v`` says."""
     model = copy.deepcopy(base).to(torch.bfloat16).to(device)  # cast before conversion: delayed state stays FP32
-    info = {"conversion": "plain nn.Linear" if v.recipe == "bf16" else lowprec.convert(model, v.recipe).summary()}
+    fp8w = "fp8w" in v.options
+    info = {"conversion": "plain nn.Linear" if v.recipe == "bf16" else
+            lowprec.convert(model, v.recipe, fp8_weights=fp8w).summary()}
     if "fp8ag" in v.options:  # after convert, before fully_shard and the optimizer: the weights become new parameters
         info["fp8_all_gather_layers"] = len(fp8_all_gather(model))
     if compiled:
@@ -150,9 +156,11 @@ def setup(base: nn.Module, v: Variant, device: torch.device, mesh: DeviceMesh, c
             call.register_comm_hook(None, allreduce_hook)  # DDP's own all-reduce, made from Python: counted
     else:
         n = len(model.layers)
+        pending = shard_fp8_weights(model)  # FP8 primary weights: rows of codes, gathered as codes
         for i, block in enumerate(model.layers):  # resharding as lowprec's trainer does
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward(i, n))
         fully_shard(model, mesh=mesh)  # the root: embedding, final norm, LM head
+        finish_fp8_weight_shards(pending)
         call = model
         if "fp8rs" in v.options:
             comm = register_fsdp(model, "fp8")
@@ -405,7 +413,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default=".", help="directory for the JSON (rank 0 writes it)")
     ap.add_argument("--sizes", default="1b", help=f"comma-separated, of {', '.join(SIZES)}")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                    help="comma-separated <ddp|fsdp2>:<recipe>[+fp8comm (ddp) | +fp8ag, +fp8rs (fsdp2)]")
+                    help="comma-separated <ddp|fsdp2>:<recipe>[+fp8comm (ddp) | +fp8ag, +fp8rs (fsdp2) | +fp8w]")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (after the first and the warmup)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     ap.add_argument("--rounds", type=int, default=1,

@@ -87,6 +87,17 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
+def like(p: torch.Tensor, part: torch.Tensor, shape: Sequence[int] | None = None) -> torch.Tensor:
+    """``part`` (this rank's part of a tensor laid out as ``p``, of global ``shape``, default ``p``'s) as a
+    DTensor of ``p``'s mesh and placements, contiguous; ``part`` itself where ``p`` is no DTensor."""
+    if not is_dtensor(p):
+        return part
+    shape = torch.Size(p.shape if shape is None else shape)
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return _dtensor_module().DTensor.from_local(part, p.device_mesh, p.placements, run_check=False, shape=shape,
+                                                stride=stride)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local shard (sharing its storage), a plain tensor itself."""
     return t.to_local() if is_dtensor(t) else t

@@ -39,9 +39,11 @@ from lowprec import formats as F
 from lowprec._checks import describe, fail
 from lowprec.nn import Linear
 from lowprec.nn.casts import QuantizedWeight
-from lowprec.quant import QuantizedTensor, tensorwise
+from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.quant import quantize as _quantize
+from lowprec.quant import tensorwise
 from lowprec.quant.scales import amax_scale
+from lowprec.ranks import like
 
 aten = torch.ops.aten
 E4M3 = F.get("e4m3")
@@ -172,14 +174,17 @@ class GatheredFP8Weight(QuantizedWeight):
     def __repr__(self) -> str:
         return f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
-    def quantized(self, transposed: bool = False) -> QuantizedTensor:
-        """The E4M3 operand (or its transpose, with the same scale), bit for bit the cast of the whole
-        high-precision weight with this scale."""
-        data = self._data.t().contiguous() if transposed else self._data
-        return QuantizedTensor(data, self._scale.reshape(1, 1), E4M3, tensorwise(), data.shape, self.dtype)
+    @property
+    def granularity(self):
+        """One scale: the E4M3 operand (or its transpose, with the same scale) is bit for bit the cast of
+        the whole high-precision weight with this scale."""
+        return tensorwise()
 
     @property
     def amax(self) -> torch.Tensor:
+        if self._amax is None:
+            fail("weight", "a gathered weight with an amax (one made for a recipe that records it)",
+                 "one gathered from FP8 weights made for a recipe without delayed weight scaling")
         return self._amax
 
     @classmethod
@@ -195,11 +200,12 @@ class GatheredFP8Weight(QuantizedWeight):
         return func(*pytree.tree_map(hp, args), **pytree.tree_map(hp, kwargs))
 
     def __tensor_flatten__(self):
-        return ["_data", "_scale", "_amax"], self.dtype
+        # no amax from an FP8 primary weight made for a recipe that records none
+        return ["_data", "_scale"] + (["_amax"] if self._amax is not None else []), self.dtype
 
     @staticmethod
     def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
-        return GatheredFP8Weight(inner["_data"], inner["_scale"], inner["_amax"], dtype)
+        return GatheredFP8Weight(inner["_data"], inner["_scale"], inner.get("_amax"), dtype)
 
 
 _GATHERED_ALIASING = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default,
@@ -231,7 +237,8 @@ def fp8_all_gather(model: nn.Module) -> list[str]:
         fail("model", "a torch.nn.Module", describe(model), TypeError)
     done = []
     for name, m in model.named_modules():
-        if isinstance(m, Linear) and _eligible(m).ok and not isinstance(m.weight.data, FP8ShardedWeight):
+        # an FP8 primary weight is gathered as its codes already (lowprec.distributed.fp8_weight_shards)
+        if isinstance(m, Linear) and _eligible(m).ok and not isinstance(m.weight, (FP8ShardedWeight, FP8Weight)):
             w = m.weight
             m.weight = nn.Parameter(FP8ShardedWeight(w.data, ScaleBox()), requires_grad=w.requires_grad)
             m.register_state_dict_post_hook(_plain_state)
@@ -245,10 +252,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
         return t._data
     inner = getattr(t, "_local_tensor", None)
     if isinstance(inner, FP8ShardedWeight):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(inner._data, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        return like(t, inner._data)
     return t
 
 

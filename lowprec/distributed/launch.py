@@ -29,6 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lowprec._checks import Choice, fail
+from lowprec.distributed.fp8_weight_shards import finish_fp8_weight_shards, shard_fp8_weights
 from lowprec.distributed.fp8_weights import fp8_all_gather
 from lowprec.distributed.grad_comm import GradComm, fsdp_reduce_dtype, register_ddp, register_fsdp
 from lowprec.ranks import is_dtensor
@@ -198,7 +199,9 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
     reduce-scatter in the dtype ``grad_comm`` sends (see :func:`apply_grad_comm`, called next).
     With ``fp8_weights`` the weights of per-tensor FP8 layers are all-gathered in E4M3
     (:func:`lowprec.distributed.fp8_weights.fp8_all_gather`; call ``precompute_fp8_scales`` after
-    each optimizer step).
+    each optimizer step). FP8 primary weights (``lowprec.convert(..., fp8_weights=True)``) are sharded
+    and all-gathered as their codes whatever ``fp8_weights`` says (see [Note: FP8 primary weights under
+    FSDP2] in :mod:`lowprec.distributed.fp8_weight_shards`).
 
     Parameters that are DTensors already (experts split by expert parallelism, see
     :mod:`lowprec.distributed.expert_parallel`; weights split by tensor parallelism) are left out of both
@@ -221,12 +224,14 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
         policy = MixedPrecisionPolicy(reduce_dtype=fsdp_reduce_dtype(grad_comm))
         if fp8_weights:
             fp8_all_gather(model)
+        pending = shard_fp8_weights(model)  # FP8 primary weights: sharded as codes, gathered as codes
         ignored = {q for q in placed.values() if not getattr(q, "_lowprec_tensor_parallel", False)} or None
         blocks = transformer_blocks(model)
         for i, block in enumerate(blocks):
             fully_shard(block, mesh=mesh, mp_policy=policy, ignored_params=ignored,
                         reshard_after_forward=reshard_after_forward(i, len(blocks)))
         fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)  # FSDP2 keeps the root gathered
+        finish_fp8_weight_shards(pending)
     return model
 
 

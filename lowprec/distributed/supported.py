@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowprec import formats as F
+from lowprec import recipes as R
 from lowprec._checks import check_choice
 
 PARALLEL = ("none", "ddp", "fsdp2")
@@ -24,19 +26,28 @@ class Unsupported:
     received: str
 
 
-def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str,
-                master_weights: bool) -> tuple[Unsupported, ...]:
+def _per_tensor_weights(recipe) -> bool:
+    """Whether ``recipe`` stores FP8 primary weights per tensor: both its weight casts E4M3 per tensor
+    (``lowprec.nn.fp8_convert.storage_for``); other recipes store 128x128 blocks."""
+    return all(c.fmt is F.get("e4m3") and c.granularity is not None and c.granularity.per_tensor
+               and not c.stochastic and not c.hadamard for c in R.get(recipe).sides(R.Role.WEIGHT))
+
+
+def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str, master_weights: bool,
+                recipe=None) -> tuple[Unsupported, ...]:
     """Every combination a run spread as ``parallel`` cannot take, in the order a configuration checks them.
     Every ``optim_states`` runs under each (FSDP2's FP8 and 8-bit moments group inside rows:
-    ``lowprec.optim.states``)."""
+    ``lowprec.optim.states``). ``recipe`` (a name or a ``Recipe``; None: not checked) decides whether FP8
+    primary weights shard under FSDP2 (``lowprec.distributed.fp8_weight_shards``)."""
     check_choice("parallel", parallel, PARALLEL)
     out = []
     if fp8_weights and not master_weights:
         out.append(Unsupported("fp8_weights", "master_weights True (FP8 weights train through their FP32 masters)",
                                "master_weights False"))
-    if fp8_weights and parallel == "fsdp2":
-        out.append(Unsupported("fp8_weights", "parallel 'none' or 'ddp' (FSDP2 with FP8 primary weights is not "
-                               "supported yet)", repr(parallel)))
+    if fp8_weights and parallel == "fsdp2" and recipe is not None and not _per_tensor_weights(recipe):
+        out.append(Unsupported("fp8_weights", "a recipe storing FP8 weights per tensor under parallel 'fsdp2' "
+                               "(fp8-current, fp8-delayed: FSDP2 splits rows where 128x128 blocks would need block "
+                               "edges), or parallel 'none' or 'ddp'", repr(R.get(recipe).name)))
     if not master_weights and parallel != "none":
         out.append(Unsupported("master_weights", "True under ddp/fsdp2 (stochastic rounding swaps param.data)",
                                "False"))

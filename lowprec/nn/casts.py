@@ -18,9 +18,10 @@ import torch.distributed._functional_collectives as funcol
 from lowprec import kernels as K
 from lowprec import recipes as R
 from lowprec.nn.delayed import DelayedState
-from lowprec.nn.plan import OperandPlan
+from lowprec.nn.plan import OperandPlan, codes_serve
 from lowprec.nn.recomputation import recomputing
-from lowprec.quant import QuantizedTensor
+from lowprec.nn.stored_codes import stored_operand
+from lowprec.quant import Granularity, QuantizedTensor
 from lowprec.quant.scales import amax_scale
 
 Operand = QuantizedTensor | torch.Tensor
@@ -100,18 +101,24 @@ class QuantizedWeight(torch.Tensor):
     """A weight parameter that arrives quantized (FSDP2's FP8 all-gather:
     ``lowprec.distributed.fp8_weights``): the layer takes its operands as they are instead of casting."""
 
+    _data: torch.Tensor
+    """The E4M3 codes, of the weight's shape (or padded to whole blocks)."""
+    _scale: torch.Tensor
+    """Their FP32 scales: (1, 1) per tensor, one per block otherwise."""
+
     def quantized(self, transposed: bool = False) -> QuantizedTensor:
-        """The weight's cast (or weight.T's, for dgrad)."""
-        raise NotImplementedError
+        """The weight's cast (or weight.T's, for dgrad): :func:`weight_operand`."""
+        return weight_operand(self, transposed)
 
     @property
     def amax(self) -> torch.Tensor:
         """The high-precision weight's amax, for the delayed-scaling history."""
         raise NotImplementedError
 
-    def serves(self, op: OperandPlan | None) -> bool:
-        """The stored codes are exactly ``op``'s weight casts (else the layer decodes and casts them)."""
-        return True
+    @property
+    def granularity(self) -> Granularity:
+        """How the codes are scaled (see :func:`serves`)."""
+        raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The decoded weight, a plain tensor."""
@@ -212,6 +219,20 @@ def input_casts(x: torch.Tensor, x2: torch.Tensor, op: OperandPlan, need_t: bool
     return casts
 
 
+def weight_operand(weight: QuantizedWeight, transposed: bool = False) -> QuantizedTensor:
+    """The weight's codes and scales as the fprop operand, or transposed as dgrad's (``weight.T``), built
+    from its inner tensors: compiled code reads a subclass's inner tensors, but a method of the subclass
+    returning no tensor ends the graph (and runs the layer eagerly)."""
+    return stored_operand(weight._data, weight._scale, weight.granularity, weight.shape, weight.dtype, transposed)
+
+
+def serves(weight: QuantizedWeight, op: OperandPlan | None) -> bool:
+    """The weight's codes are exactly ``op``'s weight casts (else the layer decodes and casts them). A
+    function of the weight's ``granularity``, not a method of the weight: compiled code cannot pass the
+    plan into a method of a tensor subclass."""
+    return codes_serve(weight.granularity, op)
+
+
 def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t: bool,
                  record: bool, stored: QuantizedTensor | None = None) -> tuple[Operand, Operand | None]:
     """(weight cast for fprop, weight.T cast for dgrad or None): cast now, or inside
@@ -220,10 +241,11 @@ def weight_casts(weight: torch.Tensor, op: OperandPlan, state: CastState, need_t
     ``stored``: an FP8 primary weight's codes in another format than the recipe's, decoded and cast."""
     caching = state.caching
     if stored is None and isinstance(weight, QuantizedWeight):
-        if weight.serves(op):
-            record_weight_amax(state.delayed, op, weight.amax, record)
-            return weight.quantized(), weight.quantized(transposed=True) if need_t else None
-        stored = weight.quantized()
+        if serves(weight, op):
+            if op.delayed:  # a weight gathered for a recipe without delayed scaling holds no amax
+                record_weight_amax(state.delayed, op, weight.amax, record)
+            return weight_operand(weight), weight_operand(weight, transposed=True) if need_t else None
+        stored = weight_operand(weight)
     if stored is not None:
         # FP8 weights stored in another format than the recipe's: decoded, then cast as it says
         key = (weight._version, stored.data.data_ptr(), op) if caching else None

@@ -18,16 +18,20 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
     that no weight needs an amax pass of its own, then their casts with the given scales (one launch for
     all on the Triton route: ``lowprec.kernels.requantize_many``). The
     amax of a tensor rounded to the parameter's dtype is the rounded amax of the tensor: rounding to
-    nearest is monotonic. Other weights (128x128 blocks, distributed shards) take ``requantize_``."""
+    nearest is monotonic. Shards of a weight (FSDP2's, which have an ``agreement``) take the maximum of
+    their amaxes over the ranks holding the other rows, in one exchange for all the shards that agree over
+    the same ranks. Other weights (128x128 blocks) take ``requantize_``."""
     groups: dict[tuple, list[tuple[FP8Weight, torch.Tensor]]] = {}
     for p, src in zip(params, sources, strict=True):
-        if type(src) is torch.Tensor and type(p) is FP8Weight and p.granularity.per_tensor:
-            groups.setdefault((src.device, src.dtype, p.dtype), []).append((p, src.detach()))
+        if type(src) is torch.Tensor and isinstance(p, FP8Weight) and p.granularity.per_tensor:
+            groups.setdefault((src.device, src.dtype, p.dtype, p.agreement), []).append((p, src.detach()))
         else:
             p.requantize_(src)
-    for (_, _, dtype), pairs in groups.items():
+    for (_, _, dtype, agreement), pairs in groups.items():
         params, srcs = [p for p, _ in pairs], [src for _, src in pairs]
-        amaxes = torch.stack(torch._foreach_norm(srcs, ord=math.inf)).to(dtype).float()  # of the rounded sources
+        amaxes = _amaxes(srcs).to(dtype).float()  # of the rounded sources
+        if agreement is not None:
+            agreement(amaxes)
         K.requantize_many(srcs, amax_scale(amaxes, E4M3), [p._data for p in params], [p._scale for p in params],
                           dtype)
         kept = [(p._amax, amax) for p, amax in zip(params, amaxes.unbind()) if p._amax is not None]
@@ -35,3 +39,14 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
             torch._foreach_copy_([a for a, _ in kept], [b for _, b in kept])
         for p in params:
             p._stored()
+
+
+def _amaxes(srcs: list[torch.Tensor]) -> torch.Tensor:
+    """The amax of each source, 0 for an empty one (a shard with no rows), in one multi-tensor pass."""
+    full = [i for i, s in enumerate(srcs) if s.numel()]
+    if len(full) == len(srcs):
+        return torch.stack(torch._foreach_norm(srcs, ord=math.inf))
+    out = srcs[0].new_zeros(len(srcs))
+    if full:
+        out[full] = torch.stack(torch._foreach_norm([srcs[i] for i in full], ord=math.inf)).to(out.dtype)
+    return out

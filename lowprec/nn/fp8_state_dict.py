@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from lowprec.nn.fp8_weight import FP8Weight
+from lowprec.ranks import is_dtensor, like
 
 
 def decoded_state(module, state_dict, prefix, local_metadata) -> None:
     """A ``state_dict`` post-hook: the layer's FP8 weight as the decoded weight, in the parameter's dtype,
     so that checkpoints and plain models take it (the masters are in the optimizer's state)."""
     key = prefix + "weight"
-    if isinstance(state_dict.get(key), FP8Weight):
-        state_dict[key] = state_dict[key].dequantize()
+    value = state_dict.get(key)
+    if isinstance(value, FP8Weight):
+        state_dict[key] = value.dequantize()
+    elif is_dtensor(value) and isinstance(value._local_tensor, FP8Weight):  # FSDP2's shard: its rows decoded
+        state_dict[key] = like(value, value._local_tensor.dequantize())

@@ -56,9 +56,9 @@ from torch.utils import _pytree as pytree
 from lowprec import kernels as K
 from lowprec._checks import fail
 from lowprec.nn.casts import QuantizedWeight
-from lowprec.nn.plan import OperandPlan, codes_serve
-from lowprec.nn.stored_codes import E4M3, StoredCodes, stored_operand
+from lowprec.nn.stored_codes import E4M3, StoredCodes
 from lowprec.quant import Granularity, QuantizedTensor
+from lowprec.quant.scales import amax_scale
 
 aten = torch.ops.aten
 
@@ -128,16 +128,9 @@ class FP8Weight(QuantizedWeight):
     def granularity(self) -> Granularity:
         return self._granularity
 
-    def serves(self, op: OperandPlan | None) -> bool:
-        return codes_serve(self._granularity, op)
-
     @property
     def resident(self) -> bool:
         return True
-
-    def quantized(self, transposed: bool = False) -> QuantizedTensor:
-        """The stored codes as the fprop operand, or transposed as dgrad's (``weight.T``, (K, N))."""
-        return stored_operand(self._data, self._scale, self._granularity, self.shape, self.dtype, transposed)
 
     @property
     def amax(self) -> torch.Tensor:
@@ -156,20 +149,35 @@ class FP8Weight(QuantizedWeight):
         hp, self._initial = self._initial, None
         return hp if hp is not None else self.dequantize()
 
+    agreement = None
+    """How the ranks holding the other rows of this weight agree on its amax (a callable taking a float32
+    tensor of amaxes and setting each, in place, to its maximum over those ranks), or None: this tensor is
+    the whole weight. Set on FSDP2's shards (``lowprec.distributed.fp8_weight_shards``): a per-tensor scale
+    is the whole weight's."""
+
+    def _quantize_src(self, src: torch.Tensor) -> tuple[QuantizedTensor, torch.Tensor | None]:
+        """``src`` rounded to the parameter's dtype and quantized as this weight stores it, with the
+        whole weight's scale where this is a shard; and its amax where the recipe records one."""
+        hp = (src.dequantize() if isinstance(src, FP8Weight) else src).detach().to(self.dtype)
+        if self.agreement is None:
+            return _quantize(hp, self._granularity, self._amax is not None)
+        amax = hp.abs().amax().float().reshape(1) if hp.numel() else hp.new_zeros(1, dtype=torch.float32)
+        self.agreement(amax)
+        q = K.quantize(hp, E4M3, self._granularity, scale=amax_scale(amax[0], E4M3))
+        return q, amax[0] if self._amax is not None else None
+
     @torch.no_grad()
     def requantize_(self, src: torch.Tensor) -> None:
         """Store ``src`` (an FP32 master, or any tensor of this shape), rounded to the parameter's dtype
         and quantized; counts as a write for autograd's version checks."""
-        src = src.dequantize() if isinstance(src, FP8Weight) else src
-        self._store(*_quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None))
+        self._store(*self._quantize_src(src))
 
     @torch.no_grad()
     def copy_from_(self, src: torch.Tensor) -> None:
         """``copy_``: ``src`` quantized and stored, unless it gives the codes already held (a copy of the
         weight's own value: DDP's first broadcast on every rank once ranks hold the same weights), which
         keeps the initial value for the optimizer to take."""
-        src = src.dequantize() if isinstance(src, FP8Weight) else src
-        q, amax = _quantize(src.detach().to(self.dtype), self._granularity, self._amax is not None)
+        q, amax = self._quantize_src(src)
         same = torch.equal(q.data.view(torch.uint8), self._data.view(torch.uint8)) and torch.equal(q.scale, self._scale)
         if not same or (amax is not None and not torch.equal(amax, self._amax)):
             self._store(q, amax)
@@ -178,7 +186,7 @@ class FP8Weight(QuantizedWeight):
     def share_initial_(self, initial: torch.Tensor) -> None:
         """Hold ``initial`` (the high-precision weight, as another rank made it) instead of this one's own:
         stored as codes and kept for the optimizer to take."""
-        self._store(*_quantize(initial.detach().to(self.dtype), self._granularity, self._amax is not None))
+        self._store(*self._quantize_src(initial))
         self._initial = initial
 
     def _store(self, q: QuantizedTensor, amax: torch.Tensor | None) -> None:

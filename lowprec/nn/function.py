@@ -56,7 +56,9 @@ from lowprec.nn.casts import (
     input_casts,
     record_weight_amax,
     weight_casts,
+    weight_operand,
 )
+from lowprec.nn.casts import serves as weight_serves
 from lowprec.nn.plan import HP, GemmPlan, LayerPlan, SavePlan, WeightKind, WeightT
 from lowprec.nn.probe import probe
 from lowprec.nn.stored_codes import stored_operand
@@ -89,7 +91,7 @@ def save_plan(weight: torch.Tensor, codes: tuple, plan: LayerPlan, state: CastSt
         kind, serves = WeightKind.STORED, plan.stored_weight
     elif isinstance(weight, QuantizedWeight):
         kind = WeightKind.RESIDENT if weight.resident else WeightKind.GATHERED
-        serves = weight.serves(plan.weight)
+        serves = weight_serves(weight, plan.weight)
     else:
         kind, serves = WeightKind.PLAIN, False
     return plan.save(kind, serves, state.caching, torch.compiler.is_compiling())
@@ -166,8 +168,8 @@ def weight_t_again(weight: torch.Tensor, plan: LayerPlan, scale_t: torch.Tensor 
     incoming gradient (see [Note: casts a compiled backward makes] in ``lowprec.kernels.cast``).
     ``group``: the tensor-parallel group the weight is a shard of (see ``lowprec.nn.casts.agreed_scale``)."""
     if isinstance(weight, QuantizedWeight):  # an FP8 weight all-gathered by FSDP2, or not held by a layer
-        if weight.serves(plan.weight):
-            return weight.quantized(transposed=True)
+        if weight_serves(weight, plan.weight):
+            return weight_operand(weight, transposed=True)
         weight = weight.dequantize()
     route = plan.weight.transposed
     if scale_t is None and route.transposed is not None and not route.transposed.delayed:

@@ -36,7 +36,7 @@ from lowprec._checks import describe, fail
 from lowprec.kernels.route import fused_adamw_step
 from lowprec.optim import adamw_batch as batch
 from lowprec.optim.states import PER_GROUP_KEYS, Moment, StateFormat, code_dtype, load, row_groups, store
-from lowprec.ranks import is_dtensor
+from lowprec.ranks import is_dtensor, like
 from lowprec.ranks import local as ranks_local
 
 
@@ -63,9 +63,7 @@ def update_one(p: torch.Tensor, state: dict, fmt: StateFormat, group: dict, rows
 
 def _sharded_like(local: torch.Tensor, p: DTensor, shape: tuple[int, ...]) -> DTensor:
     """``local`` (this rank's rows of a tensor of global ``shape``) as a DTensor laid out as ``p``."""
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape),
-                              stride=stride)
+    return like(p, local, shape)
 
 
 class AdamWLP(torch.optim.Optimizer):

@@ -13,6 +13,8 @@ placements: each rank holds a float32 copy of its own shard only, and rounds it 
 An FP8 primary weight (:class:`lowprec.nn.fp8_weight.FP8Weight`) always has a master, whatever
 ``enabled`` says: its codes cannot take an update. The master starts from the high-precision weight
 the FP8 one was made from (handed over once), and after each step is quantized into the codes in place.
+Under FSDP2 the parameter is a DTensor whose local shard is the FP8 weight (its rows, with the whole
+weight's scale): the master is a float32 DTensor of the same rows.
 """
 from __future__ import annotations
 
@@ -25,7 +27,13 @@ from lowprec._checks import describe, fail
 from lowprec.nn.fp8_requantize import requantize_all
 from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.optim.accumulate import is_low_precision
-from lowprec.ranks import local
+from lowprec.ranks import is_dtensor, like, local
+
+
+def fp8_weight(p: torch.Tensor) -> FP8Weight | None:
+    """``p`` if it is an FP8 primary weight, or its local shard if that is one (FSDP2); else None."""
+    q = p._local_tensor if is_dtensor(p) else p  # the shard itself (to_local() views it under autograd)
+    return q if isinstance(q, FP8Weight) else None
 
 
 class MasterWeights:
@@ -40,8 +48,9 @@ class MasterWeights:
         """Adopt ``params``; returns what the inner optimizer should hold in their place."""
         for p in params:
             self.params.append(p)
-            if isinstance(p, FP8Weight):  # the only high-precision copy of the weight from now on
-                self.masters.append(p.take_initial().float().clone())
+            fp8 = fp8_weight(p)
+            if fp8 is not None:  # the only high-precision copy of the weight from now on
+                self.masters.append(like(p, fp8.take_initial().float().clone()))
                 continue
             # a DTensor's float() is a DTensor of the same placements: the master is sharded like p
             self.masters.append(p.detach().float().clone() if self.enabled and is_low_precision(p) else None)
@@ -74,8 +83,9 @@ class MasterWeights:
         groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
         fp8: tuple[list, list] = ([], [])
         for p, m in zip(self.params, self.masters):
-            if isinstance(p, FP8Weight):
+            if fp8_weight(p) is not None:
                 dst, src = fp8
+                p, m = fp8_weight(p), local(m)  # FSDP2's shard: its rows, with the whole weight's scale
             elif m is not None:
                 dst, src = groups[(p.device, p.dtype)]
                 p, m = local(p), local(m)  # in place into the shard FSDP2 all-gathers from

@@ -34,11 +34,10 @@ from typing import Any
 import torch
 
 from lowprec._checks import describe, fail
-from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.optim.accumulate import GradAccumulator
 from lowprec.optim.guard import StepGuard, by_device
 from lowprec.optim.loss_scale import LossScaleConfig, LossScaler
-from lowprec.optim.master import MasterWeights
+from lowprec.optim.master import MasterWeights, fp8_weight
 from lowprec.optim.stochastic import StochasticRounding
 from lowprec.ranks import data_parallel_group, is_dtensor, local, replicas
 
@@ -150,7 +149,7 @@ class Optimizer(torch.optim.Optimizer):
                 fail("params", "float32, bfloat16 or float16 tensors", describe(p), TypeError)
             if not p.is_leaf:
                 fail("params", "leaf tensors (parameters), not results of an operation", describe(p))
-            if isinstance(p, FP8Weight) and (not self._masters.enabled or self._sr is not None):
+            if fp8_weight(p) is not None and (not self._masters.enabled or self._sr is not None):
                 fail("master_weights", "True for FP8 weights (their codes cannot take an update; the FP32 master "
                      "does)", "False")
             if id(p) in self._seen:

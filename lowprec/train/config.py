@@ -114,7 +114,9 @@ class TrainConfig:
     steps into ``telemetry.csv`` (0: never); see ``lowprec.telemetry``. It changes no number of the run."""
     fp8_weights: bool = False
     """Store the converted layers' weights in FP8 with their FP32 masters in the optimizer alone
-    (``lowprec.convert(..., fp8_weights=True)``); needs ``dtype`` bfloat16 or float16 and one process."""
+    (``lowprec.convert(..., fp8_weights=True)``); needs ``dtype`` bfloat16 or float16 and ``tp`` 1. Under
+    ``fsdp2`` each rank stores its rows as codes and the ranks all-gather the codes, for the recipes that store
+    weights per tensor (fp8-current, fp8-delayed; see ``lowprec.distributed.fp8_weight_shards``)."""
     fp8_activations: str | None = None
     """Norms and SwiGLU keep their inputs for backward in E4M3 (``Policy.saved_activations``), with FP32
     scales per ``"tensor"`` or per ``"1xB"`` block (``"1x128"``); None keeps them in the model's dtype."""
@@ -197,7 +199,7 @@ class TrainConfig:
                  "dtype bfloat16 or float16", False)
         # what a run spread over ranks cannot combine: the rule lowprec plan reports too
         for u in unsupported(self.parallel, fp8_weights=self.fp8_weights, optim_states=self.optim_states,
-                             master_weights=self.master_weights):
+                             master_weights=self.master_weights, recipe=self.recipe):
             fail(u.option, u.expected, u.received)
 
     def policy_object(self) -> Policy | None:

@@ -13,14 +13,14 @@ from lowprec.plan.report import format_plan
 from lowprec.train.config import TrainConfig
 
 
-@pytest.mark.parametrize("parallel, fp8_weights, optim_states, master_weights", list(itertools.product(
-    ("none", "ddp", "fsdp2"), (False, True), ("fp32", "fp8"), (True, False))))
+@pytest.mark.parametrize("parallel, fp8_weights, optim_states, master_weights, recipe", list(itertools.product(
+    ("none", "ddp", "fsdp2"), (False, True), ("fp32", "fp8"), (True, False), ("fp8-current", "fp8-blockwise"))))
 def test_the_shared_rule_refuses_what_the_training_config_refuses(parallel, fp8_weights, optim_states,
-                                                                  master_weights):
+                                                                  master_weights, recipe):
     refused = unsupported(parallel, fp8_weights=fp8_weights, optim_states=optim_states,
-                          master_weights=master_weights)
+                          master_weights=master_weights, recipe=recipe)
     kwargs = dict(parallel=parallel, fp8_weights=fp8_weights, optim_states=optim_states,
-                  master_weights=master_weights, dtype="bfloat16")
+                  master_weights=master_weights, dtype="bfloat16", recipe=recipe)
     if not refused:
         TrainConfig(**kwargs)
         return
@@ -43,12 +43,19 @@ def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
         "shards split along dim 0)",
         "--fp8-weights: lowprec train expects False with tp 8 (FP8 primary weights are not split by tensor "
         "parallelism yet)",
-        "--fp8-weights: lowprec train expects parallel 'none' or 'ddp' (FSDP2 with FP8 primary weights is not "
-        "supported yet), got 'fsdp2' (--parallel fsdp2 on 64 GPUs)",
-    )  # FP8 moments run under FSDP2, but not beside tensor parallelism
+    )  # FP8 moments and FP8 weights run under FSDP2, but not beside tensor parallelism
     text = format_plan(plan(PlanConfig(model="llama-3-70b", gpu="h200", recipe="fp8-current", gpus=64, tp=8,
                                        zero=3, training=Training(fp8_weights=True, optim_states="fp8"))))
     assert "lowprec train cannot run this layout as planned:\n  --optim-states fp8: " in text
+
+
+def test_fp8_weights_under_fsdp2_need_a_recipe_storing_them_per_tensor():
+    config = dict(model="llama-3-70b", gpu="h200", gpus=64, zero=3, training=Training(fp8_weights=True))
+    assert plan(PlanConfig(recipe="fp8-current", **config)).trainer_refusals == ()
+    assert plan(PlanConfig(recipe="fp8-blockwise", **config)).trainer_refusals == (
+        "--fp8-weights: lowprec train expects a recipe storing FP8 weights per tensor under parallel 'fsdp2' "
+        "(fp8-current, fp8-delayed: FSDP2 splits rows where 128x128 blocks would need block edges), or parallel "
+        "'none' or 'ddp', got 'fp8-blockwise' (--parallel fsdp2 on 64 GPUs)",)
 
 
 @pytest.mark.parametrize("kwargs, expected", [

@@ -1,0 +1,154 @@
+"""FP8 primary weights under FSDP2 (two gloo ranks): each rank stores its rows of every converted weight as E4M3
+codes with the whole weight's scale and the ranks all-gather the codes, so the run with ``--fp8-weights`` trains bit
+for bit as FSDP2 with BF16 weights, FP32 masters and the FP8 all-gather of per-tensor weights (the codes are the cast
+that run makes of its gathered weights); it resumes from its checkpoint onto the same curve, bit for bit; with 8-bit
+moments it trains as the BF16-weight run with them does; and a recipe storing 128x128 blocks is refused by name."""
+from __future__ import annotations
+
+import contextlib
+import shutil
+
+import pytest
+
+from lowprec.train.logs import read_log
+from tests.distributed.launch_helpers import forked, forked_cli
+
+RUN = ("--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--val-batches", "2",
+       "--eval-every", "2", "--dtype", "bfloat16", "--parallel", "fsdp2", "--no-tensorboard", "--quiet")
+
+
+def _curve(path):
+    return [(r["loss"], r["val_loss"], r["grad_norm"], r["skipped"]) for r in read_log(path / "log.csv")]
+
+
+def _ok(ranks):
+    assert [(r["exit_code"], r["error"]) for r in ranks] == [(0, None), (0, None)], ranks
+
+
+@pytest.mark.parametrize("recipe", ["fp8-current", "fp8-delayed"])
+def test_fsdp2_with_fp8_weights_trains_and_resumes_as_bf16_weights_gathered_in_fp8(tmp_path, recipe):
+    train = ("train", "--recipe", recipe, "--save-every", "2", *RUN)
+    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
+    _ok(forked_cli(*train, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
+    _ok(forked_cli(*train, "--out", str(bf16), out=tmp_path / "r2"))
+    assert _curve(fp8) == _curve(bf16) and len(_curve(fp8)) == 4
+    cut = tmp_path / "cut"
+    shutil.copytree(fp8, cut)
+    (cut / "checkpoints" / "step_00000004.json").unlink()
+    _ok(forked_cli(*train, "--fp8-weights", "--out", str(cut), "--resume", out=tmp_path / "r3"))
+    assert _curve(cut) == _curve(fp8)
+
+
+def test_compiled_fsdp2_with_fp8_weights_trains_as_bf16_weights_gathered_in_fp8(tmp_path):
+    """Compiled blocks take the gathered codes as the eager ones do, in training and in validation (whose
+    forward once failed to compile: Dynamo cannot pass a layer's plan into a method of the gathered weight)."""
+    train = ("train", "--recipe", "fp8-current", *RUN, "--compile")
+    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
+    _ok(forked_cli(*train, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
+    _ok(forked_cli(*train, "--out", str(bf16), out=tmp_path / "r2"))
+    assert _curve(fp8) == _curve(bf16) and sum(r[1] != "" for r in _curve(fp8)) == 2
+
+
+def test_fsdp2_with_fp8_weights_and_8bit_moments_trains_as_bf16_weights_with_them(tmp_path):
+    train = ("train", "--recipe", "fp8-current", "--optim-states", "int8", *RUN)
+    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
+    _ok(forked_cli(*train, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
+    _ok(forked_cli(*train, "--out", str(bf16), out=tmp_path / "r2"))
+    assert _curve(fp8) == _curve(bf16)
+
+
+def _sharded_as_codes():
+    import torch
+    import torch.distributed as dist
+
+    import lowprec
+    from lowprec.distributed.fp8_weight_shards import FP8WeightShard, sharded_fp8_weights
+    from lowprec.distributed.launch import wrap
+
+    torch.manual_seed(0)  # every rank the same model, as FSDP2 expects
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 48)).to(torch.bfloat16)
+    whole = [lin.weight.detach().clone() for lin in m]
+    lowprec.convert(m, "fp8-current", lowprec.Policy(skip_small=False), fp8_weights=True)
+    codes = [lin.weight.quantized() for lin in m]  # the whole weights' codes, one process
+    wrap(m, "fsdp2")
+    shards = sharded_fp8_weights(m)
+    assert len(shards) == 2 and all(type(s) is FP8WeightShard for s in shards)
+    r = dist.get_rank()
+    for s, q, w in zip(shards, codes, whole):
+        rows = w.shape[0] // 2
+        assert s.shape == (rows, w.shape[1]) and s._data.dtype == torch.float8_e4m3fn  # 1 byte per element
+        assert torch.equal(s._data.view(torch.uint8), q.data[r * rows:(r + 1) * rows].view(torch.uint8))
+        assert torch.equal(s._scale, q.scale.reshape(s._scale.shape))  # the whole weight's scale on each rank
+        assert torch.equal(s.initial, w[r * rows:(r + 1) * rows])  # what the optimizer's master starts from
+    out = m(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert out.shape == (4, 48)
+
+
+def test_each_rank_holds_its_rows_as_the_whole_weights_codes(tmp_path):
+    forked(_sharded_as_codes, store=tmp_path / "store")
+
+
+def test_a_recipe_storing_blocks_is_refused_under_fsdp2(tmp_path):
+    from lowprec.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"fp8_weights: expected a recipe storing FP8 weights per tensor under "
+                                         r"parallel 'fsdp2'.*got 'fp8-blockwise'"):
+        TrainConfig(recipe="fp8-blockwise", dtype="bfloat16", parallel="fsdp2", fp8_weights=True)
+    TrainConfig(recipe="fp8-blockwise", dtype="bfloat16", parallel="ddp", fp8_weights=True)  # DDP takes it
+
+
+def _uneven_rows_train_as_one_process():
+    import torch
+    import torch.distributed as dist
+
+    import lowprec
+    from lowprec.distributed.fp8_weight_shards import sharded_fp8_weights
+    from lowprec.distributed.launch import wrap
+    from lowprec.optim import Optimizer
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        lowprec.convert(m.to(torch.bfloat16), "fp8-current", lowprec.Policy(skip_small=False), fp8_weights=True)
+        return m
+
+    one, split = model(), model()
+    wrap(split, "fsdp2")
+    rows = [tuple(s.shape) for s in sharded_fp8_weights(split)]
+    # 64 and 32 rows over 3 ranks: FSDP2 gives the last rank fewer, and pads its all-gather input
+    assert rows == ([(22, 64), (11, 64)] if dist.get_rank() < 2 else [(20, 64), (10, 64)])
+    opts = [Optimizer(m.parameters(), torch.optim.AdamW, lr=1e-2) for m in (one, split)]
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(8, 64, dtype=torch.bfloat16)  # every rank the same batch: the mean of equal gradients
+        outs = [m(x) for m in (one, split)]
+        assert torch.equal(outs[0], outs[1])  # the same codes and scale as the whole weight's, every step
+        for out, opt in zip(outs, opts):
+            out.float().pow(2).mean().backward()
+            with _all_reduces() as sizes:
+                opt.step()
+            opt.zero_grad()
+        # the split run's step: the guard's one all-reduce, and one (MAX) for both weights' amaxes
+        assert sizes == [4, 2], sizes
+
+
+@contextlib.contextmanager
+def _all_reduces():
+    """The sizes of the tensors all-reduced inside the block, in order."""
+    import torch.distributed as dist
+
+    sizes, original = [], dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield sizes
+    finally:
+        dist.all_reduce = original
+
+
+def test_uneven_shards_over_three_ranks_compute_as_one_process(tmp_path):
+    forked(_uneven_rows_train_as_one_process, store=tmp_path / "store", world_size=3)
