@@ -36,11 +36,12 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from lowprec import formats as F
+from lowprec import kernels as K
 from lowprec._checks import describe, fail
 from lowprec.nn import Linear
 from lowprec.nn.casts import QuantizedWeight
+from lowprec.nn.fp8_requantize import amaxes_of
 from lowprec.nn.fp8_weight import FP8Weight
-from lowprec.quant import quantize as _quantize
 from lowprec.quant import tensorwise
 from lowprec.quant.scales import amax_scale
 from lowprec.ranks import like
@@ -146,7 +147,7 @@ class FP8ShardedWeight(torch.Tensor):
         box = self._box
         if box.version != box.writes:  # not precomputed since the last update: its own all-reduce
             _set_scales([self], mesh.get_group())
-        q = _quantize(self._data, E4M3, tensorwise(), scale=box.scale)
+        q = K.quantize(self._data, E4M3, tensorwise(), scale=box.scale)  # the route's backend: the same bits
         return (q.data.view(torch.uint8),), (box.scale, box.amax)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -276,8 +277,7 @@ def sharded_weights(model: nn.Module) -> list[FP8ShardedWeight]:
 def _set_scales(weights: list[FP8ShardedWeight], group: dist.ProcessGroup | None) -> None:
     if not weights:
         return
-    amax = torch.stack([w._data.abs().amax().float() if w._data.numel() else w._data.new_zeros((), dtype=torch.float32)
-                        for w in weights])  # (n,)
+    amax = amaxes_of([w._data for w in weights]).float()  # (n,), one multi-tensor pass
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     for w, a in zip(weights, amax):

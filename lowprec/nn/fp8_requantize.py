@@ -29,7 +29,7 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
             p.requantize_(src)
     for (_, _, dtype, agreement), pairs in groups.items():
         params, srcs = [p for p, _ in pairs], [src for _, src in pairs]
-        amaxes = _amaxes(srcs).to(dtype).float()  # of the rounded sources
+        amaxes = amaxes_of(srcs).to(dtype).float()  # of the rounded sources
         if agreement is not None:
             agreement(amaxes)
         K.requantize_many(srcs, amax_scale(amaxes, E4M3), [p._data for p in params], [p._scale for p in params],
@@ -41,7 +41,7 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
             p._stored()
 
 
-def _amaxes(srcs: list[torch.Tensor]) -> torch.Tensor:
+def amaxes_of(srcs: list[torch.Tensor]) -> torch.Tensor:
     """The amax of each source, 0 for an empty one (a shard with no rows), in one multi-tensor pass."""
     full = [i for i, s in enumerate(srcs) if s.numel()]
     if len(full) == len(srcs):
