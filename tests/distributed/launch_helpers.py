@@ -146,3 +146,35 @@ def checkpoint_parts(out: Path) -> dict[str, int]:
     json_path = next(p for _, p in list_checkpoints(out / "checkpoints") if is_distributed_checkpoint(p))
     meta = read_metadata(json_path.with_suffix("") / ".metadata")
     return {k: len(v.chunks) for k, v in meta.state_dict_metadata.items() if hasattr(v, "chunks")}
+
+
+def run_curve(path: Path) -> list[tuple]:
+    """(loss, validation loss, gradient norm, skipped) of every step in ``path``'s log, as logged (strings)."""
+    from lowprec.train.logs import read_log
+
+    return [(r["loss"], r["val_loss"], r["grad_norm"], r["skipped"]) for r in read_log(path / "log.csv")]
+
+
+def ranks_ok(ranks: list[dict]) -> None:
+    """Every rank of a :func:`forked_cli` run exited 0 without an exception."""
+    assert [(r["exit_code"], r["error"]) for r in ranks] == [(0, None)] * len(ranks), ranks
+
+
+def fp8_weights_train_as_bf16(tmp_path: Path, train: tuple[str, ...], steps: int, resume: bool = True) -> list:
+    """``lowprec train`` with ``--fp8-weights`` on two forked ranks trains bit for bit as without (BF16 weights,
+    FP32 masters); with ``resume``, the run cut at its last checkpoint but one resumes onto the same curve, bit
+    for bit. Returns the curve."""
+    import shutil
+
+    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
+    ranks_ok(forked_cli(*train, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
+    ranks_ok(forked_cli(*train, "--out", str(bf16), out=tmp_path / "r2"))
+    assert run_curve(fp8) == run_curve(bf16) and len(run_curve(fp8)) == steps
+    if not resume:
+        return run_curve(fp8)
+    cut = tmp_path / "cut"
+    shutil.copytree(fp8, cut)
+    sorted((cut / "checkpoints").glob("step_*.json"))[-1].unlink()
+    ranks_ok(forked_cli(*train, "--fp8-weights", "--out", str(cut), "--resume", out=tmp_path / "r3"))
+    assert run_curve(cut) == run_curve(fp8)
+    return run_curve(fp8)

@@ -4,10 +4,7 @@ masters (the codes are the cast that run makes of its weights at every forward),
 resumes from its checkpoint onto the same curve, bit for bit."""
 from __future__ import annotations
 
-import shutil
-
-from lowprec.train.logs import read_log
-from tests.distributed.launch_helpers import forked_cli
+from tests.distributed.launch_helpers import fp8_weights_train_as_bf16
 
 RUN = ("--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--val-batches", "2",
        "--eval-every", "2")
@@ -15,24 +12,8 @@ TRAIN = ("train", "--recipe", "fp8-current", "--save-every", "2", *RUN, "--dtype
          "--no-tensorboard", "--quiet")
 
 
-def _curve(path):
-    return [(r["loss"], r["val_loss"], r["grad_norm"], r["skipped"]) for r in read_log(path / "log.csv")]
-
-
-def _ok(ranks):
-    assert [(r["exit_code"], r["error"]) for r in ranks] == [(0, None), (0, None)], ranks
-
-
 def test_ddp_with_fp8_weights_trains_and_resumes_as_bf16_weights_do(tmp_path):
-    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
-    _ok(forked_cli(*TRAIN, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
-    _ok(forked_cli(*TRAIN, "--out", str(bf16), out=tmp_path / "r2"))
-    assert _curve(fp8) == _curve(bf16) and len(_curve(fp8)) == 4
-    cut = tmp_path / "cut"
-    shutil.copytree(fp8, cut)
-    (cut / "checkpoints" / "step_00000004.json").unlink()
-    _ok(forked_cli(*TRAIN, "--fp8-weights", "--out", str(cut), "--resume", out=tmp_path / "r3"))
-    assert _curve(cut) == _curve(fp8)
+    fp8_weights_train_as_bf16(tmp_path, TRAIN, steps=4)
 
 
 def _wrapped_with_other_weights():

@@ -6,55 +6,34 @@ moments it trains as the BF16-weight run with them does; and a recipe storing 12
 from __future__ import annotations
 
 import contextlib
-import shutil
 
 import pytest
 
-from lowprec.train.logs import read_log
-from tests.distributed.launch_helpers import forked, forked_cli
+from tests.distributed.launch_helpers import (
+    forked,
+    fp8_weights_train_as_bf16,
+)
 
 RUN = ("--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--val-batches", "2",
        "--eval-every", "2", "--dtype", "bfloat16", "--parallel", "fsdp2", "--no-tensorboard", "--quiet")
 
 
-def _curve(path):
-    return [(r["loss"], r["val_loss"], r["grad_norm"], r["skipped"]) for r in read_log(path / "log.csv")]
-
-
-def _ok(ranks):
-    assert [(r["exit_code"], r["error"]) for r in ranks] == [(0, None), (0, None)], ranks
-
-
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-delayed"])
 def test_fsdp2_with_fp8_weights_trains_and_resumes_as_bf16_weights_gathered_in_fp8(tmp_path, recipe):
-    train = ("train", "--recipe", recipe, "--save-every", "2", *RUN)
-    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
-    _ok(forked_cli(*train, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
-    _ok(forked_cli(*train, "--out", str(bf16), out=tmp_path / "r2"))
-    assert _curve(fp8) == _curve(bf16) and len(_curve(fp8)) == 4
-    cut = tmp_path / "cut"
-    shutil.copytree(fp8, cut)
-    (cut / "checkpoints" / "step_00000004.json").unlink()
-    _ok(forked_cli(*train, "--fp8-weights", "--out", str(cut), "--resume", out=tmp_path / "r3"))
-    assert _curve(cut) == _curve(fp8)
+    fp8_weights_train_as_bf16(tmp_path, ("train", "--recipe", recipe, "--save-every", "2", *RUN), steps=4)
 
 
 def test_compiled_fsdp2_with_fp8_weights_trains_as_bf16_weights_gathered_in_fp8(tmp_path):
     """Compiled blocks take the gathered codes as the eager ones do, in training and in validation (whose
     forward once failed to compile: Dynamo cannot pass a layer's plan into a method of the gathered weight)."""
-    train = ("train", "--recipe", "fp8-current", *RUN, "--compile")
-    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
-    _ok(forked_cli(*train, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
-    _ok(forked_cli(*train, "--out", str(bf16), out=tmp_path / "r2"))
-    assert _curve(fp8) == _curve(bf16) and sum(r[1] != "" for r in _curve(fp8)) == 2
+    curve = fp8_weights_train_as_bf16(tmp_path, ("train", "--recipe", "fp8-current", *RUN, "--compile"), steps=4,
+                                      resume=False)
+    assert sum(r[1] != "" for r in curve) == 2  # validated twice
 
 
 def test_fsdp2_with_fp8_weights_and_8bit_moments_trains_as_bf16_weights_with_them(tmp_path):
-    train = ("train", "--recipe", "fp8-current", "--optim-states", "int8", *RUN)
-    fp8, bf16 = tmp_path / "fp8", tmp_path / "bf16"
-    _ok(forked_cli(*train, "--fp8-weights", "--out", str(fp8), out=tmp_path / "r1"))
-    _ok(forked_cli(*train, "--out", str(bf16), out=tmp_path / "r2"))
-    assert _curve(fp8) == _curve(bf16)
+    fp8_weights_train_as_bf16(tmp_path, ("train", "--recipe", "fp8-current", "--optim-states", "int8", *RUN), steps=4,
+                              resume=False)
 
 
 def _sharded_as_codes():
