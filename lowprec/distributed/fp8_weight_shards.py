@@ -47,7 +47,7 @@ from lowprec.ranks import is_dtensor
 
 aten = torch.ops.aten
 
-_ROWS = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default}
+_ROWS = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor}
 """Ops taking rows of the weight (dim 0): FSDP2's chunking and padding."""
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
 
@@ -70,9 +70,25 @@ class FP8WeightShard(FP8Weight):
 
     agreement: _Agreement | None = None
 
+    @property
+    def _initial(self) -> torch.Tensor | None:
+        # views share one holder (FSDP2 pads a shard, then narrows it back): the value is the rows', so
+        # only a tensor of its shape holds it
+        value = self._held.value
+        return value if value is not None and value.shape == self.shape else None
+
+    @_initial.setter
+    def _initial(self, value: torch.Tensor | None) -> None:
+        self._held.value = value
+
+    @property
+    def initial(self) -> torch.Tensor | None:
+        return self._initial
+
     def _like(self, data: torch.Tensor, shape: torch.Size | tuple) -> FP8WeightShard:
-        # a view of the codes: the same scale, amax and agreement
-        out = FP8WeightShard(data, self._scale, self._amax, self._granularity, torch.Size(shape), self.dtype)
+        # a view of the codes: the same scale, amax, agreement and initial value's holder
+        out = FP8WeightShard(data, self._scale, self._amax, self._granularity, torch.Size(shape), self.dtype,
+                             self._held)
         out.agreement = self.agreement
         return out
 
@@ -112,7 +128,11 @@ class FP8WeightShard(FP8Weight):
         codes = self._data.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: every rank sends as many rows
         if codes.shape[0] < rows:
-            codes = torch.cat([codes, codes.new_zeros(rows - codes.shape[0], *codes.shape[1:])])
+            padded = self._data._base  # FSDP2 narrowed the padded shard: its storage, zero rows after
+            if padded is not None and padded.shape[0] == rows and padded.data_ptr() == self._data.data_ptr():
+                codes = padded.view(torch.uint8)
+            else:
+                codes = torch.cat([codes, codes.new_zeros(rows - codes.shape[0], *codes.shape[1:])])
         return (codes,), (self._scale, self._amax)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -124,6 +144,7 @@ class FP8WeightShard(FP8Weight):
 
 
 def _rows(func, t: FP8WeightShard, rest: tuple, kwargs: dict):
+    # split(self, size, dim), split_with_sizes(self, sizes, dim), slice(self, dim, ...) (narrow decomposes to slice)
     dim = rest[1] if len(rest) > 1 else kwargs.get("dim", 0)
     if func is aten.slice.Tensor:
         dim = rest[0] if rest else kwargs.get("dim", 0)
@@ -139,11 +160,13 @@ def _copy_codes(dst: FP8WeightShard, src: FP8Weight) -> None:
     quantizing the decoded chunk again would take the chunk's own scale."""
     if dst.shape != src.shape:
         fail("src", f"an FP8 weight of shape {tuple(dst.shape)}", f"shape {tuple(src.shape)}")
+    initial = src.initial  # the same values: the optimizer still takes their high-precision origin
     dst._data.copy_(src._data)
     dst._scale.copy_(src._scale)
     if dst._amax is not None and src._amax is not None:
         dst._amax.copy_(src._amax)
     dst._stored()
+    dst._initial = initial
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,12 +175,15 @@ class _Pending:
     initial: torch.Tensor
 
 
-def shard_fp8_weights(model: nn.Module) -> list[_Pending]:
-    """Before ``fully_shard``: every FP8 primary weight of ``model`` made an :class:`FP8WeightShard`
-    (the same codes), its whole initial value kept for :func:`finish_fp8_weight_shards`. A weight stored
-    in 128x128 blocks is refused, by layer name, before anything changes."""
+def shard_fp8_weights(model: nn.Module, mesh=None) -> list[_Pending]:
+    """Before ``fully_shard`` over ``mesh`` (None: every rank): every FP8 primary weight of ``model`` made an
+    :class:`FP8WeightShard` (the same codes), its whole initial value kept for :func:`finish_fp8_weight_shards`.
+    A weight stored in 128x128 blocks, or a mesh of more than one dimension, is refused before anything
+    changes."""
     layers = [(name, m) for name, m in model.named_modules()
               if isinstance(m, Linear) and isinstance(m.weight, FP8Weight)]
+    if layers and mesh is not None and mesh.ndim != 1:
+        fail("mesh", "a 1-D FSDP2 mesh for FP8 primary weights", f"{mesh.ndim} dimensions")
     for name, m in layers:
         if not m.weight.granularity.per_tensor:
             fail("fp8_weights", "FP8 weights stored per tensor under FSDP2 (fp8-current, fp8-delayed: FSDP2 splits "
@@ -184,9 +210,7 @@ def finish_fp8_weight_shards(pending: list[_Pending]) -> None:
         shard = w._local_tensor if is_dtensor(w) else None
         if not isinstance(shard, FP8WeightShard):
             fail("model", "FP8 weights sharded by fully_shard after shard_fp8_weights", type(w).__name__)
-        mesh = w.device_mesh
-        if mesh.ndim != 1:
-            fail("mesh", "a 1-D FSDP2 mesh for FP8 primary weights", f"{mesh.ndim} dimensions")
+        mesh = w.device_mesh  # 1-D: checked by shard_fp8_weights
         rank, n = mesh.get_local_rank(), mesh.size()
         chunks = torch.chunk(p.initial, n, dim=0)
         rows = chunks[rank] if rank < len(chunks) else p.initial[:0]

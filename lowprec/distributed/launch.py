@@ -224,7 +224,7 @@ def wrap(model: nn.Module, parallel: str | Parallel, grad_comm: str | GradComm =
         policy = MixedPrecisionPolicy(reduce_dtype=fsdp_reduce_dtype(grad_comm))
         if fp8_weights:
             fp8_all_gather(model)
-        pending = shard_fp8_weights(model)  # FP8 primary weights: sharded as codes, gathered as codes
+        pending = shard_fp8_weights(model, mesh)  # FP8 primary weights: sharded as codes, gathered as codes
         ignored = {q for q in placed.values() if not getattr(q, "_lowprec_tensor_parallel", False)} or None
         blocks = transformer_blocks(model)
         for i, block in enumerate(blocks):

@@ -26,11 +26,14 @@ class Unsupported:
     received: str
 
 
-def _per_tensor_weights(recipe) -> bool:
-    """Whether ``recipe`` stores FP8 primary weights per tensor: both its weight casts E4M3 per tensor
-    (``lowprec.nn.fp8_convert.storage_for``); other recipes store 128x128 blocks."""
-    return all(c.fmt is F.get("e4m3") and c.granularity is not None and c.granularity.per_tensor
-               and not c.stochastic and not c.hadamard for c in R.get(recipe).sides(R.Role.WEIGHT))
+def _block_weights(recipe) -> bool:
+    """Whether ``recipe`` stores FP8 primary weights in 128x128 blocks: it casts weights, but not both
+    casts E4M3 per tensor (``lowprec.nn.fp8_convert.storage_for``). A recipe casting no weight makes no FP8
+    weights (``convert`` refuses it, in any layout)."""
+    sides = R.get(recipe).sides(R.Role.WEIGHT)
+    return sides[0].quantized and not all(
+        c.fmt is F.get("e4m3") and c.granularity is not None and c.granularity.per_tensor and not c.stochastic
+        and not c.hadamard for c in sides)
 
 
 def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str, master_weights: bool,
@@ -44,7 +47,7 @@ def unsupported(parallel: str, *, fp8_weights: bool, optim_states: str, master_w
     if fp8_weights and not master_weights:
         out.append(Unsupported("fp8_weights", "master_weights True (FP8 weights train through their FP32 masters)",
                                "master_weights False"))
-    if fp8_weights and parallel == "fsdp2" and recipe is not None and not _per_tensor_weights(recipe):
+    if fp8_weights and parallel == "fsdp2" and recipe is not None and _block_weights(recipe):
         out.append(Unsupported("fp8_weights", "a recipe storing FP8 weights per tensor under parallel 'fsdp2' "
                                "(fp8-current, fp8-delayed: FSDP2 splits rows where 128x128 blocks would need block "
                                "edges), or parallel 'none' or 'ddp'", repr(R.get(recipe).name)))

@@ -32,8 +32,14 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
         amaxes = amaxes_of(srcs).to(dtype).float()  # of the rounded sources
         if agreement is not None:
             agreement(amaxes)
-        K.requantize_many(srcs, amax_scale(amaxes, E4M3), [p._data for p in params], [p._scale for p in params],
-                          dtype)
+        scales = amax_scale(amaxes, E4M3)
+        full = [i for i, s in enumerate(srcs) if s.numel()]  # a shard with no rows takes the scale alone
+        if len(full) < len(srcs):
+            for i in set(range(len(srcs))) - set(full):
+                params[i]._scale.copy_(scales[i].reshape(params[i]._scale.shape))
+            scales = scales[full]
+        K.requantize_many([srcs[i] for i in full], scales, [params[i]._data for i in full],
+                          [params[i]._scale for i in full], dtype)
         kept = [(p._amax, amax) for p, amax in zip(params, amaxes.unbind()) if p._amax is not None]
         if kept:
             torch._foreach_copy_([a for a, _ in kept], [b for _, b in kept])

@@ -163,7 +163,12 @@ class FP8Weight(QuantizedWeight):
             return _quantize(hp, self._granularity, self._amax is not None)
         amax = hp.abs().amax().float().reshape(1) if hp.numel() else hp.new_zeros(1, dtype=torch.float32)
         self.agreement(amax)
-        q = K.quantize(hp, E4M3, self._granularity, scale=amax_scale(amax[0], E4M3))
+        scale = amax_scale(amax[0], E4M3)
+        if hp.numel():
+            q = K.quantize(hp, E4M3, self._granularity, scale=scale)
+        else:  # a rank holding no rows keeps the agreed scale all the same (its all-gather sends it)
+            q = QuantizedTensor(self._data.new_empty(hp.shape), scale.reshape(1, 1), E4M3, self._granularity,
+                                hp.shape, self.dtype)
         return q, amax[0] if self._amax is not None else None
 
     @torch.no_grad()

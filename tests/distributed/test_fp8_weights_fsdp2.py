@@ -82,7 +82,7 @@ def _uneven_rows_train_as_one_process():
 
     import lowprec
     from lowprec.distributed.fp8_weight_shards import sharded_fp8_weights
-    from lowprec.distributed.launch import wrap
+    from lowprec.distributed.launch import reshard, wrap
     from lowprec.optim import Optimizer
 
     def model():
@@ -96,6 +96,9 @@ def _uneven_rows_train_as_one_process():
     rows = [tuple(s.shape) for s in sharded_fp8_weights(split)]
     # 64 and 32 rows over 3 ranks: FSDP2 gives the last rank fewer, and pads its all-gather input
     assert rows == ([(22, 64), (11, 64)] if dist.get_rank() < 2 else [(20, 64), (10, 64)])
+    with torch.no_grad():  # a forward before the optimizer: FSDP2's lazy init pads the last rank's shard again
+        assert torch.equal(one(torch.ones(2, 64, dtype=torch.bfloat16)), split(torch.ones(2, 64, dtype=torch.bfloat16)))
+    reshard(split)  # the root keeps its gathered weights after a forward without backward
     opts = [Optimizer(m.parameters(), torch.optim.AdamW, lr=1e-2) for m in (one, split)]
     torch.manual_seed(1)
     for _ in range(3):
@@ -131,3 +134,61 @@ def _all_reduces():
 
 def test_uneven_shards_over_three_ranks_compute_as_one_process(tmp_path):
     forked(_uneven_rows_train_as_one_process, store=tmp_path / "store", world_size=3)
+
+
+def test_a_shard_with_no_rows_keeps_the_agreed_scale():
+    """A rank may hold no rows of a small weight (16 rows over 7 ranks: 3 each, the last none): its
+    all-gather still sends its scale, so it takes the agreed one on every write (no exchange here: the
+    agreement stands in for the other ranks' maximum)."""
+    import torch
+
+    from lowprec import formats
+    from lowprec.distributed.fp8_weight_shards import FP8WeightShard
+    from lowprec.nn.fp8_requantize import requantize_all
+    from lowprec.quant import quantize, tensorwise
+    from lowprec.quant.scales import amax_scale
+
+    E4M3 = formats.get("e4m3")
+
+    others = torch.tensor(3.0)
+    empty = FP8WeightShard(torch.zeros(0, 32, dtype=torch.float8_e4m3fn), torch.ones(1, 1), None, tensorwise(),
+                           torch.Size((0, 32)), torch.bfloat16)
+    empty.agreement = lambda amaxes: amaxes.clamp_(min=others)
+    full = FP8WeightShard(torch.zeros(4, 32, dtype=torch.float8_e4m3fn), torch.ones(1, 1), None, tensorwise(),
+                          torch.Size((4, 32)), torch.bfloat16)
+    full.agreement = empty.agreement
+    agreed = amax_scale(others, E4M3)
+    for write in (lambda w, v: w.share_initial_(v), lambda w, v: w.copy_(v), lambda w, v: w.requantize_(v)):
+        empty._scale.fill_(1.0)
+        write(empty, torch.zeros(0, 32))
+        assert torch.equal(empty._scale, agreed.reshape(1, 1))
+    empty._scale.fill_(1.0)
+    requantize_all([empty, full], [torch.zeros(0, 32), torch.full((4, 32), 0.5)])  # one exchange for both
+    assert torch.equal(empty._scale, agreed.reshape(1, 1)) and torch.equal(full._scale, agreed.reshape(1, 1))
+    # the rows cast with the whole weight's scale (the other ranks' amax, 3), not their own (0.5)
+    expected = quantize(torch.full((4, 32), 0.5, dtype=torch.bfloat16), E4M3, tensorwise(), scale=agreed)
+    assert torch.equal(full._data.view(torch.uint8), expected.data.view(torch.uint8))
+
+
+def test_block_storage_and_meshes_of_two_dimensions_are_refused_before_anything_changes():
+    import types
+
+    import torch
+
+    import lowprec
+    from lowprec.distributed.fp8_weight_shards import shard_fp8_weights
+    from lowprec.nn.fp8_weight import FP8Weight
+
+    def converted(recipe):
+        m = torch.nn.Sequential(torch.nn.Linear(128, 128)).to(torch.bfloat16)
+        lowprec.convert(m, recipe, lowprec.Policy(skip_small=False), fp8_weights=True)
+        return m
+
+    m = converted("fp8-blockwise")
+    with pytest.raises(ValueError, match=r"^fp8_weights: expected FP8 weights stored per tensor under FSDP2 .* got "
+                                         r".* blocks in '0' \(fp8-blockwise\)"):
+        shard_fp8_weights(m)
+    m = converted("fp8-current")
+    with pytest.raises(ValueError, match="^mesh: expected a 1-D FSDP2 mesh for FP8 primary weights, got 2 dimensions"):
+        shard_fp8_weights(m, types.SimpleNamespace(ndim=2))
+    assert type(m[0].weight) is FP8Weight  # untouched
