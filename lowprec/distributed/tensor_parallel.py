@@ -45,16 +45,19 @@ the input is cast before it is gathered rather than after: each rank casts its p
 over the group, the E4M3 codes are all-gathered (one byte per value instead of the activations' two or four),
 and the gathered codes with the one scale are the layers' casts, handed to them through their share: the codes
 one process makes casting the whole input, for a quarter or half of the bytes. The layers' input, for anything
-that reads it in high precision, is the codes decoded (the values the GEMMs see). Other recipes, evaluation
-and compiled code gather the input in its own dtype and cast after the gather (under ``torch.compile`` the
-share is not consulted, so the compiled layers would cast the decoded values again: correct, but not the
-same scale to the last bit).
+that reads it in high precision, is the codes decoded (the values the GEMMs see). Compiled code consults no
+share: it gathers the same codes and decodes them, and the layers cast the decoded values again, which gives
+back the same codes: the decoded amax is the agreed one (448 times the scale, rounded back to the activations'
+dtype), so the layers take the same scale, and a code decoded to BF16 or FP32 and divided by its scale lies
+well within half a step of E4M3 from the code (FP16 activations, whose subnormals could lose a small code,
+are gathered in FP16 there). Other recipes and evaluation gather the input in its own dtype and cast after the
+gather.
 
 Each rank runs the whole forward on the same tokens, so a run of ``W`` tensor-parallel ranks trains like
 one process on the same batch, up to the order of the partial sums (a rowwise layer's sum over K is
 two partial sums added) and, for row scales, the finer scales.
 
-Not built: the FP8 all-gather in compiled code, a vocabulary-parallel LM head, mixtures of experts, FP8 primary
+Not built: a vocabulary-parallel LM head, mixtures of experts, FP8 primary
 weights, and FSDP2's FP8 all-gather of split weights (they are gathered in their dtype). Over tensor-parallel
 groups :func:`split_tensor_parallel` makes the data-parallel mesh ``lowprec train`` wraps with DDP or FSDP2.
 """
@@ -160,6 +163,18 @@ def _fp8_gather(cols: list[Linear], group: dist.ProcessGroup) -> FP8Gather | Non
     return FP8Gather(op, share, group)
 
 
+def _gathered_codes(x: torch.Tensor, op: OperandPlan, group: dist.ProcessGroup):
+    """Every rank's positions of ``x`` (B, T, D) as E4M3 codes with one agreed scale: the cast of the whole,
+    (B * W * T, D), and ``x.dtype``'s view of its shape."""
+    b, t, d = x.shape
+    x2 = x.detach().reshape(-1, d)
+    q = K.cast(x2, op.along_k, scale_k=agreed_scale(x2, op.along_k.along_k, group)).along_k
+    with labelled("tp_sequence"):
+        codes = _wait(funcol.all_gather_single(q.data.view(torch.uint8).view(b, t, d), SEQ_DIM, group))
+    data = codes.view(q.data.dtype).reshape(-1, d)  # (B*T, D), each rank's positions in their place
+    return type(q)(data, q.scale, q.fmt, q.granularity, data.shape, x.dtype), (b, -1, d)
+
+
 class _GatherCodes(torch.autograd.Function):
     """Every rank's positions of ``x``, gathered as E4M3 codes with one agreed scale (see [Note: the sequence
     gathered in FP8]); the casts are put in ``out``. Backward reduce-scatters the gradient."""
@@ -167,16 +182,27 @@ class _GatherCodes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gather: FP8Gather, out: list):
         ctx.group = gather.group
-        b, t, d = x.shape
-        x2 = x.detach().reshape(-1, d)
-        q = K.cast(x2, gather.op.along_k, scale_k=agreed_scale(x2, gather.op.along_k.along_k, gather.group)).along_k
-        with labelled("tp_sequence"):
-            codes = _wait(funcol.all_gather_single(q.data.view(torch.uint8).view(b, t, d), SEQ_DIM, gather.group))
-        data = codes.view(q.data.dtype).reshape(-1, d)  # (B*T, D), each rank's positions in their place
-        qx = type(q)(data, q.scale, q.fmt, q.granularity, data.shape, x.dtype)
-        qx_t = type(q)(data.t().contiguous(), q.scale, q.fmt, q.granularity, data.t().shape, x.dtype)
+        qx, shape = _gathered_codes(x, gather.op, gather.group)
+        data = qx.data
+        qx_t = type(qx)(data.t().contiguous(), qx.scale, qx.fmt, qx.granularity, data.t().shape, x.dtype)
         out.append((qx, qx_t))
-        return qx.dequantize(x.dtype).view(b, -1, d)
+        return qx.dequantize(x.dtype).view(shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _wait(funcol.reduce_scatter_single(g.contiguous(), "sum", SEQ_DIM, ctx.group)), None, None
+
+
+class _GatherDecoded(torch.autograd.Function):
+    """Compiled code's FP8 gather: the codes gathered as in eager code, decoded, and cast again by the layers
+    (no share to hand them): the same codes, since decoding a code and casting it with the scale it was made
+    with gives it back, and the decoded amax is the agreed one (see [Note: the sequence gathered in FP8])."""
+
+    @staticmethod
+    def forward(ctx, x, op: OperandPlan, group: dist.ProcessGroup):
+        ctx.group = group
+        qx, shape = _gathered_codes(x, op, group)
+        return qx.dequantize(x.dtype).view(shape)
 
     @staticmethod
     def backward(ctx, g):
@@ -184,11 +210,15 @@ class _GatherCodes(torch.autograd.Function):
 
 
 def _gather_region(x: torch.Tensor, group: dist.ProcessGroup, gather: FP8Gather | None) -> torch.Tensor:
-    """A region's input, every rank's positions: in FP8 where ``gather`` says and the step is eager training,
-    else in the input's dtype."""
-    if gather is None or torch.compiler.is_compiling() or not torch.is_grad_enabled() or x.is_inference():
+    """A region's input, every rank's positions: in FP8 where ``gather`` says and the step trains (eager code
+    hands the gathered casts to the layers, compiled code their decoded values), else in the input's dtype."""
+    compiling = torch.compiler.is_compiling()
+    # FP16 activations: a small code decoded could fall below FP16's subnormals, and cast again differ
+    if gather is None or not torch.is_grad_enabled() or x.is_inference() or (compiling and x.dtype == torch.float16):
         with labelled("tp_sequence"):
             return funcol.all_gather_single_autograd(x.contiguous(), SEQ_DIM, group)
+    if compiling:
+        return _GatherDecoded.apply(x, gather.op, gather.group)
     out: list = []
     y = _GatherCodes.apply(x, gather, out)
     # the key each colwise layer's input_casts looks the share up by (training: the transposed cast too)

@@ -9,6 +9,7 @@ from lowprec.distributed.tensor_parallel import parallelize
 from lowprec.distributed.traffic import count_traffic
 from lowprec.kernels import CastSpec
 from lowprec.nn.casts import agreed_scale
+from lowprec.ranks import local
 from tests.distributed import tp_common as TP
 from tests.distributed.checks import check
 
@@ -35,6 +36,24 @@ def tp_traffic(rank: int, world: int) -> dict:
         with count_traffic() as traffic:
             TP.step(m)
         out[name] = dict(traffic)
+    return out
+
+
+@check
+def tp_compiled_gather(rank: int, world: int) -> dict:
+    """One fp8-current step of the split decoder, eager and compiled (``aot_eager``: the same kernels): the
+    output, the gradients of a colwise and a rowwise weight, and the bytes of each."""
+    out = {}
+    for mode in ("eager", "compiled"):
+        m = TP.model("fp8-current")
+        parallelize(m)
+        run = torch.compile(m, backend="aot_eager") if mode == "compiled" else m
+        toks = TP.tokens()
+        with count_traffic() as traffic:
+            logits = run(toks[:, :-1])
+            logits.float().square().mean().backward()
+        grads = {k: local(p.grad).clone() for k, p in m.named_parameters() if k in TP.WATCHED[:2]}
+        out[mode] = {"logits": logits.detach(), "grads": grads, "traffic": dict(traffic)}
     return out
 
 

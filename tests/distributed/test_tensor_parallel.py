@@ -72,6 +72,22 @@ def test_fp8_current_gathers_the_sequence_as_codes(dist_results):
         assert bf16["reduce_scatter:tp_sequence"] == fp8["reduce_scatter:tp_sequence"] == regions * whole * 4
 
 
+def test_compiled_code_gathers_the_sequence_as_codes_too(dist_results):
+    """Compiled, the codes are gathered alike and decoded, and the layers cast the decoded values again: the
+    same codes (a decoded code cast with its own scale is the code; the decoded amax is the agreed one), so
+    the step equals the eager one bit for bit, with one byte per value on the wire."""
+    part = 2 * 16 * TP.CONFIG.dim
+    regions = 2 * TP.CONFIG.n_layers
+    for r in result(dist_results, "tp_compiled_gather"):
+        eager, compiled = r["eager"], r["compiled"]
+        assert compiled["traffic"]["all_gather:tp_sequence"] == eager["traffic"]["all_gather:tp_sequence"] \
+            == regions * part * 1
+        assert torch.equal(compiled["logits"], eager["logits"])
+        assert compiled["grads"].keys() == eager["grads"].keys() and len(eager["grads"]) == 2
+        for k, g in eager["grads"].items():
+            assert torch.equal(compiled["grads"][k], g), k
+
+
 def test_norm_gradients_are_summed_over_the_ranks(dist_results, one_process):
     """A norm inside a block sees half the positions on each rank: without the sum of the two halves its
     weights would move by half a gradient's direction; with it they land where one process's land."""
