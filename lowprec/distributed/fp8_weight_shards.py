@@ -18,14 +18,15 @@ holds for a ``load_state_dict`` into the shard (``copy_``), a weight at a time. 
 trains bit for bit as FSDP2 with BF16 weights, FP32 masters and the FP8 all-gather of
 ``lowprec.distributed.fp8_weights`` (the codes are the cast that run makes of its gathered weight).
 
-*Storage.* Only per-tensor storage is sharded (``fp8-current``, ``fp8-delayed``): FSDP2 splits a weight
-by rows at any row, where 128x128 blocks (``fp8-blockwise``, and the other recipes' storage) would need
-row splits on block edges and their scales gathered beside the codes; such a weight is refused, by name.
+*Storage in blocks.* A weight stored in 128x128 blocks (``fp8-blockwise``, and the recipes that decode and
+cast) shards where every rank gets whole blocks of rows (``out_features`` a multiple of 128 x ranks, checked by
+:func:`shard_fp8_weights`, which refuses any other by name): each rank holds its blocks' codes and scales,
+FSDP2 gathers both, and no amax is exchanged (a block lies within one rank's rows).
 
 *How FSDP2 makes the shard.* ``fully_shard`` chunks the parameter by rows, pads a chunk with
 ``new_zeros`` and ``copy_``, views it flat and narrows it back: :class:`FP8WeightShard` carries those
-ops on the codes (each view shares the scale), and ``copy_`` from another FP8 weight copies its codes and
-scale exactly. The initial high-precision value (which the optimizer's master starts from) is not
+ops on the codes (each view shares the scale, or takes its rows' block scales), and ``copy_`` from another FP8
+weight copies its codes and scales exactly. The initial high-precision value (which the optimizer's master starts from) is not
 chunked along: :func:`shard_fp8_weights` keeps each weight's whole initial value before ``fully_shard``
 and hands every shard its rows after (:func:`finish_fp8_weight_shards`), requantized with the agreed
 scale. Each rank shards its own weights, as FSDP2 does, so ranks must start from the same model.
@@ -42,6 +43,7 @@ from torch.utils import _pytree as pytree
 from lowprec._checks import fail
 from lowprec.distributed.fp8_weights import GatheredFP8Weight
 from lowprec.nn import Linear
+from lowprec.nn.fp8_convert import BLOCK
 from lowprec.nn.fp8_weight import FP8Weight
 from lowprec.ranks import is_dtensor
 
@@ -85,10 +87,11 @@ class FP8WeightShard(FP8Weight):
     def initial(self) -> torch.Tensor | None:
         return self._initial
 
-    def _like(self, data: torch.Tensor, shape: torch.Size | tuple) -> FP8WeightShard:
-        # a view of the codes: the same scale, amax, agreement and initial value's holder
-        out = FP8WeightShard(data, self._scale, self._amax, self._granularity, torch.Size(shape), self.dtype,
-                             self._held)
+    def _like(self, data: torch.Tensor, shape: torch.Size | tuple, scale: torch.Tensor | None = None
+              ) -> FP8WeightShard:
+        # a view of the codes: the same scale (or the view's blocks'), amax, agreement and initial value's holder
+        out = FP8WeightShard(data, self._scale if scale is None else scale, self._amax, self._granularity,
+                             torch.Size(shape), self.dtype, self._held)
         out.agreement = self.agreement
         return out
 
@@ -99,13 +102,18 @@ class FP8WeightShard(FP8Weight):
         if isinstance(t, cls):
             if func in _ROWS:
                 return _rows(func, t, args[1:], kwargs)
-            if func in _VIEWS:
+            if func in _VIEWS:  # FSDP2 keeps a flat view of the padded shard; it reads it as no weight
                 data = t._data.view(args[1])
                 return t._like(data, data.shape)
             if func is aten.new_zeros.default and kwargs.get("dtype", t.dtype) == t.dtype:
                 size = torch.Size(args[1])
-                out = FP8WeightShard(torch.zeros(size, dtype=t._data.dtype, device=t.device), t._scale.clone(),
-                                     None if t._amax is None else t._amax.clone(), t._granularity, size, t.dtype)
+                rows, cols = size[0], t._data.shape[1]  # block codes: padded to whole blocks along K
+                data = torch.zeros((rows, *t._data.shape[1:]) if len(size) == 2 else size, dtype=t._data.dtype,
+                                   device=t.device)
+                scale = t._scale.clone() if t._granularity.per_tensor else \
+                    t._scale.new_ones(rows // BLOCK, -(-cols // BLOCK))
+                out = FP8WeightShard(data, scale, None if t._amax is None else t._amax.clone(), t._granularity, size,
+                                     t.dtype)
                 out.agreement = t.agreement
                 return out
             if func is aten.copy_.default and isinstance(args[1], FP8Weight) and \
@@ -125,6 +133,8 @@ class FP8WeightShard(FP8Weight):
     # ---- FSDP2's all-gather extension --------------------------------------------------------
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if not self._granularity.per_tensor:  # whole blocks on every rank (shard_fp8_weights checks): no padding
+            return (self._data.view(torch.uint8), self._scale), (None,)
         codes = self._data.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: every rank sends as many rows
         if codes.shape[0] < rows:
@@ -136,6 +146,15 @@ class FP8WeightShard(FP8Weight):
         return (codes,), (self._scale, self._amax)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        if not self._granularity.per_tensor:  # the codes and the blocks' scales, both gathered by rows
+            codes, scale = all_gather_outputs
+            if out is not None:
+                return None  # FSDP2 refilled both buffers in place
+            rows = codes.numel() // self._data.shape[1]
+            shape = torch.Size((rows, *self.shape[1:]))
+            gathered = GatheredFP8Weight(codes.view(torch.float8_e4m3fn).view(rows, -1), scale.view(rows // BLOCK, -1),
+                                         None, param_dtype, self._granularity, shape)
+            return gathered, (codes, scale)
         (codes,), (scale, amax) = all_gather_outputs, metadata
         if out is not None:  # FSDP2 refilled the same buffer; the scale tensors are the shard's own
             out._scale, out._amax = scale, amax
@@ -151,7 +170,19 @@ def _rows(func, t: FP8WeightShard, rest: tuple, kwargs: dict):
     if dim not in (0, -t.dim()):
         fail("weight", "rows of an FP8 weight shard (FSDP2 splits dim 0)", f"{func.name()} along dim {dim}")
     out = func(t._data, *rest, **kwargs)
-    return pytree.tree_map_only(torch.Tensor, lambda d: t._like(d, d.shape), out)
+    if t._granularity.per_tensor:
+        return pytree.tree_map_only(torch.Tensor, lambda d: t._like(d, d.shape), out)
+    # 128x128 blocks: the rows are whole blocks (shard_fp8_weights checks), each piece with its blocks' scales
+    pieces = out if isinstance(out, (list, tuple)) else [out]
+    start, shards = 0 if func is not aten.slice.Tensor else (rest[1] if len(rest) > 1 and rest[1] else 0), []
+    for d in pieces:
+        if start % BLOCK or d.shape[0] % BLOCK:
+            fail("weight", f"rows of an FP8 weight stored in {BLOCK}x{BLOCK} blocks taken on block edges",
+                 f"rows {start} to {start + d.shape[0]}")
+        scale = t._scale[start // BLOCK:(start + d.shape[0]) // BLOCK]
+        shards.append(t._like(d, (d.shape[0], *t.shape[1:]), scale))
+        start += d.shape[0]
+    return shards if isinstance(out, (list, tuple)) else shards[0]
 
 
 @torch.no_grad()
@@ -178,17 +209,19 @@ class _Pending:
 def shard_fp8_weights(model: nn.Module, mesh=None) -> list[_Pending]:
     """Before ``fully_shard`` over ``mesh`` (None: every rank): every FP8 primary weight of ``model`` made an
     :class:`FP8WeightShard` (the same codes), its whole initial value kept for :func:`finish_fp8_weight_shards`.
-    A weight stored in 128x128 blocks, or a mesh of more than one dimension, is refused before anything
-    changes."""
+    A weight stored in 128x128 blocks whose rows the ranks would cut inside a block, or a mesh of more than
+    one dimension, is refused before anything changes."""
     layers = [(name, m) for name, m in model.named_modules()
               if isinstance(m, Linear) and isinstance(m.weight, FP8Weight)]
     if layers and mesh is not None and mesh.ndim != 1:
         fail("mesh", "a 1-D FSDP2 mesh for FP8 primary weights", f"{mesh.ndim} dimensions")
+    ranks = mesh.size() if mesh is not None else (dist.get_world_size() if dist.is_initialized() else 1)
     for name, m in layers:
-        if not m.weight.granularity.per_tensor:
-            fail("fp8_weights", "FP8 weights stored per tensor under FSDP2 (fp8-current, fp8-delayed: FSDP2 splits "
-                 "rows where 128x128 blocks would need block edges)",
-                 f"{m.weight.granularity} blocks in {name!r} ({m.recipe.name})")
+        w = m.weight
+        if not w.granularity.per_tensor and (w.shape[0] % (BLOCK * ranks) or w._data.shape[0] != w.shape[0]):
+            fail("fp8_weights", f"out_features a multiple of {BLOCK} x {ranks} ranks for FP8 weights stored in "
+                 f"{BLOCK}x{BLOCK} blocks under FSDP2 (every rank whole blocks of rows)",
+                 f"{w.shape[0]} in {name!r} ({m.recipe.name})")
     pending = []
     for _, m in layers:
         w = m.weight

@@ -42,7 +42,7 @@ from lowprec.nn import Linear
 from lowprec.nn.casts import QuantizedWeight
 from lowprec.nn.fp8_requantize import amaxes_of
 from lowprec.nn.fp8_weight import FP8Weight
-from lowprec.quant import tensorwise
+from lowprec.quant import Granularity, tensorwise
 from lowprec.quant.scales import amax_scale
 from lowprec.ranks import like
 
@@ -160,26 +160,31 @@ class FP8ShardedWeight(torch.Tensor):
 
 
 class GatheredFP8Weight(QuantizedWeight):
-    """An all-gathered weight held as E4M3 codes and one scale, seen by autograd as a weight of
-    ``dtype``: the layer takes :meth:`quantized` as its GEMM operands; any other use dequantizes it."""
+    """An all-gathered weight held as E4M3 codes and their scales (one per tensor, or one per 128x128 block
+    with the codes padded to whole blocks), seen by autograd as a weight of ``dtype`` and ``shape`` (default:
+    the codes'): the layer takes its codes as its GEMM operands; any other use dequantizes it."""
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
-        return torch.Tensor._make_wrapper_subclass(cls, data.size(), dtype=dtype, device=data.device)
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, dtype: torch.dtype,
+                granularity: Granularity | None = None, shape: torch.Size | None = None):
+        return torch.Tensor._make_wrapper_subclass(cls, shape if shape is not None else data.size(), dtype=dtype,
+                                                   device=data.device)
 
-    def __init__(self, data, scale, amax, dtype) -> None:
+    def __init__(self, data, scale, amax, dtype, granularity: Granularity | None = None, shape=None) -> None:
         self._data, self._scale, self._amax = data, scale, amax
+        self._granularity = granularity if granularity is not None else tensorwise()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def __repr__(self) -> str:
-        return f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, granularity={self._granularity})"
 
     @property
-    def granularity(self):
-        """One scale: the E4M3 operand (or its transpose, with the same scale) is bit for bit the cast of
-        the whole high-precision weight with this scale."""
-        return tensorwise()
+    def granularity(self) -> Granularity:
+        """How the codes are scaled: per tensor, the E4M3 operand (or its transpose, with the same scale) is
+        bit for bit the cast of the whole high-precision weight with this scale; in 128x128 blocks, each
+        block's."""
+        return self._granularity
 
     @property
     def amax(self) -> torch.Tensor:
@@ -193,7 +198,12 @@ class GatheredFP8Weight(QuantizedWeight):
         kwargs = kwargs or {}
         if func in _GATHERED_ALIASING:  # FSDP2 views the gathered buffer as the parameter's shape
             t = args[0]
-            return cls(func(t._data, *args[1:], **kwargs), t._scale, t._amax, t.dtype)
+            if t._granularity.per_tensor:  # the codes are the weight's shape (FSDP2 cuts the padded rows)
+                return cls(func(t._data, *args[1:], **kwargs), t._scale, t._amax, t.dtype)
+            if func in (aten.detach.default, aten.alias.default) or tuple(args[1]) == tuple(t.shape):
+                return cls(t._data, t._scale, t._amax, t.dtype, t._granularity, t.shape)  # blocks: whole already
+            fail("weight", f"a view of the gathered block-scaled weight as its shape {tuple(t.shape)}",
+                 f"{func.name()} to {tuple(args[1])}")
 
         def hp(t):
             return t.quantized().dequantize(t.dtype) if isinstance(t, cls) else t
@@ -202,11 +212,12 @@ class GatheredFP8Weight(QuantizedWeight):
 
     def __tensor_flatten__(self):
         # no amax from an FP8 primary weight made for a recipe that records none
-        return ["_data", "_scale"] + (["_amax"] if self._amax is not None else []), self.dtype
+        return ["_data", "_scale"] + (["_amax"] if self._amax is not None else []), (self.dtype, self._granularity)
 
     @staticmethod
-    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
-        return GatheredFP8Weight(inner["_data"], inner["_scale"], inner.get("_amax"), dtype)
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        dtype, granularity = meta
+        return GatheredFP8Weight(inner["_data"], inner["_scale"], inner.get("_amax"), dtype, granularity, outer_size)
 
 
 _GATHERED_ALIASING = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default,

@@ -159,7 +159,7 @@ class FP8Weight(QuantizedWeight):
         """``src`` rounded to the parameter's dtype and quantized as this weight stores it, with the
         whole weight's scale where this is a shard; and its amax where the recipe records one."""
         hp = (src.dequantize() if isinstance(src, FP8Weight) else src).detach().to(self.dtype)
-        if self.agreement is None:
+        if self.agreement is None or not self._granularity.per_tensor:  # blocks lie within a rank's rows
             return _quantize(hp, self._granularity, self._amax is not None)
         amax = hp.abs().amax().float().reshape(1) if hp.numel() else hp.new_zeros(1, dtype=torch.float32)
         self.agreement(amax)

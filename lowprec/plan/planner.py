@@ -102,4 +102,4 @@ def plan(config: PlanConfig) -> Plan:
     params = count_params(m, recipe.hp_blocks(m.n_layers))
     return Plan(config=config, model=m, params=params, recipe=recipe, gpu=gpu, parallel=par, memory=mem,
                 fewest_gpus=fewest, flops=tuple(terms), throughput=tp_out,
-                trainer_refusals=trainer_refusals(par, train, config.recipe))
+                trainer_refusals=trainer_refusals(par, train))

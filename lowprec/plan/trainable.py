@@ -7,7 +7,6 @@ under DDP/FSDP2 by the rule of ``lowprec.distributed.supported``, which its conf
 """
 from __future__ import annotations
 
-from lowprec import recipes
 from lowprec.distributed.supported import Unsupported, unsupported
 from lowprec.plan.memory import Parallel, Training
 
@@ -26,7 +25,7 @@ def _flag(u: Unsupported, train: Training) -> str:
     return _FLAGS[u.option] + (f" {train.optim_states}" if u.option == "optim_states" else "")
 
 
-def trainer_refusals(par: Parallel, train: Training, recipe: str | None = None) -> tuple[str, ...]:
+def trainer_refusals(par: Parallel, train: Training) -> tuple[str, ...]:
     """One line per option ``lowprec train`` cannot run in this layout; empty when it can run it all."""
     out = []
     if par.tp > 1 and train.optim_states not in ("fp32", "bf16"):
@@ -44,8 +43,7 @@ def trainer_refusals(par: Parallel, train: Training, recipe: str | None = None) 
                    "(--parallel fsdp2, as --zero 3)")
     parallel = trainer_parallel(par)
     where = f"--parallel {parallel} on {par.gpus} GPUs" if parallel != "none" else "one process"
-    known = recipe if recipe in recipes.names() else None  # a planner-only preset: the trainer's recipes decide
     for u in unsupported(parallel, fp8_weights=train.fp8_weights, optim_states=train.optim_states,
-                         master_weights=train.master_weights, recipe=known):
+                         master_weights=train.master_weights):
         out.append(f"{_flag(u, train)}: lowprec train expects {u.expected}, got {u.received} ({where})")
     return tuple(out)

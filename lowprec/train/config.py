@@ -115,8 +115,8 @@ class TrainConfig:
     fp8_weights: bool = False
     """Store the converted layers' weights in FP8 with their FP32 masters in the optimizer alone
     (``lowprec.convert(..., fp8_weights=True)``); needs ``dtype`` bfloat16 or float16 and ``tp`` 1. Under
-    ``fsdp2`` each rank stores its rows as codes and the ranks all-gather the codes, for the recipes that store
-    weights per tensor (fp8-current, fp8-delayed; see ``lowprec.distributed.fp8_weight_shards``)."""
+    ``fsdp2`` each rank stores its rows as codes and the ranks all-gather the codes (weights stored in 128x128
+    blocks need out_features a multiple of 128 x ranks; see ``lowprec.distributed.fp8_weight_shards``)."""
     fp8_activations: str | None = None
     """Norms and SwiGLU keep their inputs for backward in E4M3 (``Policy.saved_activations``), with FP32
     scales per ``"tensor"`` or per ``"1xB"`` block (``"1x128"``); None keeps them in the model's dtype."""
@@ -199,7 +199,7 @@ class TrainConfig:
                  "dtype bfloat16 or float16", False)
         # what a run spread over ranks cannot combine: the rule lowprec plan reports too
         for u in unsupported(self.parallel, fp8_weights=self.fp8_weights, optim_states=self.optim_states,
-                             master_weights=self.master_weights, recipe=self.recipe):
+                             master_weights=self.master_weights):
             fail(u.option, u.expected, u.received)
 
     def policy_object(self) -> Policy | None:

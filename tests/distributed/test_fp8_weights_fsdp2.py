@@ -67,16 +67,10 @@ def test_each_rank_holds_its_rows_as_the_whole_weights_codes(tmp_path):
     forked(_sharded_as_codes, store=tmp_path / "store")
 
 
-def test_a_recipe_storing_blocks_is_refused_under_fsdp2(tmp_path):
-    from lowprec.train.config import TrainConfig
-
-    with pytest.raises(ValueError, match=r"fp8_weights: expected a recipe storing FP8 weights per tensor under "
-                                         r"parallel 'fsdp2'.*got 'fp8-blockwise'"):
-        TrainConfig(recipe="fp8-blockwise", dtype="bfloat16", parallel="fsdp2", fp8_weights=True)
-    TrainConfig(recipe="fp8-blockwise", dtype="bfloat16", parallel="ddp", fp8_weights=True)  # DDP takes it
-
-
-def _uneven_rows_train_as_one_process():
+def _split_trains_as_one_process(recipe: str, widths: tuple[int, int, int], rows: list, reduced: list):
+    """A two-layer model with FP8 weights under FSDP2 against one process: every rank trains on the same batch
+    (the mean of equal gradients), so the outputs match bit for bit at every step. ``rows``: each rank's shard
+    shapes; ``reduced``: the sizes all-reduced in a step of the split run."""
     import torch
     import torch.distributed as dist
 
@@ -85,33 +79,48 @@ def _uneven_rows_train_as_one_process():
     from lowprec.distributed.launch import reshard, wrap
     from lowprec.optim import Optimizer
 
+    a, b, c = widths
+
     def model():
         torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-        lowprec.convert(m.to(torch.bfloat16), "fp8-current", lowprec.Policy(skip_small=False), fp8_weights=True)
+        m = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.GELU(), torch.nn.Linear(b, c))
+        lowprec.convert(m.to(torch.bfloat16), recipe, lowprec.Policy(skip_small=False), fp8_weights=True)
         return m
 
     one, split = model(), model()
     wrap(split, "fsdp2")
-    rows = [tuple(s.shape) for s in sharded_fp8_weights(split)]
-    # 64 and 32 rows over 3 ranks: FSDP2 gives the last rank fewer, and pads its all-gather input
-    assert rows == ([(22, 64), (11, 64)] if dist.get_rank() < 2 else [(20, 64), (10, 64)])
-    with torch.no_grad():  # a forward before the optimizer: FSDP2's lazy init pads the last rank's shard again
-        assert torch.equal(one(torch.ones(2, 64, dtype=torch.bfloat16)), split(torch.ones(2, 64, dtype=torch.bfloat16)))
+    assert [tuple(s.shape) for s in sharded_fp8_weights(split)] == rows[dist.get_rank()]
+    with torch.no_grad():  # a forward before the optimizer: FSDP2's lazy init pads an uneven rank's shard again
+        assert torch.equal(one(torch.ones(2, a, dtype=torch.bfloat16)), split(torch.ones(2, a, dtype=torch.bfloat16)))
     reshard(split)  # the root keeps its gathered weights after a forward without backward
     opts = [Optimizer(m.parameters(), torch.optim.AdamW, lr=1e-2) for m in (one, split)]
     torch.manual_seed(1)
     for _ in range(3):
-        x = torch.randn(8, 64, dtype=torch.bfloat16)  # every rank the same batch: the mean of equal gradients
+        x = torch.randn(8, a, dtype=torch.bfloat16)
         outs = [m(x) for m in (one, split)]
-        assert torch.equal(outs[0], outs[1])  # the same codes and scale as the whole weight's, every step
+        assert torch.equal(outs[0], outs[1])  # the same codes and scales as the whole weights', every step
         for out, opt in zip(outs, opts):
             out.float().pow(2).mean().backward()
             with _all_reduces() as sizes:
                 opt.step()
             opt.zero_grad()
-        # the split run's step: the guard's one all-reduce, and one (MAX) for both weights' amaxes
-        assert sizes == [4, 2], sizes
+        assert sizes == reduced, sizes
+
+
+def test_uneven_shards_over_three_ranks_compute_as_one_process(tmp_path):
+    """64 and 32 rows over 3 ranks: FSDP2 gives the last rank fewer, and pads its all-gather input; a step
+    all-reduces the guard's four numbers and both weights' amaxes at once (one MAX)."""
+    rows = [[(22, 64), (11, 64)]] * 2 + [[(20, 64), (10, 64)]]
+    forked(_split_trains_as_one_process, "fp8-current", (64, 64, 32), rows, [4, 2], store=tmp_path / "store",
+           world_size=3)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-blockwise", "mxfp8"])
+def test_weights_stored_in_blocks_shard_on_block_edges_and_compute_as_one_process(tmp_path, recipe):
+    """128x128 blocks (fp8-blockwise reads them; mxfp8 decodes and casts them again): each rank holds whole
+    blocks of rows with their scales, the codes and the scales are gathered, and no amax is exchanged."""
+    rows = [[(128, 256), (256, 256)]] * 2
+    forked(_split_trains_as_one_process, recipe, (256, 256, 512), rows, [4], store=tmp_path / "store")
 
 
 @contextlib.contextmanager
@@ -131,9 +140,6 @@ def _all_reduces():
     finally:
         dist.all_reduce = original
 
-
-def test_uneven_shards_over_three_ranks_compute_as_one_process(tmp_path):
-    forked(_uneven_rows_train_as_one_process, store=tmp_path / "store", world_size=3)
 
 
 def test_a_shard_with_no_rows_keeps_the_agreed_scale():
@@ -170,7 +176,7 @@ def test_a_shard_with_no_rows_keeps_the_agreed_scale():
     assert torch.equal(full._data.view(torch.uint8), expected.data.view(torch.uint8))
 
 
-def test_block_storage_and_meshes_of_two_dimensions_are_refused_before_anything_changes():
+def test_blocks_cut_by_the_split_and_meshes_of_two_dimensions_are_refused_before_anything_changes():
     import types
 
     import torch
@@ -184,10 +190,12 @@ def test_block_storage_and_meshes_of_two_dimensions_are_refused_before_anything_
         lowprec.convert(m, recipe, lowprec.Policy(skip_small=False), fp8_weights=True)
         return m
 
-    m = converted("fp8-blockwise")
-    with pytest.raises(ValueError, match=r"^fp8_weights: expected FP8 weights stored per tensor under FSDP2 .* got "
-                                         r".* blocks in '0' \(fp8-blockwise\)"):
-        shard_fp8_weights(m)
+    m = converted("fp8-blockwise")  # 128 rows over 2 ranks: half blocks
+    with pytest.raises(ValueError, match=r"^fp8_weights: expected out_features a multiple of 128 x 2 ranks for FP8 "
+                                         r"weights stored in 128x128 blocks under FSDP2 .* got 128 in '0' "
+                                         r"\(fp8-blockwise\)"):
+        shard_fp8_weights(m, types.SimpleNamespace(ndim=1, size=lambda: 2))
+    assert type(m[0].weight) is FP8Weight  # untouched
     m = converted("fp8-current")
     with pytest.raises(ValueError, match="^mesh: expected a 1-D FSDP2 mesh for FP8 primary weights, got 2 dimensions"):
         shard_fp8_weights(m, types.SimpleNamespace(ndim=2))

@@ -13,14 +13,14 @@ from lowprec.plan.report import format_plan
 from lowprec.train.config import TrainConfig
 
 
-@pytest.mark.parametrize("parallel, fp8_weights, optim_states, master_weights, recipe", list(itertools.product(
-    ("none", "ddp", "fsdp2"), (False, True), ("fp32", "fp8"), (True, False), ("fp8-current", "fp8-blockwise"))))
+@pytest.mark.parametrize("parallel, fp8_weights, optim_states, master_weights", list(itertools.product(
+    ("none", "ddp", "fsdp2"), (False, True), ("fp32", "fp8"), (True, False))))
 def test_the_shared_rule_refuses_what_the_training_config_refuses(parallel, fp8_weights, optim_states,
-                                                                  master_weights, recipe):
+                                                                  master_weights):
     refused = unsupported(parallel, fp8_weights=fp8_weights, optim_states=optim_states,
-                          master_weights=master_weights, recipe=recipe)
+                          master_weights=master_weights)
     kwargs = dict(parallel=parallel, fp8_weights=fp8_weights, optim_states=optim_states,
-                  master_weights=master_weights, dtype="bfloat16", recipe=recipe)
+                  master_weights=master_weights, dtype="bfloat16")
     if not refused:
         TrainConfig(**kwargs)
         return
@@ -47,15 +47,6 @@ def test_a_layout_the_trainer_refuses_gets_one_line_per_option():
     text = format_plan(plan(PlanConfig(model="llama-3-70b", gpu="h200", recipe="fp8-current", gpus=64, tp=8,
                                        zero=3, training=Training(fp8_weights=True, optim_states="fp8"))))
     assert "lowprec train cannot run this layout as planned:\n  --optim-states fp8: " in text
-
-
-def test_fp8_weights_under_fsdp2_need_a_recipe_storing_them_per_tensor():
-    config = dict(model="llama-3-70b", gpu="h200", gpus=64, zero=3, training=Training(fp8_weights=True))
-    assert plan(PlanConfig(recipe="fp8-current", **config)).trainer_refusals == ()
-    assert plan(PlanConfig(recipe="fp8-blockwise", **config)).trainer_refusals == (
-        "--fp8-weights: lowprec train expects a recipe storing FP8 weights per tensor under parallel 'fsdp2' "
-        "(fp8-current, fp8-delayed: FSDP2 splits rows where 128x128 blocks would need block edges), or parallel "
-        "'none' or 'ddp', got 'fp8-blockwise' (--parallel fsdp2 on 64 GPUs)",)
 
 
 @pytest.mark.parametrize("kwargs, expected", [

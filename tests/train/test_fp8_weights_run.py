@@ -26,11 +26,8 @@ def test_fp8_weights_train_as_bf16_weights_and_resume_bit_for_bit(tmp_path, data
     assert _curve(resumed) == _curve(whole)
 
 
-def test_fp8_weights_need_low_precision_parameters_and_per_tensor_storage_under_fsdp2():
+def test_fp8_weights_need_low_precision_parameters_and_run_under_ddp_and_fsdp2():
     with pytest.raises(ValueError, match="^fp8_weights: expected dtype bfloat16 or float16 .* got dtype float32"):
         TrainConfig(fp8_weights=True)
-    with pytest.raises(ValueError, match="^fp8_weights: expected a recipe storing FP8 weights per tensor under "
-                                         "parallel 'fsdp2'.* got 'mxfp8'"):
-        TrainConfig(fp8_weights=True, dtype="bfloat16", parallel="fsdp2", recipe="mxfp8")
-    assert TrainConfig(fp8_weights=True, dtype="bfloat16", parallel="fsdp2", recipe="fp8-delayed").fp8_weights
-    assert TrainConfig(fp8_weights=True, dtype="bfloat16", parallel="ddp", recipe="mxfp8").fp8_weights
+    for parallel in ("ddp", "fsdp2"):
+        assert TrainConfig(fp8_weights=True, dtype="bfloat16", parallel=parallel, recipe="mxfp8").fp8_weights
