@@ -23,13 +23,15 @@ cast) shards where every rank gets whole blocks of rows (``out_features`` a mult
 :func:`shard_fp8_weights`, which refuses any other by name): each rank holds its blocks' codes and scales,
 FSDP2 gathers both, and no amax is exchanged (a block lies within one rank's rows).
 
-*How FSDP2 makes the shard.* ``fully_shard`` chunks the parameter by rows, pads a chunk with
-``new_zeros`` and ``copy_``, views it flat and narrows it back: :class:`FP8WeightShard` carries those
-ops on the codes (each view shares the scale, or takes its rows' block scales), and ``copy_`` from another FP8
-weight copies its codes and scales exactly. The initial high-precision value (which the optimizer's master starts from) is not
-chunked along: :func:`shard_fp8_weights` keeps each weight's whole initial value before ``fully_shard``
-and hands every shard its rows after (:func:`finish_fp8_weight_shards`), requantized with the agreed
-scale. Each rank shards its own weights, as FSDP2 does, so ranks must start from the same model.
+*How FSDP2 makes the shard.* ``fully_shard`` chunks the parameter by rows, pads a chunk with ``new_zeros``
+and ``copy_``, views it flat and narrows it back (again at its lazy initialisation, on a rank with fewer
+rows): :class:`FP8WeightShard` carries those ops on the codes (each view shares the scale, or takes its
+rows' block scales), and ``copy_`` from another FP8 weight copies its codes and scales exactly. The initial
+high-precision value, which the optimizer's master starts from, is not chunked along: :func:`shard_fp8_weights`
+keeps each weight's whole initial value before ``fully_shard`` and hands every shard its rows after
+(:func:`finish_fp8_weight_shards`), quantized with the agreed scale; views share its holder, and an exact copy
+carries it, so FSDP2's padding keeps it. Each rank shards its own weights, as FSDP2 does, so ranks must start
+from the same model.
 """
 from __future__ import annotations
 
