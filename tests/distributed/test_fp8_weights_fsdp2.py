@@ -6,12 +6,15 @@ moments it trains as the BF16-weight run with them does; and a recipe storing 12
 from __future__ import annotations
 
 import contextlib
+import shutil
 
 import pytest
 
 from tests.distributed.launch_helpers import (
+    cli_ok,
     forked,
     fp8_weights_train_as_bf16,
+    run_curve,
 )
 
 RUN = ("--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32", "--val-batches", "2",
@@ -20,7 +23,18 @@ RUN = ("--model", "tiny", "--steps", "4", "--batch-size", "4", "--seq-len", "32"
 
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-delayed"])
 def test_fsdp2_with_fp8_weights_trains_and_resumes_as_bf16_weights_gathered_in_fp8(tmp_path, recipe):
-    fp8_weights_train_as_bf16(tmp_path, ("train", "--recipe", recipe, "--save-every", "2", *RUN), steps=4)
+    train = ("train", "--recipe", recipe, "--save-every", "2", *RUN)
+    fp8_weights_train_as_bf16(tmp_path, train, steps=4)
+    if recipe == "fp8-delayed":
+        return  # in one process a BF16 weight takes its delayed scale, an FP8 weight its current one
+    # each run's step-2 checkpoint (two ranks' shards) resumed by one process: still the same curve
+    for name, extra in (("fp8", ("--fp8-weights",)), ("bf16", ())):
+        one = tmp_path / f"one_{name}"
+        shutil.copytree(tmp_path / name, one)
+        (one / "checkpoints" / "step_00000004.json").unlink()
+        cli_ok(*train, *extra, "--parallel", "none", "--out", str(one), "--resume")
+    assert run_curve(tmp_path / "one_fp8") == run_curve(tmp_path / "one_bf16")
+    assert run_curve(tmp_path / "one_fp8")[:2] == run_curve(tmp_path / "fp8")[:2]
 
 
 def test_compiled_fsdp2_with_fp8_weights_trains_as_bf16_weights_gathered_in_fp8(tmp_path):
