@@ -21,7 +21,8 @@ trains bit for bit as FSDP2 with BF16 weights, FP32 masters and the FP8 all-gath
 *Storage in blocks.* A weight stored in 128x128 blocks (``fp8-blockwise``, and the recipes that decode and
 cast) shards where every rank gets whole blocks of rows (``out_features`` a multiple of 128 x ranks, checked by
 :func:`shard_fp8_weights`, which refuses any other by name): each rank holds its blocks' codes and scales,
-FSDP2 gathers both, and no amax is exchanged (a block lies within one rank's rows).
+FSDP2 gathers both (packed as one input: at one rank FSDP2 copies only the first), and no amax is exchanged
+(a block lies within one rank's rows).
 
 *How FSDP2 makes the shard.* ``fully_shard`` chunks the parameter by rows, pads a chunk with ``new_zeros``
 and ``copy_``, views it flat and narrows it back (again at its lazy initialisation, on a rank with fewer
@@ -136,7 +137,9 @@ class FP8WeightShard(FP8Weight):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         if not self._granularity.per_tensor:  # whole blocks on every rank (shard_fp8_weights checks): no padding
-            return (self._data.view(torch.uint8), self._scale), (None,)
+            # one input, the codes then the scales' bytes: FSDP2 at one rank copies a single input
+            packed = torch.cat([self._data.view(torch.uint8).reshape(-1), self._scale.reshape(-1).view(torch.uint8)])
+            return (packed,), (None,)
         codes = self._data.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: every rank sends as many rows
         if codes.shape[0] < rows:
@@ -147,16 +150,26 @@ class FP8WeightShard(FP8Weight):
                 codes = torch.cat([codes, codes.new_zeros(rows - codes.shape[0], *codes.shape[1:])])
         return (codes,), (self._scale, self._amax)
 
+    def _unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block-stored codes (rows, K padded) and scales of every rank, from their packed all-gather
+        (views of it: copies where ranks interleave them)."""
+        codes, scales = self._data.numel(), self._scale.numel() * 4
+        per_rank = gathered.view(-1, codes + scales)
+        data = per_rank[:, :codes].reshape(-1, self._data.shape[1]).view(torch.float8_e4m3fn)
+        scale = per_rank[:, codes:].contiguous().view(torch.float32).view(-1, self._scale.shape[1])
+        return data, scale
+
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        if not self._granularity.per_tensor:  # the codes and the blocks' scales, both gathered by rows
-            codes, scale = all_gather_outputs
-            if out is not None:
-                return None  # FSDP2 refilled both buffers in place
-            rows = codes.numel() // self._data.shape[1]
-            shape = torch.Size((rows, *self.shape[1:]))
-            gathered = GatheredFP8Weight(codes.view(torch.float8_e4m3fn).view(rows, -1), scale.view(rows // BLOCK, -1),
-                                         None, param_dtype, self._granularity, shape)
-            return gathered, (codes, scale)
+        if not self._granularity.per_tensor:  # each rank's codes then its blocks' scales, gathered by rows
+            data, scale = self._unpack(all_gather_outputs[0])
+            if out is not None:  # FSDP2 refilled the buffer and gave the inner tensors their storage again
+                out._data.copy_(data)
+                out._scale.copy_(scale)
+                return None
+            data, scale = data.clone(memory_format=torch.contiguous_format), scale.clone()
+            gathered = GatheredFP8Weight(data, scale, None, param_dtype, self._granularity,
+                                         torch.Size((data.shape[0], *self.shape[1:])))
+            return gathered, (data, scale)  # FSDP2 frees their storage between uses
         (codes,), (scale, amax) = all_gather_outputs, metadata
         if out is not None:  # FSDP2 refilled the same buffer; the scale tensors are the shard's own
             out._scale, out._amax = scale, amax

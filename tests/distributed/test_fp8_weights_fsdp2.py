@@ -129,12 +129,14 @@ def test_uneven_shards_over_three_ranks_compute_as_one_process(tmp_path):
            world_size=3)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-blockwise", "mxfp8"])
-def test_weights_stored_in_blocks_shard_on_block_edges_and_compute_as_one_process(tmp_path, recipe):
+@pytest.mark.parametrize("recipe, world", [("fp8-blockwise", 2), ("mxfp8", 2), ("fp8-blockwise", 1)])
+def test_weights_stored_in_blocks_shard_on_block_edges_and_compute_as_one_process(tmp_path, recipe, world):
     """128x128 blocks (fp8-blockwise reads them; mxfp8 decodes and casts them again): each rank holds whole
-    blocks of rows with their scales, the codes and the scales are gathered, and no amax is exchanged."""
-    rows = [[(128, 256), (256, 256)]] * 2
-    forked(_split_trains_as_one_process, recipe, (256, 256, 512), rows, [4], store=tmp_path / "store")
+    blocks of rows with their scales, the codes and the scales are gathered (packed as one input: FSDP2 at one
+    rank copies only the first), and no amax is exchanged (one rank: no exchange at all)."""
+    rows = [[(256 // world, 256), (512 // world, 256)]] * world
+    forked(_split_trains_as_one_process, recipe, (256, 256, 512), rows, [4] if world > 1 else [],
+           store=tmp_path / "store", world_size=world)
 
 
 @contextlib.contextmanager
