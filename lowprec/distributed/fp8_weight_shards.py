@@ -162,9 +162,11 @@ class FP8WeightShard(FP8Weight):
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         if not self._granularity.per_tensor:  # each rank's codes then its blocks' scales, gathered by rows
             data, scale = self._unpack(all_gather_outputs[0])
-            if out is not None:  # FSDP2 refilled the buffer and gave the inner tensors their storage again
-                out._data.copy_(data)
-                out._scale.copy_(scale)
+            if out is not None:  # FSDP2 refilled the buffer and gave the inner tensors their storage again:
+                # the same values as the forward's gather, which autograd may have saved (FSDP2 refills alike)
+                for dst, src in ((out._data, data), (out._scale, scale)):
+                    with torch.autograd._unsafe_preserve_version_counter(dst):
+                        dst.copy_(src)
                 return None
             data, scale = data.clone(memory_format=torch.contiguous_format), scale.clone()
             gathered = GatheredFP8Weight(data, scale, None, param_dtype, self._granularity,

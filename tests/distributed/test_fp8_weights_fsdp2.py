@@ -81,10 +81,29 @@ def test_each_rank_holds_its_rows_as_the_whole_weights_codes(tmp_path):
     forked(_sharded_as_codes, store=tmp_path / "store")
 
 
-def _split_trains_as_one_process(recipe: str, widths: tuple[int, int, int], rows: list, reduced: list):
+class _Stack(__import__("torch").nn.Module):
+    """Linears in a ModuleList: ``wrap`` makes each its own FSDP2 unit, and all but the last free their gathered
+    weights after forward and gather them again for backward."""
+
+    def __init__(self, widths):
+        import torch
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in zip(widths, widths[1:]))
+
+    def forward(self, x):
+        import torch.nn.functional as F
+
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == len(self.layers) - 1 else F.gelu(layer(x))
+        return x
+
+
+def _split_trains_as_one_process(recipe: str, widths: tuple[int, int, int], rows: list, reduced: list,
+                                 compiled: bool = False):
     """A two-layer model with FP8 weights under FSDP2 against one process: every rank trains on the same batch
     (the mean of equal gradients), so the outputs match bit for bit at every step. ``rows``: each rank's shard
-    shapes; ``reduced``: the sizes all-reduced in a step of the split run."""
+    shapes; ``reduced``: the sizes all-reduced in a step of the split run; ``compiled``: each layer compiled."""
     import torch
     import torch.distributed as dist
 
@@ -93,15 +112,19 @@ def _split_trains_as_one_process(recipe: str, widths: tuple[int, int, int], rows
     from lowprec.distributed.launch import reshard, wrap
     from lowprec.optim import Optimizer
 
-    a, b, c = widths
-
     def model():
         torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(a, b), torch.nn.GELU(), torch.nn.Linear(b, c))
+        m = _Stack(widths)
         lowprec.convert(m.to(torch.bfloat16), recipe, lowprec.Policy(skip_small=False), fp8_weights=True)
         return m
 
+    a = widths[0]
+
     one, split = model(), model()
+    if compiled:  # each layer in place, before wrapping (a compiled backward keeps the gathered scales it reads)
+        for m in (one, split):
+            for layer in m.layers:
+                layer.compile(backend="aot_eager_decomp_partition")  # inductor's min-cut partitioner
     wrap(split, "fsdp2")
     assert [tuple(s.shape) for s in sharded_fp8_weights(split)] == rows[dist.get_rank()]
     with torch.no_grad():  # a forward before the optimizer: FSDP2's lazy init pads an uneven rank's shard again
@@ -129,13 +152,16 @@ def test_uneven_shards_over_three_ranks_compute_as_one_process(tmp_path):
            world_size=3)
 
 
-@pytest.mark.parametrize("recipe, world", [("fp8-blockwise", 2), ("mxfp8", 2), ("fp8-blockwise", 1)])
-def test_weights_stored_in_blocks_shard_on_block_edges_and_compute_as_one_process(tmp_path, recipe, world):
+@pytest.mark.parametrize("recipe, world, compiled", [("fp8-blockwise", 2, False), ("mxfp8", 2, False),
+                                                     ("fp8-blockwise", 1, False), ("fp8-blockwise", 2, True)])
+def test_weights_stored_in_blocks_shard_on_block_edges_and_compute_as_one_process(tmp_path, recipe, world,
+                                                                                  compiled):
     """128x128 blocks (fp8-blockwise reads them; mxfp8 decodes and casts them again): each rank holds whole
     blocks of rows with their scales, the codes and the scales are gathered (packed as one input: FSDP2 at one
-    rank copies only the first), and no amax is exchanged (one rank: no exchange at all)."""
+    rank copies only the first), and no amax is exchanged (one rank: no exchange at all). Compiled, the first
+    layer's gather for backward refills what its forward saved, as FSDP2 refills its own buffers."""
     rows = [[(256 // world, 256), (512 // world, 256)]] * world
-    forked(_split_trains_as_one_process, recipe, (256, 256, 512), rows, [4] if world > 1 else [],
+    forked(_split_trains_as_one_process, recipe, (256, 256, 512), rows, [4] if world > 1 else [], compiled,
            store=tmp_path / "store", world_size=world)
 
 
@@ -216,3 +242,35 @@ def test_blocks_cut_by_the_split_and_meshes_of_two_dimensions_are_refused_before
     with pytest.raises(ValueError, match="^mesh: expected a 1-D FSDP2 mesh for FP8 primary weights, got 2 dimensions"):
         shard_fp8_weights(m, types.SimpleNamespace(ndim=2))
     assert type(m[0].weight) is FP8Weight  # untouched
+
+
+def test_a_gather_for_backward_refills_block_codes_and_scales_without_a_new_version():
+    """FSDP2 gathers a resharded weight again for backward into the same gathered weight (``out=``); a compiled
+    backward may have saved its inner tensors in forward (on the H200 it kept a block-stored weight's scales, and
+    the refill failed its version check), so the refill keeps their versions, as FSDP2 keeps its own buffers',
+    while the values are the new gather's. (A per-tensor weight's codes are FSDP2's own buffer, its scale the
+    shard's, which only the optimizer step writes.)"""
+    import types
+
+    import torch
+
+    from lowprec.distributed.fp8_weight_shards import FP8WeightShard
+    from lowprec.nn.fp8_weight import FP8Weight
+    from lowprec.quant import blockwise
+
+    g = blockwise(128, 128)
+    w = FP8Weight.of(torch.randn(256, 256, dtype=torch.bfloat16), g)
+    shard = FP8WeightShard(w._data, w._scale, None, g, w.shape, w.dtype)
+    mesh = types.SimpleNamespace(size=lambda: 1)
+
+    def gather(out=None):
+        inputs, meta = shard.fsdp_pre_all_gather(mesh, shard.shape, shard.stride(), None, None)
+        return shard.fsdp_post_all_gather(tuple(t.clone() for t in inputs), meta, torch.bfloat16, out=out)
+
+    gathered, _ = gather()
+    versions = (gathered._data._version, gathered._scale._version)
+    shard.requantize_(torch.randn(256, 256) * 3)  # the optimizer's step between two gathers
+    gather(out=gathered)
+    assert (gathered._data._version, gathered._scale._version) == versions
+    assert torch.equal(gathered._data.view(torch.uint8), shard._data.view(torch.uint8))
+    assert torch.equal(gathered._scale.reshape(shard._scale.shape), shard._scale)
