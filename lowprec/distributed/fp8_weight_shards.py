@@ -137,9 +137,10 @@ class FP8WeightShard(FP8Weight):
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         if not self._granularity.per_tensor:  # whole blocks on every rank (shard_fp8_weights checks): no padding
-            # one input, the codes then the scales' bytes: FSDP2 at one rank copies a single input
-            packed = torch.cat([self._data.view(torch.uint8).reshape(-1), self._scale.reshape(-1).view(torch.uint8)])
-            return (packed,), (None,)
+            if mesh.size() == 1:  # FSDP2 at one rank copies a single input: the codes, then the scales' bytes
+                return (torch.cat([self._data.view(torch.uint8).reshape(-1),
+                                   self._scale.reshape(-1).view(torch.uint8)]),), (None,)
+            return (self._data.view(torch.uint8), self._scale), (None,)  # gathered by rows, each whole
         codes = self._data.view(torch.uint8)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2's padded shard: every rank sends as many rows
         if codes.shape[0] < rows:
@@ -150,28 +151,24 @@ class FP8WeightShard(FP8Weight):
                 codes = torch.cat([codes, codes.new_zeros(rows - codes.shape[0], *codes.shape[1:])])
         return (codes,), (self._scale, self._amax)
 
-    def _unpack(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The block-stored codes (rows, K padded) and scales of every rank, from their packed all-gather
-        (views of it: copies where ranks interleave them)."""
-        codes, scales = self._data.numel(), self._scale.numel() * 4
-        per_rank = gathered.view(-1, codes + scales)
-        data = per_rank[:, :codes].reshape(-1, self._data.shape[1]).view(torch.float8_e4m3fn)
-        scale = per_rank[:, codes:].contiguous().view(torch.float32).view(-1, self._scale.shape[1])
-        return data, scale
+    def _gathered_blocks(self, outputs: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block-stored codes (rows, K padded) and scales of every rank: views of FSDP2's all-gather
+        outputs (refilled in place for every gather, versions kept), so nothing is held besides them."""
+        if len(outputs) == 2:
+            codes, scale = outputs
+        else:  # one rank, packed: the codes then the scales (at a multiple of 16384 bytes: aligned)
+            n = self._data.numel()
+            codes, scale = outputs[0][:n], outputs[0][n:].view(torch.float32)
+        return codes.view(torch.float8_e4m3fn).view(-1, self._data.shape[1]), scale.view(-1, self._scale.shape[1])
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        if not self._granularity.per_tensor:  # each rank's codes then its blocks' scales, gathered by rows
-            data, scale = self._unpack(all_gather_outputs[0])
-            if out is not None:  # FSDP2 refilled the buffer and gave the inner tensors their storage again:
-                # the same values as the forward's gather, which autograd may have saved (FSDP2 refills alike)
-                for dst, src in ((out._data, data), (out._scale, scale)):
-                    with torch.autograd._unsafe_preserve_version_counter(dst):
-                        dst.copy_(src)
-                return None
-            data, scale = data.clone(memory_format=torch.contiguous_format), scale.clone()
+        if not self._granularity.per_tensor:  # the codes and the blocks' scales, gathered by rows
+            if out is not None:
+                return None  # FSDP2 refilled its buffers, which the gathered weight views
+            data, scale = self._gathered_blocks(tuple(all_gather_outputs))
             gathered = GatheredFP8Weight(data, scale, None, param_dtype, self._granularity,
                                          torch.Size((data.shape[0], *self.shape[1:])))
-            return gathered, (data, scale)  # FSDP2 frees their storage between uses
+            return gathered, ()
         (codes,), (scale, amax) = all_gather_outputs, metadata
         if out is not None:  # FSDP2 refilled the same buffer; the scale tensors are the shard's own
             out._scale, out._amax = scale, amax
@@ -191,7 +188,12 @@ def _rows(func, t: FP8WeightShard, rest: tuple, kwargs: dict):
         return pytree.tree_map_only(torch.Tensor, lambda d: t._like(d, d.shape), out)
     # 128x128 blocks: the rows are whole blocks (shard_fp8_weights checks), each piece with its blocks' scales
     pieces = out if isinstance(out, (list, tuple)) else [out]
-    start, shards = 0 if func is not aten.slice.Tensor else (rest[1] if len(rest) > 1 and rest[1] else 0), []
+    start, shards = 0, []
+    if func is aten.slice.Tensor:  # slice(self, dim, start, end, step)
+        start = rest[1] if len(rest) > 1 and rest[1] is not None else 0
+        start = max(start + t.shape[0], 0) if start < 0 else min(start, t.shape[0])
+        if len(rest) > 3 and rest[3] != 1:
+            fail("weight", "contiguous rows of an FP8 weight stored in blocks", f"a slice with step {rest[3]}")
     for d in pieces:
         if start % BLOCK or d.shape[0] % BLOCK:
             fail("weight", f"rows of an FP8 weight stored in {BLOCK}x{BLOCK} blocks taken on block edges",

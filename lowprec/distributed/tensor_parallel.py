@@ -47,11 +47,12 @@ and the gathered codes with the one scale are the layers' casts, handed to them 
 one process makes casting the whole input, for a quarter or half of the bytes. The layers' input, for anything
 that reads it in high precision, is the codes decoded (the values the GEMMs see). Compiled code consults no
 share: it gathers the same codes and decodes them, and the layers cast the decoded values again, which gives
-back the same codes: the decoded amax is the agreed one (448 times the scale, rounded back to the activations'
-dtype), so the layers take the same scale, and a code decoded to BF16 or FP32 and divided by its scale lies
-well within half a step of E4M3 from the code (FP16 activations, whose subnormals could lose a small code,
-are gathered in FP16 there). Other recipes and evaluation gather the input in its own dtype and cast after the
-gather.
+back the same codes: the decoded amax (448 times the scale, rounded to the activations' dtype) gives back the
+agreed scale, and a code decoded to BF16 or FP32 and divided by its scale lies well within half a step of E4M3
+from the code. The exception is a decoded value below the activations' normal range: FP16 activations, whose
+subnormals start near 6e-5, are gathered in FP16 under compile; BF16 activations whose amax is below about
+2e-35 can lose a small code there. Other recipes and evaluation gather the input in its own dtype and cast
+after the gather.
 
 Each rank runs the whole forward on the same tokens, so a run of ``W`` tensor-parallel ranks trains like
 one process on the same batch, up to the order of the partial sums (a rowwise layer's sum over K is

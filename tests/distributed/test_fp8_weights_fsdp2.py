@@ -244,33 +244,53 @@ def test_blocks_cut_by_the_split_and_meshes_of_two_dimensions_are_refused_before
     assert type(m[0].weight) is FP8Weight  # untouched
 
 
-def test_a_gather_for_backward_refills_block_codes_and_scales_without_a_new_version():
-    """FSDP2 gathers a resharded weight again for backward into the same gathered weight (``out=``); a compiled
-    backward may have saved its inner tensors in forward (on the H200 it kept a block-stored weight's scales, and
-    the refill failed its version check), so the refill keeps their versions, as FSDP2 keeps its own buffers',
-    while the values are the new gather's. (A per-tensor weight's codes are FSDP2's own buffer, its scale the
-    shard's, which only the optimizer step writes.)"""
-    import types
-
+def _block_shard(rows: int):
     import torch
 
     from lowprec.distributed.fp8_weight_shards import FP8WeightShard
     from lowprec.nn.fp8_weight import FP8Weight
     from lowprec.quant import blockwise
 
-    g = blockwise(128, 128)
-    w = FP8Weight.of(torch.randn(256, 256, dtype=torch.bfloat16), g)
-    shard = FP8WeightShard(w._data, w._scale, None, g, w.shape, w.dtype)
-    mesh = types.SimpleNamespace(size=lambda: 1)
+    values = torch.randn(rows, 256, dtype=torch.bfloat16) * torch.arange(1, rows + 1)[:, None]  # rows scaled apart
+    w = FP8Weight.of(values, blockwise(128, 128))
+    return FP8WeightShard(w._data, w._scale, None, w.granularity, w.shape, w.dtype)
 
-    def gather(out=None):
-        inputs, meta = shard.fsdp_pre_all_gather(mesh, shard.shape, shard.stride(), None, None)
-        return shard.fsdp_post_all_gather(tuple(t.clone() for t in inputs), meta, torch.bfloat16, out=out)
 
-    gathered, _ = gather()
-    versions = (gathered._data._version, gathered._scale._version)
-    shard.requantize_(torch.randn(256, 256) * 3)  # the optimizer's step between two gathers
-    gather(out=gathered)
-    assert (gathered._data._version, gathered._scale._version) == versions
-    assert torch.equal(gathered._data.view(torch.uint8), shard._data.view(torch.uint8))
-    assert torch.equal(gathered._scale.reshape(shard._scale.shape), shard._scale)
+def test_rows_of_a_block_stored_shard_take_their_blocks_scales():
+    import torch
+
+    shard = _block_shard(512)  # four row blocks, each its own scales (rows scaled apart)
+    for i, piece in enumerate(torch.chunk(shard, 2)):  # FSDP2's split
+        assert torch.equal(piece._scale, shard._scale[2 * i:2 * i + 2])
+        assert torch.equal(piece.dequantize(), shard.dequantize()[256 * i:256 * (i + 1)])
+    assert torch.equal(shard[-128:]._scale, shard._scale[3:])  # a negative start counts from the end
+    with pytest.raises(ValueError, match="^weight: expected contiguous rows of an FP8 weight stored in blocks"):
+        shard[0:512:2]
+    with pytest.raises(ValueError, match="^weight: expected rows of an FP8 weight stored in 128x128 blocks taken on "
+                                         "block edges, got rows 64 to 192"):
+        shard[64:192]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_gathered_block_stored_weight_views_fsdp2s_buffers(ranks):
+    """The gathered weight holds no copy: views of FSDP2's all-gather outputs (one packed buffer at one rank,
+    codes and scales apart at more), so FSDP2's refill for backward (in place, versions kept: a compiled
+    backward may have saved them, as on the H200) is what the layer reads, and nothing else stays allocated."""
+    import types
+
+    import torch
+
+    shard = _block_shard(256)
+    mesh = types.SimpleNamespace(size=lambda: ranks)
+    inputs, meta = shard.fsdp_pre_all_gather(mesh, shard.shape, shard.stride(), None, None)
+    assert len(inputs) == (1 if ranks == 1 else 2)
+    buffers = [torch.cat([t] * ranks) for t in inputs]  # every rank's rows alike, as an all-gather lays them out
+    gathered, inner = shard.fsdp_post_all_gather(tuple(buffers), meta, torch.bfloat16)
+    assert inner == () and gathered.shape == (256 * ranks, 256)
+    assert torch.equal(gathered.dequantize(), torch.cat([shard.dequantize()] * ranks))
+    shard.requantize_(torch.randn(256, 256) * 3)  # the optimizer's step, then FSDP2's next gather into the same buffers
+    inputs, _ = shard.fsdp_pre_all_gather(mesh, shard.shape, shard.stride(), None, None)
+    for buffer, t in zip(buffers, inputs):
+        buffer.copy_(torch.cat([t] * ranks))
+    assert shard.fsdp_post_all_gather(tuple(buffers), meta, torch.bfloat16, out=gathered) is None
+    assert torch.equal(gathered.dequantize(), torch.cat([shard.dequantize()] * ranks))
