@@ -1,5 +1,12 @@
-"""The cast of token rows grouped by expert with a scale per (expert, feature): the weight gradient's
-transposed operands of experts under a row-wise recipe, in one Triton pass.
+"""Token rows grouped by expert: each (expert, feature)'s amax over the expert's rows, and the cast with a
+scale per (expert, feature) (the weight gradient's transposed operands of experts under a row-wise
+recipe), each in one Triton pass.
+
+The amax (:func:`amax_by_group`) reads each tile of rows once and folds it into ``(E, K)`` by an atomic
+integer maximum of the absolute values' bits: for non-negative floats the order of the bits is the order
+of the values, and every NaN's bits (sign cleared) exceed infinity's, so a NaN anywhere in an expert's
+feature makes that amax NaN. A maximum is exact in any order, so the result does not depend on the
+schedule: it equals a reduction over each expert's rows, bit for bit (up to a NaN's payload).
 
 Each element ``x[t, k]`` is divided by the scale of ``amax[group[t], k]`` (its expert's amax of that
 feature over the expert's tokens, reduced beforehand) and rounded to the format. The tile, the scale
@@ -21,6 +28,7 @@ from lowprec.kernels.triton_plan import SPECIALS
 from lowprec.kernels.triton_tiles import divide, divisor_of, hw_fp8, load_tile, to_f32
 
 BM, BK = 64, 64
+AM, AK = 64, 128
 
 
 @triton.jit
@@ -45,6 +53,40 @@ def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, out_ptr,
     tl.store(out_ptr + offs_m[:, None] * K + offs_k[None, :], codes, mask=in_view)
 
 
+@triton.jit
+def group_amax_kernel(x_ptr, sxm, sxk, M, K, group_ptr, out_ptr, BM: tl.constexpr, BK: tl.constexpr,
+                      EVEN: tl.constexpr):
+    x, pid_m, pid_k, offs_m, offs_k = load_tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
+    in_rows = offs_m < M
+    bits = to_f32(x).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|'s bits, ordered as the values
+    bits = tl.where(in_rows[:, None] & (offs_k[None, :] < K), bits, 0)
+    grp = tl.load(group_ptr + offs_m, mask=in_rows, other=0).to(tl.int32)
+    first = tl.min(tl.where(in_rows, grp, 2147483647), axis=0)
+    last = tl.max(tl.where(in_rows, grp, -1), axis=0)
+    for g in range(first, last + 1):  # the experts of this tile's rows: one or two, rows being grouped
+        m = tl.max(tl.where((grp == g)[:, None], bits, 0), axis=0)
+        tl.atomic_max(out_ptr + g * K + offs_k, m, mask=offs_k < K)
+
+
+def amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """``(n_groups, K)`` float32: the maximum of ``|x2[t, k]|`` over the rows ``t`` of each group (0 for a
+    group without rows, NaN where one of its values is NaN); ``x2`` ``(M, K)`` float32, bfloat16 or
+    float16 with its rows grouped, ``group`` ``(M,)`` each row's group."""
+    m, k = x2.shape
+    out = torch.zeros((n_groups, k), dtype=torch.int32, device=x2.device)
+    if not x2.numel():
+        return out.view(torch.float32)
+    x2 = x2 if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else x2.float()
+    grid = (triton.cdiv(m, AM), triton.cdiv(k, AK))
+    meta = dict(BM=AM, BK=AK, EVEN=int(m % AM == 0 and k % AK == 0), num_warps=4)
+    args = (x2, x2.stride(0), x2.stride(1), m, k, group.contiguous(), out)
+    if x2.is_cuda:
+        launch.run(group_amax_kernel, grid, args, meta, ("group amax",))
+    else:
+        group_amax_kernel[grid](*args, **meta)
+    return out.view(torch.float32)
+
+
 def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format) -> torch.Tensor:
     """Codes ``(M, K)`` in ``fmt``'s storage dtype: ``x2[t, k]`` (float32, bfloat16 or float16) scaled by
     ``amax_scale(amax[group[t], k])``; ``group`` ``(M,)`` int64, ``amax`` ``(G, K)`` float32 (NaN for a
@@ -67,4 +109,4 @@ def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, 
     return out.view(fmt.storage_dtype)
 
 
-__all__ = ["columns_by_group"]
+__all__ = ["amax_by_group", "columns_by_group"]

@@ -10,8 +10,9 @@ expert, per operand, per GEMM: on a GPU, for 32 or 64 small experts, the launche
 set the time. The casts here give the same bits in a fixed number of kernels whatever the number of
 experts:
 
-- **per tensor**: each expert's amax (the rows' amaxes reduced over each expert's rows by one segmented
-  reduction, a maximum: exact in any order; NaN kept), its scale by the function a per-tensor cast uses
+- **per tensor**: each expert's amax (:func:`expert_amax`: on a GPU one Triton pass over the rows,
+  ``kernels.triton_grouped.amax_by_group``, elsewhere a segmented reduction; a maximum is exact in any
+  order, and NaN is kept), its scale by the function a per-tensor cast uses
   (``lowprec.quant.scales.amax_scale``), and every row divided by its expert's scale in one pass: on a GPU
   the row-wise cast's Triton kernel given each row's expert amax instead of its own
   (``kernels.triton_quant.rows_by_amax``), elsewhere ``quantize`` given each row's expert scale
@@ -20,7 +21,7 @@ experts:
 - **per row**: the rows of the input and of the output gradient are independent of the experts, so one
   row-wise cast of all of them (``kernels.quantize``) is every expert's; the weights' rows likewise, and
   ``weight[e].T``'s from one transposed copy of the weights; the tokens' transposed sides take the amax of
-  each (expert, feature) pair (the segmented reduction again) and one pass dividing by those scales (on a
+  each (expert, feature) pair (:func:`expert_amax` again) and one pass dividing by those scales (on a
   GPU ``kernels.triton_grouped.columns_by_group``, elsewhere ``quantize`` given a scale per element);
 - **MX**: blocks run along K within a row, so one MX cast of all token rows (of all weights' rows, of one
   transposed copy of the weights) is every expert's; the tokens' transposed side (along the tokens) puts
@@ -232,6 +233,22 @@ def _amax_by(values: torch.Tensor, g: Groups) -> torch.Tensor:
     return torch.where(nan > 0, torch.nan, amax)
 
 
+def expert_amax(x2: torch.Tensor, g: Groups, fmt: F.Format, per_feature: bool) -> torch.Tensor:
+    """Each expert's amax of the token rows ``x2`` (T, K): per feature ``(E, K)``, or of the whole expert
+    ``(E,)``; 0 for an expert without rows, NaN where one of its values is NaN. On a device where the
+    route runs ``fmt``'s row-wise cast on Triton, one pass over ``x2`` (``triton_grouped.amax_by_group``);
+    elsewhere a segmented reduction. Both are exact, so they agree bit for bit."""
+    spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
+    if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
+        from lowprec.kernels import triton_grouped  # Triton: imported where it runs
+
+        amax = triton_grouped.amax_by_group(x2.detach(), g.expert, len(g.counts))  # (E, K)
+        amax = amax if per_feature else amax.amax(dim=1)
+        return torch.where(amax.isnan(), torch.nan, amax)  # one NaN, whatever the input's payload
+    values = x2.detach().abs().float()
+    return _amax_by(values if per_feature else values.amax(dim=1), g)
+
+
 def _per_tensor(x2: torch.Tensor, amax: torch.Tensor, per_row, fmt: F.Format, flip: bool) -> ExpertCast:
     """``x2``'s rows, each divided by its expert's scale (``per_row`` spreads an ``(E,)`` vector over the
     rows); see [Note: batched per-expert casts]."""
@@ -254,7 +271,7 @@ def _rows(x2: torch.Tensor, fmt: F.Format) -> ExpertCast:
 def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     """The token rows' transposed side per expert: each (expert, feature) scaled by its amax over the
     expert's tokens; codes kept in the rows' layout."""
-    amax = _amax_by(x2.detach().abs().float(), g)  # (E, K)
+    amax = expert_amax(x2, g, fmt, True)  # (E, K)
     scales = amax_scale(amax, fmt)
     spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
     if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
@@ -303,7 +320,7 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
         return (_mx(x2, fk, op.cast_k.granularity) if fk is not None else None,
                 _mx_tokens(x2, g, ft, op.cast_t.granularity) if ft is not None else None)
     expert = g.expert
-    amax = _amax_by(x2.detach().abs().amax(dim=1).float(), g)  # (E,)
+    amax = expert_amax(x2, g, fk if fk is not None else ft, False)  # (E,)
     k = _per_tensor(x2, amax, lambda v: v[expert], fk, False) if fk is not None else None
     if ft is None:
         return k, None

@@ -63,6 +63,55 @@ def test_each_element_cast_by_its_experts_feature_amax(fmt, dtype, poison):
     assert torch.equal(bits(got), bits(want))
 
 
+def _nan_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits with every NaN as one NaN (the amaxes promise NaN, not its payload)."""
+    return bits(torch.where(t.isnan(), torch.nan, t))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("counts", [COUNTS, (0, 0, 64, 1), (130,), (0, 3, 0, 0, 61, 0)])
+@pytest.mark.parametrize("poison", [None, math.inf, -math.inf, math.nan, -math.nan])
+def test_each_experts_feature_amax_in_one_pass(dtype, counts, poison):
+    """``triton_grouped.amax_by_group``: tiles of rows folded by an atomic maximum of the bits, against each
+    expert's own rows reduced by torch (exact: any order gives the same maximum), for experts without rows,
+    a tile holding several experts, features that are not a multiple of the tile, and non-finite values
+    (a NaN of either sign makes its expert's feature NaN, an infinity of either sign infinite)."""
+    from lowprec.kernels import triton_grouped
+
+    k = 200  # not a multiple of the 128-feature tile
+    rows = sum(counts)
+    x = torch.cat([randn(max(n, 1), k, seed=40 + e)[:n] * 2.0 ** (9 * e - 20) for e, n in enumerate(counts)])
+    x[::7, 3] = 0.0
+    if dtype is not torch.float32:
+        x[1, 9] = 2.0 ** -130  # subnormal in float32: its bits order it like any other value
+    x = x.to(dtype)
+    if poison is not None:
+        x[rows - 1, 150] = poison
+    g = GC.groups(counts)
+    got = triton_grouped.amax_by_group(x, g.expert, len(counts))
+    want = torch.stack([x[g.expert == e].float().abs().amax(0) if n else torch.zeros(k)
+                        for e, n in enumerate(counts)])
+    assert got.shape == (len(counts), k) and got.dtype == torch.float32
+    assert torch.equal(_nan_bits(got), _nan_bits(want))
+    if poison is not None:
+        hit = got[g.expert[-1], 150]  # the expert of the last row
+        assert hit.isnan() if math.isnan(poison) else hit == math.inf
+
+
+@pytest.mark.parametrize("per_feature", [True, False])
+def test_the_expert_amaxes_agree_on_both_backends(monkeypatch, per_feature):
+    """``grouped_casts.expert_amax`` through the Triton kernel equals its segmented reduction bit for bit,
+    per feature and per expert, NaN included."""
+    x, _ = _rows(torch.bfloat16, math.nan)
+    g, fmt = GC.groups(COUNTS), F.get("e4m3")
+    reference = GC.expert_amax(x, g, fmt, per_feature)
+    monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)
+    fast = GC.expert_amax(x, g, fmt, per_feature)
+    assert fast.shape == ((len(COUNTS), 96) if per_feature else (len(COUNTS),))
+    assert torch.equal(bits(fast), bits(reference))
+    assert fast.isnan().any()  # expert 2 holds the NaN
+
+
 @pytest.mark.parametrize(("recipe", "kernel"), [("fp8-current", "rows_by_amax"), ("fp8-rowwise", "columns_by_group")])
 def test_the_layer_casts_take_the_kernel_where_the_route_says(monkeypatch, recipe, kernel):
     """fp8-current's rows (along K) and fp8-rowwise's tokens (transposed) through their kernel, equal to each
