@@ -23,6 +23,7 @@ asks :func:`runs_grouped` for each of its three GEMMs.
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import torch
@@ -48,7 +49,7 @@ def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> 
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def _padding(counts: tuple[int, ...], lengths: torch.Tensor) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+def token_padding(counts: tuple[int, ...], lengths: torch.Tensor) -> tuple[torch.Tensor | None, int, torch.Tensor]:
     """(each row's place among the padded rows or None, the padded row count, the padded offsets): each
     expert's rows followed by zero rows up to a multiple of 16 (the grouped GEMM's K groups must start
     at 16-aligned columns; zero codes add nothing to a product). Computed on the rows' device."""
@@ -63,24 +64,35 @@ def _padding(counts: tuple[int, ...], lengths: torch.Tensor) -> tuple[torch.Tens
     return dest, total, ends.to(torch.int32)
 
 
-def _padded_tokens(t: torch.Tensor, dest: torch.Tensor | None, total: int) -> torch.Tensor:
-    """Token rows ``t`` moved to their padded places ``dest`` among ``total`` rows of zero codes."""
+def padded_starts(counts: tuple[int, ...]) -> tuple[int, ...]:
+    """Where each expert's rows begin among the rows :func:`token_padding` pads (host)."""
+    return tuple(itertools.accumulate((-(-n // 16) * 16 for n in counts[:-1]), initial=0))
+
+
+def features_padded(codes: torch.Tensor, dest: torch.Tensor | None, total: int) -> torch.Tensor:
+    """``(K, total)``: token rows' codes ``(T, K)`` transposed, row ``t`` at column ``dest[t]`` of zero codes
+    (the layout :func:`grouped_by_features` reads)."""
     if dest is None:
-        return t
-    out = torch.zeros(total, t.shape[1], dtype=torch.uint8, device=t.device)
-    out[dest] = t.view(torch.uint8)
-    return out.view(t.dtype)
+        return codes.t().contiguous()
+    out = torch.zeros(codes.shape[1], total, dtype=torch.uint8, device=codes.device)
+    out[:, dest] = codes.view(torch.uint8).t()
+    return out.view(codes.dtype)
+
+
+def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool) -> torch.Tensor:
+    """``(E, M, N)`` from features-major codes ``a_t`` ``(M, P)`` and ``b_t`` ``(N, P)``, each expert's
+    tokens at 16-aligned columns ending at ``ends``."""
+    return torch._scaled_grouped_mm(a_t, b_t.t(), a_scales.contiguous(), b_scales.contiguous(), offs=ends,
+                                    out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 def _by_features(a, a_scales, b, b_scales, counts, lengths, out_dtype, fast_accum: bool) -> torch.Tensor:
     """``(E, M, N)``: ``a[rows of e].T @ b[rows of e]`` for token rows ``a`` ``(T, M)`` and ``b`` ``(T, N)``
     grouped with ``counts`` (``lengths`` on the device); ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)``
     per expert and feature."""
-    dest, total, offsets = _padding(counts, lengths)
-    a, b = _padded_tokens(a, dest, total), _padded_tokens(b, dest, total)
-    return torch._scaled_grouped_mm(a.t().contiguous(), b.t().contiguous().t(), a_scales.contiguous(),
-                                    b_scales.contiguous(), offs=offsets, out_dtype=out_dtype,
-                                    use_fast_accum=fast_accum)
+    dest, total, ends = token_padding(counts, lengths)
+    return _laid_out(features_padded(a, dest, total), a_scales, features_padded(b, dest, total), b_scales, ends,
+                     out_dtype, fast_accum)
 
 
 def _reference(kind: str, a, a_scales, b, b_scales, counts) -> torch.Tensor:
@@ -171,10 +183,20 @@ def grouped_by_features(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor
     return _by_features(a, a_scales, b, b_scales, counts, lengths, out_dtype, fast_accum)
 
 
+def grouped_by_features_laid_out(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor,
+                                 b_scales: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
+                                 fast_accum: bool) -> torch.Tensor:
+    """:func:`grouped_by_features` of codes already laid out features-major and padded
+    (:func:`features_padded`): ``a_t`` ``(M, P)``, ``b_t`` ``(N, P)``, ``ends`` the padded offsets
+    (int32) of :func:`token_padding`."""
+    return _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum)
+
+
 def grouped_status() -> dict[str, bool]:
     """Each (device, kind) checked so far and whether its grouped GEMM passed (for ``lowprec info`` and
     benchmarks)."""
     return {f"{d} {kind}": ok for (d, kind), ok in _CHECKED.items()}
 
 
-__all__ = ["FEATURES", "ROWS", "grouped_by_features", "grouped_by_rows", "grouped_status", "runs_grouped"]
+__all__ = ["FEATURES", "ROWS", "features_padded", "grouped_by_features", "grouped_by_features_laid_out",
+           "grouped_by_rows", "grouped_status", "padded_starts", "runs_grouped", "token_padding"]

@@ -32,8 +32,9 @@ AM, AK = 64, 128
 
 
 @triton.jit
-def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, out_ptr,
-                   BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, EXP: tl.constexpr, MAN: tl.constexpr,
+def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, dest_ptr, P, out_ptr,
+                   BM: tl.constexpr, MOVED: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                   EXP: tl.constexpr, MAN: tl.constexpr,
                    SPECIAL: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr,
                    HW: tl.constexpr):
     x, pid_m, pid_k, offs_m, offs_k = load_tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
@@ -50,7 +51,12 @@ def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, out_ptr,
     else:
         codes = to_codes(scaled, nan_sign, scaled, EXP, MAN, SPECIAL, True, False)
     codes = tl.where(dead, 0, codes).to(tl.uint8)
-    tl.store(out_ptr + offs_m[:, None] * K + offs_k[None, :], codes, mask=in_view)
+    if MOVED:  # each row's padded place
+        place = tl.load(dest_ptr + offs_m, mask=offs_m < M, other=0)
+    else:
+        place = offs_m
+    # features-major: (K, P), row t at column place[t]
+    tl.store(out_ptr + offs_k[:, None] * P + place[None, :], tl.trans(codes), mask=tl.trans(in_view))
 
 
 @triton.jit
@@ -87,23 +93,26 @@ def amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch
     return out.view(torch.float32)
 
 
-def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format) -> torch.Tensor:
-    """Codes ``(M, K)`` in ``fmt``'s storage dtype: ``x2[t, k]`` (float32, bfloat16 or float16) scaled by
-    ``amax_scale(amax[group[t], k])``; ``group`` ``(M,)`` int64, ``amax`` ``(G, K)`` float32 (NaN for a
-    group whose feature holds one)."""
+def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format,
+                     dest: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Codes ``(K, total)`` in ``fmt``'s storage dtype, features-major: ``x2[t, k]`` (float32, bfloat16 or
+    float16) scaled by ``amax_scale(amax[group[t], k])`` at ``[k, dest[t]]`` (``dest`` None: ``t``), zero
+    codes elsewhere; ``group`` ``(M,)`` int64, ``amax`` ``(G, K)`` float32 (NaN for a group whose feature
+    holds one)."""
     m, k = x2.shape
-    x2 = x2 if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else x2.float()
-    out = torch.empty((m, k), dtype=torch.uint8, device=x2.device)
+    out = (torch.zeros if total != m else torch.empty)((k, total), dtype=torch.uint8, device=x2.device)
     if not x2.numel():
         return out.view(fmt.storage_dtype)
+    x2 = x2 if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else x2.float()
     bits = amax.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF  # as the amax kernel's
     grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
-    meta = dict(BM=BM, BK=BK, EVEN=int(m % BM == 0 and k % BK == 0), EXP=fmt.exp_bits, MAN=fmt.man_bits,
-                SPECIAL=SPECIALS[fmt.special], FMAX=fmt.max, EMAX=fmt.emax, RULE=RULE_AMAX,
+    moved = dest is not None
+    meta = dict(BM=BM, BK=BK, MOVED=int(moved), EVEN=int(m % BM == 0 and k % BK == 0), EXP=fmt.exp_bits,
+                MAN=fmt.man_bits, SPECIAL=SPECIALS[fmt.special], FMAX=fmt.max, EMAX=fmt.emax, RULE=RULE_AMAX,
                 HW=int(x2.is_cuda), num_warps=4)
-    args = (x2, x2.stride(0), x2.stride(1), m, k, group.contiguous(), bits, out)
+    args = (x2, x2.stride(0), x2.stride(1), m, k, group.contiguous(), bits, dest if moved else group, total, out)
     if x2.is_cuda:
-        launch.run(columns_kernel, grid, args, meta, ("columns", fmt.name))
+        launch.run(columns_kernel, grid, args, meta, ("columns", fmt.name, moved))
     else:
         columns_kernel[grid](*args, **meta)
     return out.view(fmt.storage_dtype)

@@ -269,9 +269,11 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
     out_f, in_f = w_shape
     device, counts = g.expert.device, g.counts
     if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f):
-        e = len(counts)
-        return GG.grouped_by_features(qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e),
-                                      counts, g.lengths, dtype, plan.wgrad.fast_accum)
+        e, fast = len(counts), plan.wgrad.fast_accum
+        a, sa, b, sb = qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e)
+        if qdy_t.kind is GC.Side.COLUMN:  # both laid out as the grouped GEMM reads them (one kind per plan)
+            return GG.grouped_by_features_laid_out(a, sa, b, sb, g.padded()[2], dtype, fast)
+        return GG.grouped_by_features(a, sa, b, sb, counts, g.lengths, dtype, fast)
     dws = [torch.zeros(w_shape, dtype=dtype, device=device) for _ in counts]
     for e, rows in _slices(counts):
         dws[e] = gemm(qdy_t.expert(e, rows), qx_t.expert(e, rows), plan.wgrad, dtype)

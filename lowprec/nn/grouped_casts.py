@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lowprec import formats as F
+from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels import quantize as routed_quantize
 from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend
 from lowprec.nn.plan import LayerPlan, OperandPlan
@@ -113,7 +114,8 @@ class ExpertCast:
 
     ``data``: codes of the token rows ``(T, K)``, or of the weights ``(E, R, K)``. ``scales``: per
     ``kind``: ``TENSOR`` ``(E,)`` one per expert; ``ROW`` one per row of ``data`` (``(T,)`` or
-    ``(E * R,)``); ``COLUMN`` ``(E, K)`` one per expert and feature (a token side cast along the tokens).
+    ``(E * R,)``); ``COLUMN`` ``(E, K)`` one per expert and feature (a token side cast along the tokens,
+    whose ``data`` is ``(K, P)``: features-major, expert ``e``'s tokens from column ``starts[e]`` on).
     ``flip``: the expert's operand is its codes transposed (a per-tensor side whose transposed codes are
     the same bits)."""
 
@@ -127,7 +129,8 @@ class ExpertCast:
     granularity: Granularity | None = None
     """MX sides: the blocks' granularity."""
     starts: tuple[int, ...] = ()
-    """``MX_TOKENS``: where each expert's tokens begin in ``data``'s columns, each at a whole block."""
+    """``MX_TOKENS``, ``COLUMN``: where each expert's tokens begin in ``data``'s columns (at a whole block,
+    at a multiple of 16)."""
     width: int = 0
     """``MX``: K before padding to whole blocks."""
     aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -140,6 +143,11 @@ class ExpertCast:
         """Expert ``e``'s operand, as its own cast would make it: its token rows ``rows``, or its weight."""
         if self.kind in (Side.MX, Side.MX_TOKENS):
             return self._mx_expert(e, rows)
+        if self.kind is Side.COLUMN:  # features-major: the expert's columns, one scale per feature
+            first = self.starts[e]
+            codes = self.data[:, first:first + rows.stop - rows.start].contiguous()
+            return QuantizedTensor(codes, self.scales[e].unsqueeze(1).clone(), self.fmt, rowwise(), codes.shape,
+                                   self.dtype)
         codes = self.data[rows] if rows is not None else self.data[e]
         if self.kind is Side.TENSOR:
             scale, g = self.aligned[e, :1].view(1, 1), tensorwise()
@@ -147,9 +155,7 @@ class ExpertCast:
             n = codes.shape[0]
             first = rows.start if rows is not None else e * n
             scale, g = self.scales[first:first + n].unsqueeze(1).clone(), rowwise()  # its own, aligned
-        else:  # column: the tokens' side cast along the tokens, one scale per feature
-            scale, g = self.scales[e].unsqueeze(1).clone(), rowwise()
-        if self.flip or self.kind is Side.COLUMN:
+        if self.flip:
             codes = codes.t().contiguous()
         return QuantizedTensor(codes, scale, self.fmt, g, codes.shape, self.dtype)
 
@@ -207,6 +213,15 @@ class Groups:
     """``(E,)`` int32: cumulative, as the grouped GEMMs take them."""
     expert: torch.Tensor
     """``(T,)`` int64: each row's expert."""
+    _padded: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def padded(self) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+        """The tokens padded per expert to multiples of 16 (``kernels.grouped_gemm.token_padding``: each
+        row's place or None, the padded count, the padded offsets), worked out once for the layers that
+        share these groups."""
+        if not self._padded:
+            self._padded.append(GG.token_padding(self.counts, self.lengths))
+        return self._padded[0]
 
     @staticmethod
     def of(counts: tuple[int, ...], offsets: torch.Tensor) -> Groups:
@@ -270,17 +285,21 @@ def _rows(x2: torch.Tensor, fmt: F.Format) -> ExpertCast:
 
 def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     """The token rows' transposed side per expert: each (expert, feature) scaled by its amax over the
-    expert's tokens; codes kept in the rows' layout."""
+    expert's tokens; codes laid out features-major, each expert's tokens from a 16-aligned column on, zero
+    codes between (``kernels.grouped_gemm.features_padded``: the weight gradient's grouped GEMM reads
+    them as they are)."""
     amax = expert_amax(x2, g, fmt, True)  # (E, K)
     scales = amax_scale(amax, fmt)
+    dest, total, _ = g.padded()
     spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
     if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
         from lowprec.kernels import triton_grouped  # Triton: imported where it runs
 
-        data = triton_grouped.columns_by_group(x2.detach(), g.expert, amax, fmt)
+        data = triton_grouped.columns_by_group(x2.detach(), g.expert, amax, fmt, dest, total)
     else:
-        data = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
-    return ExpertCast(data, scales, fmt, x2.dtype, Side.COLUMN)
+        codes = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
+        data = GG.features_padded(codes, dest, total)
+    return ExpertCast(data, scales, fmt, x2.dtype, Side.COLUMN, starts=GG.padded_starts(g.counts))
 
 
 def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:

@@ -11,24 +11,25 @@ from lowprec.kernels import grouped_gemm as GG
 
 
 def _pad(t, counts):
-    dest, total, offsets = GG._padding(counts, torch.tensor(counts))
-    return GG._padded_tokens(t, dest, total), offsets.tolist()
+    dest, total, offsets = GG.token_padding(counts, torch.tensor(counts))
+    return dest, GG.features_padded(t, dest, total), offsets.tolist()
 
 
-def test_each_experts_tokens_are_padded_to_16_with_zero_codes():
+def test_each_experts_tokens_are_padded_to_16_with_zero_codes_features_major():
     t = (torch.arange(10 * 3, dtype=torch.float32).view(10, 3) + 1).to(torch.float8_e4m3fn)
-    padded, offsets = _pad(t, (3, 0, 7))
-    assert offsets == [16, 16, 32]
-    assert padded.dtype == t.dtype
-    v = padded.float()
+    _, padded, offsets = _pad(t, (3, 0, 7))
+    assert offsets == [16, 16, 32] and GG.padded_starts((3, 0, 7)) == (0, 16, 16)
+    assert padded.dtype == t.dtype and padded.shape == (3, 32)
+    v = padded.float().t()
     assert torch.equal(v[:3], t[:3].float()) and not v[3:16].any()
     assert torch.equal(v[16:23], t[3:].float()) and not v[23:].any()
 
 
-def test_aligned_tokens_are_left_as_they_are():
-    t = torch.zeros(32, 4).to(torch.float8_e4m3fn)
-    padded, offsets = _pad(t, (16, 0, 16))
-    assert padded is t and offsets == [16, 16, 32]
+def test_aligned_tokens_are_only_transposed():
+    t = torch.randn(32, 4).to(torch.float8_e4m3fn)
+    dest, padded, offsets = _pad(t, (16, 0, 16))
+    assert dest is None and offsets == [16, 16, 32]
+    assert torch.equal(padded.view(torch.uint8), t.view(torch.uint8).t())
 
 
 def test_the_self_checks_reference_is_each_experts_product():

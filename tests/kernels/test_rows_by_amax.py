@@ -51,16 +51,31 @@ def test_each_row_cast_by_its_given_amax(fmt, dtype, poison):
 def test_each_element_cast_by_its_experts_feature_amax(fmt, dtype, poison):
     """``triton_grouped.columns_by_group``: the tokens' transposed side of a row-wise recipe, each
     (expert, feature) with its own scale, equals the reference given those scales per element."""
-    from lowprec.kernels import triton_grouped
+    from lowprec.kernels import grouped_gemm, triton_grouped
     from lowprec.quant import blockwise
 
     x, _ = _rows(dtype, poison)
     g = GC.groups(COUNTS)
     amax = GC._amax_by(x.abs().float(), g)  # (E, K)
-    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt))
+    dest, total, _ = g.padded()
+    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt), dest, total)
     scales = amax_scale(amax, F.get(fmt))
-    want = quantize(x, fmt, blockwise(1, 1), scale=scales[g.expert]).data
-    assert torch.equal(bits(got), bits(want))
+    want = quantize(x, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # (T, K)
+    assert got.shape == (96, total) and total == sum(-(-n // 16) * 16 for n in COUNTS)
+    assert torch.equal(bits(got), bits(grouped_gemm.features_padded(want, dest, total)))
+    for e, (n, first) in enumerate(zip(COUNTS, grouped_gemm.padded_starts(COUNTS))):  # each expert's columns
+        rows = g.expert == e
+        assert torch.equal(bits(got[:, first:first + n]), bits(want[rows].t()))
+        assert not bits(got[:, first + n:first + -(-n // 16) * 16]).any()  # zero codes between experts
+    if poison is None:  # no padding needed: rows stay in place
+        even = (16, 0, 32)
+        ge = GC.groups(even)
+        xe = torch.cat([x[:16], x[:32]])
+        ae = GC._amax_by(xe.abs().float(), ge)
+        assert ge.padded()[0] is None
+        got = triton_grouped.columns_by_group(xe, ge.expert, ae, F.get(fmt), None, 48)
+        want = quantize(xe, fmt, blockwise(1, 1), scale=amax_scale(ae, F.get(fmt))[ge.expert]).data
+        assert torch.equal(bits(got), bits(want.t()))
 
 
 def _nan_bits(t: torch.Tensor) -> torch.Tensor:

@@ -156,3 +156,48 @@ def test_mx_experts_take_one_grouped_gemm_of_rows_folded_to_row_scales(monkeypat
         layer_plan.cache_clear()
     for name, a, b in zip(("y", "dx", "dweight", "dbias"), batched, looped):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
+
+
+@pytest.mark.parametrize("recipe", ["fp8-rowwise", "fp8-current"])
+def test_the_weight_gradient_takes_one_grouped_gemm_of_the_laid_out_tokens(monkeypatch, recipe):
+    """Where the device runs grouped FP8 GEMMs (told so here: the CPU, with a grouped GEMM from exact
+    products standing in), every expert's weight gradient is one grouped GEMM: fp8-rowwise's token sides
+    already features-major and padded per expert (read as cast), fp8-current's padded there. Both equal
+    the expert-by-expert weight gradients."""
+    from lowprec.kernels import grouped_gemm as GG
+
+    calls = []
+
+    def exact(a_t, sa, b_t, sb, ends):  # (E, M, N) from features-major (M, P) and (N, P)
+        m, n = a_t.shape[0], b_t.shape[0]
+        out, start = [], 0
+        for e, end in enumerate(ends.tolist()):
+            out.append((a_t[:, start:end].float() @ b_t[:, start:end].float().t()) * sa[e * m:(e + 1) * m, None]
+                       * sb[e * n:(e + 1) * n])
+            start = end
+        return torch.stack(out)
+
+    def laid_out(a_t, sa, b_t, sb, ends, out_dtype, fast_accum):
+        calls.append(("laid out", tuple(a_t.shape), tuple(b_t.shape)))
+        return exact(a_t, sa, b_t, sb, ends).to(out_dtype)
+
+    def by_features(a, sa, b, sb, counts, lengths, out_dtype, fast_accum):
+        calls.append(("rows", tuple(a.shape), tuple(b.shape)))
+        dest, total, ends = GG.token_padding(counts, lengths)
+        return exact(GG.features_padded(a, dest, total), sa, GG.features_padded(b, dest, total), sb,
+                     ends).to(out_dtype)
+
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: kind == GG.FEATURES)
+    monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
+    monkeypatch.setattr(GG, "grouped_by_features_laid_out", laid_out)
+    monkeypatch.setattr(GG, "grouped_by_features", by_features)
+    g, _, x, dy = make(recipe, COUNTS)
+    batched = grouped_step(g, x, dy, COUNTS)
+    padded = sum(-(-n // 16) * 16 for n in COUNTS)  # 16 + 0 + 48 + 32
+    want = ("laid out", (256, padded), (128, padded)) if recipe == "fp8-rowwise" else ("rows", (64, 256), (64, 128))
+    assert calls == [want]
+    g.weight.grad = g.bias.grad = None
+    monkeypatch.setattr(GC, "batches", lambda plan: False)
+    looped = grouped_step(g, x, dy, COUNTS)
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), batched, looped):
+        assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
