@@ -29,11 +29,11 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
             p.requantize_(src)
     for (_, _, dtype, agreement), pairs in groups.items():
         params, srcs = [p for p, _ in pairs], [src for _, src in pairs]
-        amaxes = amaxes_of(srcs).to(dtype).float()  # of the rounded sources
+        full = _with_rows(srcs)  # a shard with no rows takes the scale alone
+        amaxes = amaxes_of(srcs, full).to(dtype).float()  # of the rounded sources
         if agreement is not None:
             agreement(amaxes)
         scales = amax_scale(amaxes, E4M3)
-        full = [i for i, s in enumerate(srcs) if s.numel()]  # a shard with no rows takes the scale alone
         if len(full) < len(srcs):
             for i in set(range(len(srcs))) - set(full):
                 params[i]._scale.copy_(scales[i].reshape(params[i]._scale.shape))
@@ -47,9 +47,14 @@ def requantize_all(params: list[FP8Weight], sources: list[torch.Tensor]) -> None
             p._stored()
 
 
-def amaxes_of(srcs: list[torch.Tensor]) -> torch.Tensor:
-    """The amax of each source, 0 for an empty one (a shard with no rows), in one multi-tensor pass."""
-    full = [i for i, s in enumerate(srcs) if s.numel()]
+def _with_rows(srcs: list[torch.Tensor]) -> list[int]:
+    return [i for i, s in enumerate(srcs) if s.numel()]
+
+
+def amaxes_of(srcs: list[torch.Tensor], full: list[int] | None = None) -> torch.Tensor:
+    """The amax of each source, 0 for an empty one (a shard with no rows), in one multi-tensor pass;
+    ``full``: the indices of the non-empty sources, where the caller knows them."""
+    full = _with_rows(srcs) if full is None else full
     if len(full) == len(srcs):
         return torch.stack(torch._foreach_norm(srcs, ord=math.inf))
     out = srcs[0].new_zeros(len(srcs))

@@ -83,9 +83,10 @@ class MasterWeights:
         groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
         fp8: tuple[list, list] = ([], [])
         for p, m in zip(self.params, self.masters):
-            if fp8_weight(p) is not None:
+            w = fp8_weight(p)
+            if w is not None:
                 dst, src = fp8
-                p, m = fp8_weight(p), local(m)  # FSDP2's shard: its rows, with the whole weight's scale
+                p, m = w, local(m)  # FSDP2's shard: its rows, with the whole weight's scale
             elif m is not None:
                 dst, src = groups[(p.device, p.dtype)]
                 p, m = local(p), local(m)  # in place into the shard FSDP2 all-gathers from
