@@ -13,7 +13,9 @@ Variants (all on the same routed rows, grouped by expert, with random unbalanced
 - ``<recipe> loop``: every expert's casts and GEMMs one by one (``lowprec.nn.grouped.GroupedFunction``);
 - ``<recipe> batched``: the casts of all experts batched, GEMMs per expert;
 - ``<recipe> grouped``: batched casts, the GEMMs in ``torch._scaled_grouped_mm`` where it takes them (E4M3
-  operands: fp8-current's forward alone, fp8-rowwise's three GEMMs).
+  operands: fp8-current's forward, fp8-rowwise's three GEMMs), fp8-current's E5M2 gradient GEMMs in
+  lowprec's grouped Triton GEMMs (``kernels.triton_grouped_gemm``): what ``GroupedLinear`` runs;
+- ``<recipe> triton``: as ``grouped``, every grouped GEMM on the Triton kernels (E4M3 pairs too).
 
 Checks first: each variant's output, input gradient and ``w2`` weight gradient against its recipe's loop
 (relative error), and the loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the
@@ -44,7 +46,8 @@ def _variant(name: str):
     """Patch lowprec for one way of running the experts (``grouped``, the default way, needs no patch)."""
     mode = name.split()[-1]
     patches = {"loop": (grouped_casts, "batches", lambda plan: False),
-               "batched": (grouped_gemm, "runs_grouped", lambda *a, **k: False)}
+               "batched": (grouped_gemm, "runs_grouped", lambda *a, **k: False),
+               "triton": (grouped_gemm, "_on_torch", lambda a, b: False)}
     if name == "bf16 loop":
         return mock.patch.object(grouped, "_grouped_bf16", lambda *a, **k: None)
     return mock.patch.object(*patches[mode]) if mode in patches else contextlib.nullcontext()
@@ -68,7 +71,8 @@ def main() -> None:
     x = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16) * 1e-2
     recipes = ("fp8-current", "fp8-rowwise")
-    variants = ["bf16 loop", "bf16 grouped_mm", *(f"{r} {m}" for r in recipes for m in ("loop", "batched", "grouped"))]
+    modes = ("loop", "batched", "grouped", "triton")
+    variants = ["bf16 loop", "bf16 grouped_mm", *(f"{r} {m}" for r in recipes for m in modes)]
     outs, times = {}, {}
     for name in variants:
         recipe = name.split()[0] if name.startswith("fp8") else None
@@ -91,7 +95,7 @@ def main() -> None:
     checks = []
     for r in recipes:
         ref = outs[f"{r} loop"]
-        for mode in ("batched", "grouped"):
+        for mode in modes[1:]:
             checks.append([f"{r} {mode}", *(f"{((a - b).norm() / b.norm()).item():.2e}"
                                              for a, b in zip(outs[f"{r} {mode}"], ref))])
         checks.append([f"{r} loop vs bf16 (SQNR dB)", *(f"{C.sqnr(b, a):.1f}"

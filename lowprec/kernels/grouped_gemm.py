@@ -14,12 +14,15 @@ epilogue (``acc * row scale * column scale``, against ``acc * (scale_a * scale_b
 GEMM) may differ in the last bits.
 
 It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels for them), with both
-operands E4M3 (the kernel refuses E5M2: fp8-current's gradients keep their GEMMs per expert) and the
-dimensions other than the tokens multiples of 16. The first time it runs on a device it checks itself
-against the per-expert GEMMs computed from the exact values (E4M3 products in FP32) on a small problem
-of unbalanced experts, one of them without tokens; if they disagree beyond the output's rounding, or
-the call fails, it warns once and those GEMMs stay expert by expert on that device. ``lowprec.nn.GroupedLinear``
-asks :func:`runs_grouped` for each of its three GEMMs.
+operands E4M3 and the dimensions other than the tokens multiples of 16. PyTorch's kernel refuses E5M2, so
+a pair with an E5M2 operand (fp8-current's gradients: E5M2 times E4M3) runs as lowprec's own grouped
+Triton GEMMs of the same two kinds and scales instead ([Note: grouped FP8 GEMMs in Triton] in
+``lowprec.kernels.triton_grouped_gemm``), where Triton runs. The first time either runs a kind on a
+device it checks itself against the per-expert GEMMs computed from the exact values (FP8 products in
+FP32) on a small problem of unbalanced experts (one of them without tokens, K of 1024); if they disagree
+beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns once and those GEMMs stay
+expert by expert on that device. ``lowprec.nn.GroupedLinear`` asks :func:`runs_grouped` for each of its
+three GEMMs.
 """
 from __future__ import annotations
 
@@ -30,10 +33,11 @@ import torch
 
 _CHECKED: dict[tuple[torch.device, str], bool] = {}
 """Per device and kind of grouped GEMM: whether it ran and agreed with the per-expert GEMMs on first use."""
-E4M3 = torch.float8_e4m3fn
-TOLERANCE = 2.0 ** -7
-"""Largest relative difference from the per-expert GEMMs the self-check accepts: BF16's rounding of the
-output (2^-8) twice."""
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TOLERANCE = 2.0 ** -8
+"""Largest difference from the per-expert GEMMs the self-check accepts, relative to the output's norm:
+twice BF16's rounding of the output (at most 2^-9 of each value). A kernel that kept Hopper's FP8 MMA
+accumulating over all of K misses it (1% on ``moe-1b``'s experts)."""
 ROWS, FEATURES = "rows", "features"
 """The two kinds: experts' rows times their weights (forward, input gradient: the tokens are M), and the
 weight gradient (the tokens are K: each expert's features times its tokens' gradients)."""
@@ -43,8 +47,17 @@ def _offsets(counts, device) -> torch.Tensor:
     return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
 
 
-def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> torch.Tensor:
+def _on_torch(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a pair runs on PyTorch's grouped kernel (two E4M3 operands) or on lowprec's Triton one."""
+    return a.dtype == E4M3 and b.dtype == E4M3
+
+
+def _by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum: bool) -> torch.Tensor:
     """``(T, N)``: rows of expert ``e`` times ``b[e].T``; ``a_scales`` ``(T,)``, ``b_scales`` ``(E, N)``."""
+    if not _on_torch(a, b):
+        from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
+
+        return triton_grouped_gemm.grouped_rows(a, a_scales, b, b_scales, counts, out_dtype)
     return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scales, b_scales.contiguous(), offs=offsets,
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
@@ -82,6 +95,10 @@ def features_padded(codes: torch.Tensor, dest: torch.Tensor | None, total: int) 
 def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool) -> torch.Tensor:
     """``(E, M, N)`` from features-major codes ``a_t`` ``(M, P)`` and ``b_t`` ``(N, P)``, each expert's
     tokens at 16-aligned columns ending at ``ends``."""
+    if not _on_torch(a_t, b_t):
+        from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
+
+        return triton_grouped_gemm.grouped_features(a_t, a_scales, b_t, b_scales, ends, out_dtype)
     return torch._scaled_grouped_mm(a_t, b_t.t(), a_scales.contiguous(), b_scales.contiguous(), offs=ends,
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
@@ -110,74 +127,90 @@ def _reference(kind: str, a, a_scales, b, b_scales, counts) -> torch.Tensor:
     return torch.cat(out) if kind == ROWS else torch.stack(out)
 
 
-def _problem(kind: str, device: torch.device):
-    """A small grouped problem: unbalanced experts, one without tokens, counts not multiples of 16."""
+def _problem(kind: str, device: torch.device, a_dtype: torch.dtype = E4M3):
+    """A small grouped problem: unbalanced experts, one without tokens, counts not multiples of 16; ``a``
+    in ``a_dtype``, ``b`` E4M3."""
     g = torch.Generator(device=device).manual_seed(0)
     counts = (40, 0, 24, 71)
-    t, k, n, e = sum(counts), 128, 64, len(counts)
+    t, k, n, e = sum(counts), 1024, 64, len(counts)  # a long K: the accumulation shows
 
-    def codes(*shape):
-        return (torch.randn(*shape, device=device, generator=g) * 8).to(E4M3)
+    def codes(*shape, dtype=E4M3):
+        return (torch.randn(*shape, device=device, generator=g) * 8).to(dtype)
 
     def scales(m):
         return torch.rand(m, device=device, generator=g) * 4 + 0.25
 
     if kind == ROWS:
-        return codes(t, k), scales(t), codes(e, n, k), scales(e * n).view(e, n), counts
-    return codes(t, k), scales(e * k), codes(t, n), scales(e * n), counts
+        return codes(t, k, dtype=a_dtype), scales(t), codes(e, n, k), scales(e * n).view(e, n), counts
+    return codes(t, k, dtype=a_dtype), scales(e * k), codes(t, n), scales(e * n), counts
 
 
-def _self_check(kind: str, device: torch.device) -> bool:
-    a, sa, b, sb, counts = _problem(kind, device)
+def _name(kind: str, on_torch: bool) -> str:
+    return f"torch._scaled_grouped_mm ({kind})" if on_torch else f"lowprec's grouped Triton GEMM ({kind})"
+
+
+def _self_check(kind: str, device: torch.device, a_dtype: torch.dtype) -> bool:
+    a, sa, b, sb, counts = _problem(kind, device, a_dtype)
+    name = _name(kind, a_dtype == E4M3)
     try:
         if kind == ROWS:
-            got = _by_rows(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False).float()
+            got = _by_rows(a, sa, b, sb, _offsets(counts, device), counts, torch.bfloat16, False).float()
         else:
             lengths = torch.tensor(counts, device=device)
             got = _by_features(a, sa, b, sb, counts, lengths, torch.bfloat16, False).float()
-    except (RuntimeError, NotImplementedError) as e:  # a kernel PyTorch lacks for this device
-        warnings.warn(f"lowprec: torch._scaled_grouped_mm ({kind}) fails on {device} ({str(e).splitlines()[0]}); "
-                      "those expert GEMMs run one by one", stacklevel=4)
+    except (RuntimeError, NotImplementedError) as e:  # a kernel PyTorch (or Triton) lacks for this device
+        warnings.warn(f"lowprec: {name} fails on {device} ({str(e).splitlines()[0]}); those expert GEMMs run "
+                      "one by one", stacklevel=4)
         return False
     want = _reference(kind, a, sa, b, sb, counts)
-    rel = ((got - want).abs().max() / want.abs().max()).item()
+    rel = ((got - want).norm() / want.norm()).item()
     if not rel <= TOLERANCE:
-        warnings.warn(f"lowprec: torch._scaled_grouped_mm ({kind}) differs from the per-expert FP8 GEMMs on "
-                      f"{device} by {rel:.2e} of the output (more than {TOLERANCE:.2e}); those expert GEMMs run "
-                      "one by one", stacklevel=4)
+        warnings.warn(f"lowprec: {name} differs from the per-expert FP8 GEMMs on {device} by {rel:.2e} of the "
+                      f"output (more than {TOLERANCE:.2e}); those expert GEMMs run one by one", stacklevel=4)
         return False
     return True
 
 
+def _triton_runs(device: torch.device) -> bool:
+    from lowprec.kernels.capability import capability
+
+    return capability(device).triton
+
+
 def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int) -> bool:
     """Whether the experts' GEMMs of ``kind`` (:data:`ROWS` or :data:`FEATURES`) run as one grouped GEMM
-    here (see [Note: one grouped GEMM for the experts]): CUDA of compute capability 9.0 or newer, E4M3
-    operands, the non-token dimensions ``dims`` multiples of 16, and the device's first-use check of that
-    kind passed."""
+    here (see [Note: one grouped GEMM for the experts]): CUDA of compute capability 9.0 or newer, FP8
+    operands (E4M3 pairs on PyTorch's kernel; with an E5M2 operand on lowprec's Triton one, where Triton
+    runs), the non-token dimensions ``dims`` multiples of 16, and the device's first-use check of that
+    kernel and kind passed."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or any(d % 16 for d in dims):
         return False
-    if a_fmt.torch_dtype is not E4M3 or b_fmt.torch_dtype is not E4M3:
+    pair = (a_fmt.torch_dtype, b_fmt.torch_dtype)
+    if pair not in ((E4M3, E4M3), (E5M2, E4M3)):  # the recipes' pairs: E4M3, or E5M2 gradients times E4M3
         return False
-    if torch.cuda.get_device_capability(device) < (9, 0):
+    on_torch = pair == (E4M3, E4M3)
+    if torch.cuda.get_device_capability(device) < (9, 0) or not on_torch and not _triton_runs(device):
         return False
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    if (device, kind) not in _CHECKED:
-        _CHECKED[device, kind] = _self_check(kind, device)
-    return _CHECKED[device, kind]
+    key = (device, kind if on_torch else f"{kind} triton")
+    if key not in _CHECKED:
+        _CHECKED[key] = _self_check(kind, device, E4M3 if on_torch else E5M2)
+    return _CHECKED[key]
 
 
 def grouped_by_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                    offsets: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    """``(T, N)``: every expert's rows of ``a`` (E4M3 ``(T, K)``, ``a_scales`` ``(T,)`` per row; ``offsets``
-    int32, cumulative) times its ``b[e].T`` (E4M3 ``(E, N, K)``, ``b_scales`` ``(E, N)`` per row of
-    ``b[e]``), in one grouped GEMM."""
-    return _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum)
+                    offsets: torch.Tensor, counts: tuple[int, ...], out_dtype: torch.dtype,
+                    fast_accum: bool) -> torch.Tensor:
+    """``(T, N)``: every expert's rows of ``a`` (FP8 ``(T, K)``, ``a_scales`` ``(T,)`` per row; ``offsets``
+    int32, cumulative, ``counts`` the same on the host) times its ``b[e].T`` (FP8 ``(E, N, K)``,
+    ``b_scales`` ``(E, N)`` per row of ``b[e]``), in one grouped GEMM."""
+    return _by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum)
 
 
 def grouped_by_features(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                         counts: tuple[int, ...], lengths: torch.Tensor, out_dtype: torch.dtype,
                         fast_accum: bool) -> torch.Tensor:
-    """``(E, M, N)``: for every expert, ``a[its rows].T @ b[its rows]`` (E4M3 token rows ``(T, M)`` and
+    """``(E, M, N)``: for every expert, ``a[its rows].T @ b[its rows]`` (FP8 token rows ``(T, M)`` and
     ``(T, N)`` grouped with ``counts``, ``lengths`` the same on the device; scales ``(E * M,)`` and
     ``(E * N,)`` per expert and feature), in one grouped GEMM."""
     return _by_features(a, a_scales, b, b_scales, counts, lengths, out_dtype, fast_accum)

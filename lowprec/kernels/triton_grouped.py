@@ -23,7 +23,7 @@ import triton.language as tl
 
 from lowprec import formats as F
 from lowprec.kernels import triton_launch as launch
-from lowprec.kernels.triton_numerics import RULE_AMAX, scale_from_amax, to_codes
+from lowprec.kernels.triton_numerics import RULE_AMAX, abs_bits, scale_from_amax, to_codes
 from lowprec.kernels.triton_plan import SPECIALS
 from lowprec.kernels.triton_tiles import divide, divisor_of, hw_fp8, load_tile, to_f32
 
@@ -64,7 +64,7 @@ def group_amax_kernel(x_ptr, sxm, sxk, M, K, group_ptr, out_ptr, BM: tl.constexp
                       EVEN: tl.constexpr):
     x, pid_m, pid_k, offs_m, offs_k = load_tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
     in_rows = offs_m < M
-    bits = to_f32(x).to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|'s bits, ordered as the values
+    bits = abs_bits(to_f32(x))  # ordered as the magnitudes, NaN above infinity
     bits = tl.where(in_rows[:, None] & (offs_k[None, :] < K), bits, 0)
     grp = tl.load(group_ptr + offs_m, mask=in_rows, other=0).to(tl.int32)
     first = tl.min(tl.where(in_rows, grp, 2147483647), axis=0)

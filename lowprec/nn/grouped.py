@@ -212,7 +212,7 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
         if y is None and _row_scaled(plan.fprop, qx, qw) and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt,
                                                                              k, n):
             y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(),
-                                   g.offsets, out_dtype, plan.fprop.fast_accum)
+                                   g.offsets, counts, out_dtype, plan.fprop.fast_accum)
         if y is not None:
             return (y + bias[expert].to(out_dtype) if bias is not None else y), qx_t, qw_t
         ys = []
@@ -240,7 +240,7 @@ def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) ->
         return None
     fa, fb = fold(a.mx_all()), fold(b.mx_all())
     return GG.grouped_by_rows(fa.data, fa.scale.view(-1), fb.data.view(e, n, kp), fb.scale.view(e, n), g.offsets,
-                              dtype, gp.fast_accum)
+                              g.counts, dtype, gp.fast_accum)
 
 
 def _pack(c: GC.ExpertCast | None):
@@ -260,7 +260,7 @@ def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> 
         return dx
     if _row_scaled(plan.dgrad, qdy, qw_t) and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
         return GG.grouped_by_rows(qdy.data, qdy.token_scales(g.expert), qw_t.weight_codes(), qw_t.weight_scales(),
-                                  g.offsets, dtype, plan.dgrad.fast_accum)
+                                  g.offsets, g.counts, dtype, plan.dgrad.fast_accum)
     return torch.cat([gemm(qdy.expert(e, rows), qw_t.expert(e), plan.dgrad, dtype) for e, rows in _slices(g.counts)])
 
 

@@ -1,0 +1,161 @@
+"""Every expert's FP8 GEMM in one Triton launch, for the operand pairs PyTorch's grouped FP8 GEMM refuses
+(E5M2 gradients times E4M3: ``fp8-current``'s input and weight gradients).
+
+[Note: grouped FP8 GEMMs in Triton]
+The two kinds of ``kernels.grouped_gemm`` ([Note: one grouped GEMM for the experts]), with the same
+operands and scales:
+
+* :data:`~lowprec.kernels.grouped_gemm.ROWS` (:func:`grouped_rows`): token rows ``a`` ``(T, K)`` times each
+  expert's ``b[e]`` ``(N, K)``. The host, which holds the counts, lists the tiles of rows: each
+  ``BLOCK_M`` rows of one expert is a tile (``(expert, first row, end)``), so no tile mixes experts and
+  nothing is padded. Each program runs one tile against one block of ``b[e]``'s rows;
+* :data:`~lowprec.kernels.grouped_gemm.FEATURES` (:func:`grouped_features`): each expert's features over
+  its own tokens, from the features-major layout of ``grouped_gemm.features_padded`` (``(M, P)`` and ``(N,
+  P)``, each expert's tokens from a 16-aligned column on, zero codes between): a program runs one
+  ``(expert, M block, N block)`` and walks K over that expert's columns only (an expert without tokens
+  writes zeros).
+
+Both multiply the codes as FP8 on the tensor cores (``tl.dot`` of float8 tiles; every product of two FP8
+values is exact in FP32) and scale the FP32 sum once in the epilogue, ``acc * row scale * column scale``,
+as the grouped torch kernel does; BF16 outputs are rounded to nearest even on the bits. Hopper's FP8 MMA
+keeps fewer bits than FP32 while it accumulates (about 14, DeepSeek-V3 reports), so each ``BLOCK_K`` chunk
+(128 products) is summed by the tensor core alone and then added to an FP32 accumulator in registers, as
+DeepGEMM promotes every 128: accumulating all of K inside the MMA put the input gradients of ``moe-1b``'s
+experts 1.2% (relative norm) from the per-expert GEMMs on the H200, where PyTorch's kernel is 4e-4 off.
+So they equal the per-expert GEMMs up to the order of the FP32 sums and the tensor core's accumulation,
+and bit for bit where every partial sum is representable. ``kernels.grouped_gemm`` checks them on a
+device's first use as it checks PyTorch's.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from lowprec.kernels.triton_block_mx import store_tile
+
+BM, BN, BK = 128, 128, 128
+"""Tiles: 128 rows of one expert, 128 columns, 128 along K (four K steps of the FP8 MMA per load)."""
+WARPS, STAGES = 8, 3
+
+
+@triton.jit
+def _k_tile(ptr, rows, k, row_stride, K, EVEN_K: tl.constexpr):
+    """``(len(rows), BK)`` codes of ``rows`` at columns ``k`` (zero past ``K``)."""
+    ptrs = ptr + rows[:, None].to(tl.int64) * row_stride + k[None, :]
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=k[None, :] < K, other=0.0)
+
+
+@triton.jit
+def rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, tiles_ptr, out_ptr, N, K, OUT_BF16: tl.constexpr,
+                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of rows of one expert times one block of its weight's rows: ``out[r, n] = sa[r] * sb[e, n] *
+    sum_k a[r, k] b[e, n, k]``."""
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(tiles_ptr + tile * 3)
+    first = tl.load(tiles_ptr + tile * 3 + 1)
+    end = tl.load(tiles_ptr + tile * 3 + 2)
+    offs_m = first + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = tl.minimum(offs_m, end - 1)  # rows past the tile's end read its last: never stored
+    rows_b = e.to(tl.int64) * N + tl.minimum(offs_n, N - 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = _k_tile(a_ptr, rows_a, k, K, K, EVEN_K)
+        b = _k_tile(b_ptr, rows_b, k, K, K, EVEN_K)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)  # promoted every BLOCK_K: the Note
+    sa = tl.load(sa_ptr + rows_a)
+    sb = tl.load(sb_ptr + rows_b)
+    acc = acc * sa[:, None] * sb[None, :]
+    store_tile(out_ptr, acc, offs_m, offs_n, end, N, OUT_BF16)
+
+
+@triton.jit
+def features_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, M, N, P, OUT_BF16: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One ``(expert, M block, N block)``: ``out[e, m, n] = sa[e, m] * sb[e, n] * sum_t a[m, t] b[n, t]`` over
+    the expert's columns ``t`` of the features-major ``a`` ``(M, P)`` and ``b`` ``(N, P)``."""
+    e = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(1) // tiles_n
+    pid_n = tl.program_id(1) % tiles_n
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = tl.minimum(offs_m, M - 1)
+    rows_b = tl.minimum(offs_n, N - 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(start, end, BLOCK_K):  # the expert's columns: zero codes past its end add nothing
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = _k_tile(a_ptr, rows_a, k, P, end, False)
+        b = _k_tile(b_ptr, rows_b, k, P, end, False)
+        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)  # promoted every BLOCK_K: the Note
+    sa = tl.load(sa_ptr + e * M + rows_a)
+    sb = tl.load(sb_ptr + e * N + rows_b)
+    acc = acc * sa[:, None] * sb[None, :]
+    store_tile(out_ptr + e.to(tl.int64) * M * N, acc, offs_m, offs_n, M, N, OUT_BF16)
+
+
+@functools.lru_cache(maxsize=256)
+def _tiles(counts: tuple[int, ...], block_m: int) -> list[int]:
+    """``(expert, first row, end)`` of every tile of ``block_m`` rows, flattened (host)."""
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        for first in range(start, start + n, block_m):
+            out += [e, first, start + n]
+        start += n
+    return out
+
+
+def _output(shape: tuple[int, ...], out_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    bf16 = out_dtype == torch.bfloat16
+    out = torch.empty(shape, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
+    return out, (out.view(torch.int16) if bf16 else out), bf16
+
+
+def _launch_options(device: torch.device) -> dict:
+    return dict(num_warps=WARPS, num_stages=STAGES) if device.type == "cuda" else {}
+
+
+def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                 counts: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+    """``(T, N)``: every expert's rows of ``a`` (float8 ``(T, K)``, ``a_scales`` ``(T,)``; rows grouped by
+    ``counts``) times its ``b[e].T`` (float8 ``(E, N, K)``, ``b_scales`` ``(E, N)``)."""
+    t, k = a.shape
+    n = b.shape[1]
+    out, raw, bf16 = _output((t, n), out_dtype, a.device)
+    tiles = _tiles(tuple(counts), BM)
+    if not tiles or n == 0:
+        return out.to(out_dtype)
+    table = torch.tensor(tiles, dtype=torch.int32).to(a.device, non_blocking=True)
+    grid = (len(tiles) // 3, triton.cdiv(n, BN))
+    rows_kernel[grid](a, a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(), table, raw,
+                      n, k, OUT_BF16=bf16, EVEN_K=k % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                      **_launch_options(a.device))
+    return out if bf16 else out.to(out_dtype)
+
+
+def grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
+                     ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(E, M, N)``: for every expert, its columns of ``a_t`` (float8 ``(M, P)``) times those of ``b_t``
+    (float8 ``(N, P)``) transposed, scaled by ``a_scales`` ``(E * M,)`` and ``b_scales`` ``(E * N,)``;
+    ``ends`` the padded offsets (int32, each a multiple of 16: ``grouped_gemm.token_padding``)."""
+    (m, p), n, e = a_t.shape, b_t.shape[0], ends.shape[0]
+    out, raw, bf16 = _output((e, m, n), out_dtype, a_t.device)
+    if out.numel() == 0:
+        return out.to(out_dtype)
+    grid = (e, triton.cdiv(m, BM) * triton.cdiv(n, BN))
+    features_kernel[grid](a_t.contiguous(), a_scales.float().contiguous(), b_t.contiguous(),
+                          b_scales.float().contiguous(), ends.to(torch.int32).contiguous(), raw, m, n, p,
+                          OUT_BF16=bf16, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a_t.device))
+    return out if bf16 else out.to(out_dtype)
+
+
+__all__ = ["grouped_features", "grouped_rows"]

@@ -1,0 +1,109 @@
+"""lowprec's grouped FP8 GEMMs in Triton ([Note: grouped FP8 GEMMs in Triton]) through Triton's interpreter,
+against every expert's GEMM from the exact values: bit for bit where every partial sum is representable
+(small integers times powers of two), within FP32 summation order otherwise; and a ``GroupedLinear`` under
+fp8-current takes them for its E5M2 gradient GEMMs where the device runs them, with the loop's values."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowprec.kernels import grouped_gemm as GG
+from lowprec.kernels import triton_grouped_gemm as TG
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+COUNTS = [(40, 0, 24, 71), (0, 0, 300, 1), (129,), (0, 16, 0)]
+
+
+def _ints(*shape, seed: int, dtype, lo: int = -6, hi: int = 7) -> torch.Tensor:
+    """Small integers (exact in every FP8 format here), so that every FP32 partial sum is exact."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, shape, generator=g).float().to(dtype)
+
+
+def _pow2(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return 2.0 ** torch.randint(-6, 7, (n,), generator=g).float()
+
+
+def _rows_problem(counts, k: int, n: int, a_dtype):
+    t, e = sum(counts), len(counts)
+    return (_ints(t, k, seed=1, dtype=a_dtype), _pow2(t, 2), _ints(e, n, k, seed=3, dtype=E4M3),
+            _pow2(e * n, 4).view(e, n))
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+@pytest.mark.parametrize("k", [128, 160])  # K a multiple of the tile, and not
+@pytest.mark.parametrize("a_dtype", [E5M2, E4M3])
+def test_rows_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts, k, a_dtype):
+    a, sa, b, sb = _rows_problem(counts, k, 144, a_dtype)  # N not a multiple of the tile either
+    want = GG._reference(GG.ROWS, a, sa, b, sb, counts)
+    got = TG.grouped_rows(a, sa, b, sb, counts, torch.float32)
+    assert got.shape == (sum(counts), 144) and torch.equal(got, want)
+    assert torch.equal(TG.grouped_rows(a, sa, b, sb, counts, torch.bfloat16), want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("counts", COUNTS)
+def test_features_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts):
+    """The weight gradient's kind from the features-major, padded layout; an expert without tokens gives
+    zeros."""
+    t, e, m, n = sum(counts), len(counts), 80, 144
+    a, b = _ints(t, m, seed=5, dtype=E5M2), _ints(t, n, seed=6, dtype=E4M3)
+    sa, sb = _pow2(e * m, 7), _pow2(e * n, 8)
+    dest, total, ends = GG.token_padding(counts, torch.tensor(counts))
+    got = TG.grouped_features(GG.features_padded(a, dest, total), sa, GG.features_padded(b, dest, total), sb, ends,
+                              torch.float32)
+    want = GG._reference(GG.FEATURES, a, sa, b, sb, counts)
+    assert got.shape == (e, m, n) and torch.equal(got, want)
+    for x, c in enumerate(counts):
+        if c == 0:
+            assert not got[x].any()
+
+
+def test_random_values_agree_within_fp32_summation():
+    counts = (40, 0, 24, 71)
+    g = torch.Generator().manual_seed(9)
+    a = (torch.randn(135, 256, generator=g) * 8).to(E5M2)
+    b = (torch.randn(4, 64, 256, generator=g) * 8).to(E4M3)
+    sa, sb = torch.rand(135, generator=g) + 0.5, torch.rand(4, 64, generator=g) + 0.5
+    want = GG._reference(GG.ROWS, a, sa, b, sb, counts)
+    got = TG.grouped_rows(a, sa, b, sb, counts, torch.float32)
+    bound = 256 * 2.0 ** -23 * (a.float().abs() @ b.float().abs().transpose(1, 2).reshape(-1, 256).t()).max()
+    assert (got - want).abs().max() <= bound * sa.max() * sb.max()
+
+
+def test_the_self_check_problem_passes_through_the_dispatch():
+    """The first-use check's own problem (E5M2 rows, as fp8-current's gradients) through ``_by_rows`` and
+    ``_by_features``, which send a pair with E5M2 to the Triton kernels."""
+    for kind in (GG.ROWS, GG.FEATURES):
+        a, sa, b, sb, counts = GG._problem(kind, torch.device("cpu"), E5M2)
+        if kind == GG.ROWS:
+            got = GG._by_rows(a, sa, b, sb, GG._offsets(counts, "cpu"), counts, torch.float32, False)
+        else:
+            got = GG._by_features(a, sa, b, sb, counts, torch.tensor(counts), torch.float32, False)
+        want = GG._reference(kind, a, sa, b, sb, counts)
+        assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6, kind
+
+
+def test_fp8_current_takes_the_triton_gemms_for_its_gradients(monkeypatch):
+    """Told that the device runs grouped GEMMs for E5M2 pairs only (the CPU cannot run PyTorch's), a
+    ``GroupedLinear`` under fp8-current computes its input and weight gradients through the Triton kernels,
+    equal to the expert-by-expert loop within FP32 summation order."""
+    from lowprec.nn import grouped
+    from lowprec.nn import grouped_casts as GC
+    from tests.nn.test_grouped import COUNTS as LAYER_COUNTS
+    from tests.nn.test_grouped import grouped_step, make
+
+    calls = []
+    real_rows, real_features = TG.grouped_rows, TG.grouped_features
+    monkeypatch.setattr(TG, "grouped_rows", lambda *a: calls.append("rows") or real_rows(*a))
+    monkeypatch.setattr(TG, "grouped_features", lambda *a: calls.append("features") or real_features(*a))
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: a_fmt.name == "e5m2")
+    monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
+    g, _, x, dy = make("fp8-current", LAYER_COUNTS)
+    fast = grouped_step(g, x, dy, LAYER_COUNTS)
+    assert calls == ["rows", "features"]
+    g.weight.grad = g.bias.grad = None
+    monkeypatch.setattr(GC, "batches", lambda plan: False)
+    looped = grouped_step(g, x, dy, LAYER_COUNTS)
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), fast, looped):
+        assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
