@@ -57,7 +57,7 @@ def _by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum: b
     if not _on_torch(a, b):
         from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
 
-        return triton_grouped_gemm.grouped_rows(a, a_scales, b, b_scales, counts, out_dtype)
+        return triton_grouped_gemm.grouped_rows(a, a_scales, b, b_scales, counts, out_dtype, fast_accum)
     return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scales, b_scales.contiguous(), offs=offsets,
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 

@@ -20,8 +20,11 @@ values is exact in FP32) and scale the FP32 sum once in the epilogue, ``acc * ro
 as the grouped torch kernel does; BF16 outputs are rounded to nearest even on the bits. Hopper's FP8 MMA
 keeps fewer bits than FP32 while it accumulates (about 14, DeepSeek-V3 reports), so each ``BLOCK_K`` chunk
 (128 products) is summed by the tensor core alone and then added to an FP32 accumulator in registers, as
-DeepGEMM promotes every 128: accumulating all of K inside the MMA put the input gradients of ``moe-1b``'s
-experts 1.2% (relative norm) from the per-expert GEMMs on the H200, where PyTorch's kernel is 4e-4 off.
+DeepGEMM promotes every 128 (``max_num_imprecise_acc``: Triton's default on sm90 keeps all of K inside
+the MMA). Accumulating all of K there put the input gradients of ``moe-1b``'s experts 1.2% (relative norm)
+from the per-expert cuBLAS GEMMs on the H200, where PyTorch's grouped kernel is 4e-4 off. A forward GEMM
+whose plan asks for cuBLAS's fast accumulation (the recipes' forward) gets the same from the rows kernel
+(``fast_accum``): all of K inside the MMA.
 So they equal the per-expert GEMMs up to the order of the FP32 sums and the tensor core's accumulation,
 and bit for bit where every partial sum is representable. ``kernels.grouped_gemm`` checks them on a
 device's first use as it checks PyTorch's.
@@ -52,7 +55,8 @@ def _k_tile(ptr, rows, k, row_stride, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, tiles_ptr, out_ptr, N, K, OUT_BF16: tl.constexpr,
-                EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                EVEN_K: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
     """One tile of rows of one expert times one block of its weight's rows: ``out[r, n] = sa[r] * sb[e, n] *
     sum_k a[r, k] b[e, n, k]``."""
     tile = tl.program_id(0)
@@ -69,7 +73,10 @@ def rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, tiles_ptr, out_ptr, N, K, OUT_BF16
         k = k0 + tl.arange(0, BLOCK_K)
         a = _k_tile(a_ptr, rows_a, k, K, K, EVEN_K)
         b = _k_tile(b_ptr, rows_b, k, K, K, EVEN_K)
-        acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)  # promoted every BLOCK_K: the Note
+        if FAST:  # all of K inside the MMA, as cuBLAS's fast accumulation
+            acc = tl.dot(a, tl.trans(b), acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)  # promoted every BLOCK_K: the Note
     sa = tl.load(sa_ptr + rows_a)
     sb = tl.load(sb_ptr + rows_b)
     acc = acc * sa[:, None] * sb[None, :]
@@ -125,9 +132,10 @@ def _launch_options(device: torch.device) -> dict:
 
 
 def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                 counts: tuple[int, ...], out_dtype: torch.dtype) -> torch.Tensor:
+                 counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``(T, N)``: every expert's rows of ``a`` (float8 ``(T, K)``, ``a_scales`` ``(T,)``; rows grouped by
-    ``counts``) times its ``b[e].T`` (float8 ``(E, N, K)``, ``b_scales`` ``(E, N)``)."""
+    ``counts``) times its ``b[e].T`` (float8 ``(E, N, K)``, ``b_scales`` ``(E, N)``); ``fast_accum``: all of K
+    accumulated inside the tensor core, as a recipe's forward asks of cuBLAS."""
     t, k = a.shape
     n = b.shape[1]
     out, raw, bf16 = _output((t, n), out_dtype, a.device)
@@ -137,7 +145,7 @@ def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_sca
     table = torch.tensor(tiles, dtype=torch.int32).to(a.device, non_blocking=True)
     grid = (len(tiles) // 3, triton.cdiv(n, BN))
     rows_kernel[grid](a, a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(), table, raw,
-                      n, k, OUT_BF16=bf16, EVEN_K=k % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                      n, k, OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                       **_launch_options(a.device))
     return out if bf16 else out.to(out_dtype)
 

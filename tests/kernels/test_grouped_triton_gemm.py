@@ -34,10 +34,11 @@ def _rows_problem(counts, k: int, n: int, a_dtype):
 @pytest.mark.parametrize("counts", COUNTS)
 @pytest.mark.parametrize("k", [128, 160])  # K a multiple of the tile, and not
 @pytest.mark.parametrize("a_dtype", [E5M2, E4M3])
-def test_rows_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts, k, a_dtype):
+@pytest.mark.parametrize("fast", [False, True])  # the tensor core's accumulation: exact sums either way
+def test_rows_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts, k, a_dtype, fast):
     a, sa, b, sb = _rows_problem(counts, k, 144, a_dtype)  # N not a multiple of the tile either
     want = GG._reference(GG.ROWS, a, sa, b, sb, counts)
-    got = TG.grouped_rows(a, sa, b, sb, counts, torch.float32)
+    got = TG.grouped_rows(a, sa, b, sb, counts, torch.float32, fast)
     assert got.shape == (sum(counts), 144) and torch.equal(got, want)
     assert torch.equal(TG.grouped_rows(a, sa, b, sb, counts, torch.bfloat16), want.to(torch.bfloat16))
 
