@@ -16,6 +16,7 @@ import torch
 from lowprec import recipes as R
 from lowprec._table import format_table
 from lowprec.cli.app import main
+from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels.capability import Capability, capability
 from lowprec.kernels.gemm import check_paths, first_use_check
 from lowprec.plan.devices import library_versions, local_devices
@@ -78,23 +79,38 @@ def recipe_paths_section() -> Section:
     return Section("recipe paths", ("device", "recipe", *R.GEMMS), tuple(rows))
 
 
+def expert_gemms_section() -> Section:
+    """Per GPU: the grouped FP8 GEMMs a ``GroupedLinear``'s experts run as one launch (PyTorch's for E4M3
+    pairs, lowprec's Triton one for E5M2 gradients), each kind with its first-use check's outcome; a device
+    with none runs the experts' GEMMs one per expert (see [Note: one grouped GEMM for the experts])."""
+    rows = []
+    for dev in ["cpu", *gpus()]:
+        states = GG.kernel_states(dev)
+        if not states:
+            rows.append((dev, "none: one GEMM per expert", "-", "-", "-"))
+        rows += [(dev, name, pair, kind, _STATES[state]) for name, pair, kind, state in states]
+    return Section("expert GEMMs", ("device", "grouped kernel", "operands", "kind", "state"), tuple(rows))
+
+
 def versions_section() -> Section:
     return Section("libraries", ("library", "version"), tuple(library_versions()))
 
 
 def info_sections() -> list[Section]:
-    return [devices_section(), recipe_paths_section(), versions_section()]
+    return [devices_section(), recipe_paths_section(), expert_gemms_section(), versions_section()]
 
 
 @main.command("info")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--check", is_flag=True, help="Run the first-use checks of the GEMM paths that check themselves "
-                                           "(folded MX, Blackwell's block-scaled) on this machine's GPUs first.")
+                                           "(folded MX, Blackwell's block-scaled, the experts' grouped GEMMs) on "
+                                           "this machine's GPUs first.")
 def info_cmd(as_json: bool, check: bool) -> None:
     """This machine's devices, what each runs natively, each recipe's GEMM paths, library versions."""
     if check:
         for dev in gpus():
             check_paths(dev)
+            GG.check_kernels(dev)
     sections = info_sections()
     if as_json:
         data = {s.title: [dict(zip(s.headers, r)) for r in s.rows] for s in sections}

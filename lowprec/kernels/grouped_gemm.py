@@ -225,11 +225,45 @@ def grouped_by_features_laid_out(a_t: torch.Tensor, a_scales: torch.Tensor, b_t:
     return _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum)
 
 
+KERNELS = (("torch._scaled_grouped_mm", "e4m3 x e4m3", E4M3), ("lowprec Triton", "e5m2 x e4m3", E5M2))
+"""The grouped kernels, the operand pair each takes, and the first operand's dtype that picks it."""
+
+
+def kernel_states(device: torch.device | str) -> list[tuple[str, str, str, bool | None]]:
+    """``(kernel, operands, kind, state)`` for each grouped GEMM the experts may run on ``device``: state
+    None (not checked yet: the experts' GEMMs check it on first use), True (passed) or False (failed: those
+    GEMMs run per expert); empty where no grouped FP8 GEMM runs (a CPU, a GPU before sm90, no Triton for the
+    E5M2 pair). Runs nothing (``check_kernels`` does)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or \
+            torch.cuda.get_device_capability(device) < (9, 0):
+        return []
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    out = []
+    for name, pair, a_dtype in KERNELS:
+        if a_dtype == E5M2 and not _triton_runs(device):
+            continue
+        for kind in (ROWS, FEATURES):
+            out.append((name, pair, kind, _CHECKED.get((device, kind if a_dtype == E4M3 else f"{kind} triton"))))
+    return out
+
+
+def check_kernels(device: torch.device | str) -> None:
+    """Run now the first-use checks of the grouped GEMMs ``device`` has (``lowprec info --check``)."""
+    from lowprec import formats as F
+
+    device = torch.device(device)
+    for _, _, a_dtype in KERNELS:
+        for kind in (ROWS, FEATURES):
+            runs_grouped(kind, device, F.get("e4m3" if a_dtype == E4M3 else "e5m2"), F.get("e4m3"))
+
+
 def grouped_status() -> dict[str, bool]:
     """Each (device, kind) checked so far and whether its grouped GEMM passed (for ``lowprec info`` and
     benchmarks)."""
     return {f"{d} {kind}": ok for (d, kind), ok in _CHECKED.items()}
 
 
-__all__ = ["FEATURES", "ROWS", "features_padded", "grouped_by_features", "grouped_by_features_laid_out",
-           "grouped_by_rows", "grouped_status", "padded_starts", "runs_grouped", "token_padding"]
+__all__ = ["FEATURES", "KERNELS", "ROWS", "check_kernels", "features_padded", "grouped_by_features",
+           "grouped_by_features_laid_out", "grouped_by_rows", "grouped_status", "kernel_states", "padded_starts",
+           "runs_grouped", "token_padding"]

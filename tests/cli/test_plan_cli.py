@@ -142,6 +142,7 @@ def test_info_says_whether_a_self_checking_path_passed_its_check_on_each_gpu(fak
     assert before["cuda:0", "fp8-current"] == ("native",) * 2 and before["cpu", "mxfp8"] == ("emulated (fp32)",) * 2
     monkeypatch.setattr(FD.CHECK, "run", lambda device, gemm, emulated: True)
     monkeypatch.setattr(BW.CHECK, "run", lambda device, gemm, emulated: device.index != 1)
+    monkeypatch.setattr("lowprec.kernels.grouped_gemm._self_check", lambda kind, device, a_dtype: True)
     assert _run("info", "--check").exit_code == 0
     after = paths()
     assert after["cuda:0", "mxfp4"] == ("folded (fp8, checked on this device)",) * 2
@@ -158,3 +159,37 @@ def test_the_cost_is_in_dollars_at_the_price_per_gpu_hour():
     assert last.endswith(f", {data['gpu_hours']:,.0f} GPU-hours, cost ${data['cost']:,.0f} (at $2.50 per GPU-hour)")
     no_price = _run(*args[:-2]).output.strip().splitlines()[-1]
     assert no_price.endswith("GPU-hours") and "$" not in no_price
+
+
+def test_info_lists_the_experts_grouped_gemms_and_their_checks(fake_cuda, monkeypatch):
+    """Each GPU of sm90 or newer lists PyTorch's grouped kernel (E4M3 pairs) and lowprec's Triton one (E5M2
+    gradients), each kind unchecked until ``--check`` runs the first-use checks; an older GPU and the CPU say
+    the experts' GEMMs run one per expert."""
+    from lowprec.kernels import grouped_gemm as GG
+
+    fake_cuda(("NVIDIA H100 80GB HBM3", (9, 0), 85.0), ("NVIDIA A100", (8, 0), 80.0))
+    monkeypatch.setattr(GG, "_CHECKED", {})
+    monkeypatch.setattr(GG, "_triton_runs", lambda device: True)
+
+    def rows():
+        data = json.loads(_run("info", "--json").output)
+        return {(r["device"], r["grouped kernel"], r["kind"]): r["state"] for r in data["expert GEMMs"]}
+
+    before = rows()
+    assert before == {("cpu", "none: one GEMM per expert", "-"): "-", ("cuda:1", "none: one GEMM per expert", "-"): "-",
+                      **{("cuda:0", k, kind): "unchecked" for k in ("torch._scaled_grouped_mm", "lowprec Triton")
+                         for kind in ("rows", "features")}}
+    from lowprec.kernels import blackwell as BW
+    from lowprec.kernels import fold as FD
+
+    for check in (FD.CHECK, BW.CHECK):  # the dense paths' own checks, covered above
+        monkeypatch.setattr(check, "_done", {})
+        monkeypatch.setattr(check, "run", lambda device, gemm, emulated: True)
+    ran = []
+    monkeypatch.setattr(GG, "_self_check", lambda kind, device, a_dtype: ran.append((kind, a_dtype)) or
+                        not (kind == "features" and a_dtype == GG.E5M2))
+    assert _run("info", "--check").exit_code == 0
+    after = rows()
+    assert sorted(ran, key=str) == sorted([(k, d) for d in (GG.E4M3, GG.E5M2) for k in ("rows", "features")], key=str)
+    assert after["cuda:0", "lowprec Triton", "features"] == "failed its check"
+    assert after["cuda:0", "torch._scaled_grouped_mm", "rows"] == "checked on this device"
