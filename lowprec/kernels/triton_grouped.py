@@ -56,7 +56,8 @@ def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, dest_ptr, P, out_
     else:
         place = offs_m
     # features-major: (K, P), row t at column place[t]
-    tl.store(out_ptr + offs_k[:, None] * P + place[None, :], tl.trans(codes), mask=tl.trans(in_view))
+    to = out_ptr + offs_k[:, None].to(tl.int64) * P + place[None, :]  # int64: past 2^31 codes
+    tl.store(to, tl.trans(codes), mask=tl.trans(in_view))
 
 
 @triton.jit
@@ -69,7 +70,7 @@ def group_amax_kernel(x_ptr, sxm, sxk, M, K, group_ptr, out_ptr, BM: tl.constexp
     grp = tl.load(group_ptr + offs_m, mask=in_rows, other=0).to(tl.int32)
     first = tl.min(tl.where(in_rows, grp, 2147483647), axis=0)
     last = tl.max(tl.where(in_rows, grp, -1), axis=0)
-    for g in range(first, last + 1):  # the experts of this tile's rows: one or two, rows being grouped
+    for g in range(first, last + 1):  # the experts of this tile's rows (one, or several small ones)
         m = tl.max(tl.where((grp == g)[:, None], bits, 0), axis=0)
         tl.atomic_max(out_ptr + g * K + offs_k, m, mask=offs_k < K)
 

@@ -144,9 +144,9 @@ def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_sca
         return out.to(out_dtype)
     table = torch.tensor(tiles, dtype=torch.int32).to(a.device, non_blocking=True)
     grid = (len(tiles) // 3, triton.cdiv(n, BN))
-    rows_kernel[grid](a, a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(), table, raw,
-                      n, k, OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                      **_launch_options(a.device))
+    rows_kernel[grid](a.contiguous(), a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(),
+                      table, raw, n, k, OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, BLOCK_M=BM,
+                      BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a.device))
     return out if bf16 else out.to(out_dtype)
 
 

@@ -50,7 +50,7 @@ def load_tile(x_ptr, sxm, sxk, M, K, BM: tl.constexpr, BK: tl.constexpr, EVEN: t
     pid_k = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_k = pid_k * BK + tl.arange(0, BK)
-    ptrs = x_ptr + offs_m[:, None] * sxm + offs_k[None, :] * sxk
+    ptrs = x_ptr + offs_m[:, None].to(tl.int64) * sxm + offs_k[None, :] * sxk  # int64: past 2^31 elements
     if EVEN:
         x = tl.load(ptrs)
     else:

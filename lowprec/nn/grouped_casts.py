@@ -332,6 +332,8 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
     """Token rows ``x2`` (T, K) grouped by expert as ``g`` says, cast along K and for the transposed side
     (the weight gradient's, along the tokens), as ``op`` says; see [Note: batched per-expert casts]."""
     fk, ft = _formats(op, need_k, need_t)
+    if fk is None and ft is None:  # neither side needed (a backward for the bias alone)
+        return None, None
     if op.cast_k.granularity.kind is ROW:
         return (_rows(x2, fk) if fk is not None else None,
                 _columns(x2, g, ft) if ft is not None else None)

@@ -108,3 +108,57 @@ def test_fp8_current_takes_the_triton_gemms_for_its_gradients(monkeypatch):
     looped = grouped_step(g, x, dy, LAYER_COUNTS)
     for name, a, b in zip(("y", "dx", "dweight", "dbias"), fast, looped):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
+
+
+@pytest.mark.parametrize("kind", [GG.ROWS, GG.FEATURES])
+def test_the_first_use_check_passes_the_triton_kernels_and_fails_a_wrong_or_failing_one(monkeypatch, kind):
+    """``_self_check`` on its own problem (several tiles of rows, N and K): the Triton kernels pass; a kernel
+    whose output is off by one scale step, or that raises (a compile error of Triton's own kind included),
+    fails with a warning naming the kernel, so the experts' GEMMs of that kind stay per expert."""
+    import warnings
+
+    from triton.runtime.errors import OutOfResources
+
+    cpu = torch.device("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GG._self_check(kind, cpu, E5M2)
+    name = "grouped_rows" if kind == GG.ROWS else "grouped_features"
+    real = getattr(TG, name)
+    monkeypatch.setattr(TG, name, lambda *a, **k: real(*a, **k) * 1.01)
+    with pytest.warns(UserWarning, match="lowprec's grouped Triton GEMM .* differs"):
+        assert not GG._self_check(kind, cpu, E5M2)
+
+    def broken(*a, **k):
+        raise OutOfResources(232448, 101376, "shared memory")
+
+    monkeypatch.setattr(TG, name, broken)
+    with pytest.warns(UserWarning, match="lowprec's grouped Triton GEMM .* fails"):
+        assert not GG._self_check(kind, cpu, E5M2)
+
+
+def test_rowwise_features_major_casts_through_the_triton_features_kernel(monkeypatch):
+    """fp8-rowwise's weight gradient from its real features-major casts (``columns_by_group``'s layout) into
+    the Triton features kernel (made to take the E4M3 pair), against the expert-by-expert loop."""
+    from lowprec.kernels.route import Backend
+    from lowprec.nn import grouped
+    from lowprec.nn import grouped_casts as GC
+    from tests.nn.test_grouped import COUNTS as LAYER_COUNTS
+    from tests.nn.test_grouped import grouped_step, make
+
+    calls = []
+    real = TG.grouped_features
+    monkeypatch.setattr(TG, "grouped_features", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(GG, "_on_torch", lambda a, b: False)
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: kind == GG.FEATURES)
+    monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
+    monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)  # the Triton casts
+    g, _, x, dy = make("fp8-rowwise", LAYER_COUNTS)
+    fast = grouped_step(g, x, dy, LAYER_COUNTS)
+    padded = sum(-(-n // 16) * 16 for n in LAYER_COUNTS)
+    assert calls == [(g.out_features, padded)]
+    g.weight.grad = g.bias.grad = None
+    monkeypatch.setattr(GC, "batches", lambda plan: False)
+    looped = grouped_step(g, x, dy, LAYER_COUNTS)
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), fast, looped):
+        assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name

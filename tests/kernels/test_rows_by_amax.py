@@ -84,16 +84,16 @@ def _nan_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("counts", [COUNTS, (0, 0, 64, 1), (130,), (0, 3, 0, 0, 61, 0)])
+@pytest.mark.parametrize(("counts", "k"), [(COUNTS, 200), ((0, 0, 64, 1), 200), ((130,), 200),
+                                          ((0, 3, 0, 0, 61, 0), 200), ((64, 0, 64), 128)])  # the last: whole tiles
 @pytest.mark.parametrize("poison", [None, math.inf, -math.inf, math.nan, -math.nan])
-def test_each_experts_feature_amax_in_one_pass(dtype, counts, poison):
+def test_each_experts_feature_amax_in_one_pass(dtype, counts, k, poison):
     """``triton_grouped.amax_by_group``: tiles of rows folded by an atomic maximum of the bits, against each
     expert's own rows reduced by torch (exact: any order gives the same maximum), for experts without rows,
     a tile holding several experts, features that are not a multiple of the tile, and non-finite values
     (a NaN of either sign makes its expert's feature NaN, an infinity of either sign infinite)."""
     from lowprec.kernels import triton_grouped
 
-    k = 200  # not a multiple of the 128-feature tile
     rows = sum(counts)
     x = torch.cat([randn(max(n, 1), k, seed=40 + e)[:n] * 2.0 ** (9 * e - 20) for e, n in enumerate(counts)])
     x[::7, 3] = 0.0
@@ -101,7 +101,7 @@ def test_each_experts_feature_amax_in_one_pass(dtype, counts, poison):
         x[1, 9] = 2.0 ** -130  # subnormal in float32: its bits order it like any other value
     x = x.to(dtype)
     if poison is not None:
-        x[rows - 1, 150] = poison
+        x[rows - 1, 100] = poison
     g = GC.groups(counts)
     got = triton_grouped.amax_by_group(x, g.expert, len(counts))
     want = torch.stack([x[g.expert == e].float().abs().amax(0) if n else torch.zeros(k)
@@ -109,7 +109,7 @@ def test_each_experts_feature_amax_in_one_pass(dtype, counts, poison):
     assert got.shape == (len(counts), k) and got.dtype == torch.float32
     assert torch.equal(_nan_bits(got), _nan_bits(want))
     if poison is not None:
-        hit = got[g.expert[-1], 150]  # the expert of the last row
+        hit = got[g.expert[-1], 100]  # the expert of the last row
         assert hit.isnan() if math.isnan(poison) else hit == math.inf
 
 
@@ -152,3 +152,21 @@ def test_the_layer_casts_take_the_kernel_where_the_route_says(monkeypatch, recip
                              tensorwise() if along_k else rowwise())
             assert torch.equal(bits(got.data), bits(alone.data))
         start += n
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_columns_of_whole_tiles_cast_features_major(fmt):
+    """``columns_by_group`` where the rows and features fill its tiles exactly (its unmasked loads) and no
+    expert needs padding: each expert's columns are its rows' codes transposed."""
+    from lowprec.kernels import triton_grouped
+    from lowprec.quant import blockwise
+
+    counts = (64, 0, 64)
+    x = torch.cat([randn(64, 128, seed=50) * 3.0, randn(64, 128, seed=51) * 2.0 ** -6])
+    g = GC.groups(counts)
+    amax = GC._amax_by(x.abs().float(), g)
+    dest, total, _ = g.padded()
+    assert dest is None and total == 128
+    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt), dest, total)
+    want = quantize(x, fmt, blockwise(1, 1), scale=amax_scale(amax, F.get(fmt))[g.expert]).data
+    assert torch.equal(bits(got), bits(want.t()))

@@ -201,3 +201,15 @@ def test_the_weight_gradient_takes_one_grouped_gemm_of_the_laid_out_tokens(monke
     looped = grouped_step(g, x, dy, COUNTS)
     for name, a, b in zip(("y", "dx", "dweight", "dbias"), batched, looped):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
+
+
+@pytest.mark.parametrize("recipe", list(GRANULARITY))
+def test_a_backward_for_the_bias_alone_casts_nothing(recipe):
+    """A frozen weight and an input without gradient: backward needs neither GEMM, so no operand is cast,
+    and the bias gradient is each expert's sum of its rows' output gradients."""
+    g, _, x, dy = make(recipe, COUNTS)
+    g.weight.requires_grad_(False)
+    y = g(x, torch.tensor(COUNTS).cumsum(0))
+    y.backward(dy)
+    want = torch.stack([part.sum(0) for part in dy.split(COUNTS)])
+    assert torch.allclose(g.bias.grad, want, rtol=1e-6, atol=1e-6)
