@@ -63,13 +63,16 @@ def _by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum: b
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def token_padding(counts: tuple[int, ...], lengths: torch.Tensor) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+def token_padding(counts: tuple[int, ...], lengths: torch.Tensor,
+                  multiple: int = 16) -> tuple[torch.Tensor | None, int, torch.Tensor]:
     """(each row's place among the padded rows or None, the padded row count, the padded offsets): each
-    expert's rows followed by zero rows up to a multiple of 16 (the grouped GEMM's K groups must start
-    at 16-aligned columns; zero codes add nothing to a product). Computed on the rows' device."""
-    padded = (lengths + 15) // 16 * 16  # (E,)
+    expert's rows followed by zero rows up to a multiple of ``multiple`` (16: the grouped GEMM's K groups
+    must start at 16-aligned columns, and zero codes add nothing to a product; an MX block along the tokens:
+    no block holds two experts). Computed on the rows' device."""
+    padded = (lengths + multiple - 1) // multiple * multiple  # (E,)
     ends = padded.cumsum(0)
-    total = sum(-(-n // 16) * 16 for n in counts)
+    starts = padded_starts(counts, multiple)
+    total = starts[-1] + -(-counts[-1] // multiple) * multiple if counts else 0
     if total == sum(counts):
         return None, total, ends.to(torch.int32)
     shift = (ends - padded) - (lengths.cumsum(0) - lengths)  # (E,) where each expert's rows move
@@ -78,19 +81,20 @@ def token_padding(counts: tuple[int, ...], lengths: torch.Tensor) -> tuple[torch
     return dest, total, ends.to(torch.int32)
 
 
-def padded_starts(counts: tuple[int, ...]) -> tuple[int, ...]:
+def padded_starts(counts: tuple[int, ...], multiple: int = 16) -> tuple[int, ...]:
     """Where each expert's rows begin among the rows :func:`token_padding` pads (host)."""
-    return tuple(itertools.accumulate((-(-n // 16) * 16 for n in counts[:-1]), initial=0))
+    return tuple(itertools.accumulate((-(-n // multiple) * multiple for n in counts[:-1]), initial=0))
 
 
-def features_padded(codes: torch.Tensor, dest: torch.Tensor | None, total: int) -> torch.Tensor:
-    """``(K, total)``: token rows' codes ``(T, K)`` transposed, row ``t`` at column ``dest[t]`` of zero codes
-    (the layout :func:`grouped_by_features` reads)."""
+def features_padded(rows: torch.Tensor, dest: torch.Tensor | None, total: int) -> torch.Tensor:
+    """``(K, total)``: token rows ``(T, K)`` (codes or values) transposed, row ``t`` at column ``dest[t]`` of
+    zeros (the layout :func:`grouped_by_features` reads)."""
     if dest is None:
-        return codes.t().contiguous()
-    out = torch.zeros(codes.shape[1], total, dtype=torch.uint8, device=codes.device)
-    out[:, dest] = codes.view(torch.uint8).t()
-    return out.view(codes.dtype)
+        return rows.t().contiguous()
+    raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # FP8 codes: moved as bytes
+    out = raw.new_zeros(rows.shape[1], total)
+    out[:, dest] = raw.t()
+    return out.view(rows.dtype)
 
 
 def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool) -> torch.Tensor:

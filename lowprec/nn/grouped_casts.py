@@ -312,15 +312,11 @@ def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) ->
     """The token rows' transposed side in MX blocks along the tokens: each expert's tokens start a block (its
     rows padded with zeros to whole blocks, as its own cast pads them), so no block holds two experts."""
     bc = gran.block_cols
-    padded = [-(-n // bc) * bc for n in g.counts]
-    starts = tuple(sum(padded[:e]) for e in range(len(padded)))
-    lengths = g.lengths
-    shift = ((lengths + bc - 1) // bc * bc).cumsum(0) - (lengths + bc - 1) // bc * bc - (lengths.cumsum(0) - lengths)
-    dest = torch.arange(x2.shape[0], device=x2.device) + shift[g.expert]  # (T,) each row's padded place
-    xp = x2.new_zeros(sum(padded), x2.shape[1])
-    xp[dest] = x2.detach()
-    q = routed_quantize(xp.t().contiguous(), fmt, gran)  # (K, P): blocks along the padded tokens
-    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran, starts=starts)
+    dest, total, _ = GG.token_padding(g.counts, g.lengths, bc)
+    xp = GG.features_padded(x2.detach(), dest, total)
+    q = routed_quantize(xp, fmt, gran)  # (K, P): blocks along the padded tokens
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran,
+                      starts=GG.padded_starts(g.counts, bc))
 
 
 def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | None, F.Format | None]:
