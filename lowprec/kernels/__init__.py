@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from lowprec.kernels.capability import Capability, capability
 from lowprec.kernels.cast import Casts, cast
-from lowprec.kernels.gemm import GemmPath, gemm_backend, gemm_path, scaled_mm
+from lowprec.kernels.gemm import GemmPath, folds_at_cast, gemm_backend, gemm_path, scaled_mm
 from lowprec.kernels.route import Backend, CastRoute, CastSpec, Pairing, backend_for, route
 from lowprec.kernels.routed import quantize, requantize_many
 
 __all__ = ["Backend", "Capability", "CastRoute", "CastSpec", "Casts", "GemmPath", "Pairing", "backend_for",
-           "capability", "cast", "gemm_backend", "gemm_path", "quantize", "requantize_many", "route", "scaled_mm"]
+           "capability", "cast", "folds_at_cast", "gemm_backend", "gemm_path", "quantize", "requantize_many", "route",
+           "scaled_mm"]

@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from lowprec.kernels import routed  # looked up at call time, so a test's spy on routed.quantize sees it
+from lowprec.kernels.fold import fold_reference
 from lowprec.kernels.route import Backend, CastRoute, CastSpec, Pairing
 from lowprec.quant import QuantizedTensor, hadamard_padded
 from lowprec.quant.hadamard import RHT_BLOCK
@@ -35,8 +36,9 @@ class Casts(NamedTuple):
 def _one(x: torch.Tensor, spec: CastSpec, backend: Backend, scale, generator) -> QuantizedTensor:
     if spec.hadamard_seed is not None:
         x = hadamard_padded(x, RHT_BLOCK, spec.hadamard_seed)
-    return routed.quantize(x, spec.fmt, spec.granularity, rounding=spec.rounding, scale=scale, generator=generator,
-                           backend=backend.value)
+    q = routed.quantize(x, spec.fmt, spec.granularity, rounding=spec.rounding, scale=scale, generator=generator,
+                        backend=backend.value)
+    return fold_reference(q) if spec.folded else q
 
 
 def cast(x2: torch.Tensor, route: CastRoute, *, scale_k: torch.Tensor | None = None,

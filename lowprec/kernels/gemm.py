@@ -122,6 +122,14 @@ def folded_runs(device: torch.device | str) -> bool:
     return device.type == "cuda" and _folded_checked(device)
 
 
+def folds_at_cast(device: torch.device | str) -> bool:
+    """Whether a layer's casts for folded GEMMs on ``device`` write the folded operands themselves
+    (``CastSpec.folded``): where folded GEMMs run, i.e. a CUDA device whose first-use check passed (run now
+    if it has not), or a device without that check (the CPU, in tests, told it has FP8 tensor cores)."""
+    device = torch.device(device)
+    return device.type != "cuda" or _folded_checked(device)
+
+
 def check_paths(device: torch.device | str) -> None:
     """Run now, on ``device``, the first-use checks of the paths its GEMMs may take (``lowprec info --check``)."""
     device = torch.device(device)
@@ -189,8 +197,14 @@ def _cublas(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = tor
 
 def _folded(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32,
             fast_accum: bool = False) -> torch.Tensor:
-    """Both MX operands folded to row scales, then the row-wise FP8 GEMM (see ``kernels.fold``)."""
-    return _cublas(fold(a), fold(b), out_dtype, fast_accum)
+    """Both MX operands folded to row scales, then the row-wise FP8 GEMM (see ``kernels.fold``). An operand
+    that arrives folded (its cast folded it: ``CastSpec.folded``) is taken as it is."""
+    return _cublas(_fold_once(a), _fold_once(b), out_dtype, fast_accum)
+
+
+def _fold_once(q: QuantizedTensor) -> QuantizedTensor:
+    """``q`` folded, or ``q`` itself where a cast already folded it (row-wise FP8, power-of-two row scales)."""
+    return q if q.granularity.kind is ROW and q.fmt in (E4M3, E5M2) else fold(q)
 
 
 def _exact_in_bf16(fmt: F.Format, gran: Granularity) -> bool:

@@ -82,11 +82,14 @@ class CastSpec:
     first (zero-padded to a multiple of 16), or None."""
     delayed: bool = False
     """The scale is given (delayed scaling, per tensor) rather than computed from the data."""
+    folded: bool = False
+    """An MX cast whose codes are then folded onto one power-of-two scale per row (``lowprec.kernels.fold``):
+    the result is the row-wise FP8 operand a folded GEMM multiplies, made in the cast's own passes."""
 
     @staticmethod
     def of(fmt: str | F.Format, granularity: Granularity, rounding: str | F.Rounding = F.Rounding.NEAREST,
-           hadamard_seed: int | None = None, delayed: bool = False) -> CastSpec:
-        return CastSpec(F.get(fmt), granularity, F.as_rounding(rounding), hadamard_seed, delayed)
+           hadamard_seed: int | None = None, delayed: bool = False, folded: bool = False) -> CastSpec:
+        return CastSpec(F.get(fmt), granularity, F.as_rounding(rounding), hadamard_seed, delayed, folded)
 
     @property
     def stochastic(self) -> bool:

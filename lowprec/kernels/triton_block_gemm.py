@@ -55,7 +55,7 @@ from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels.gemm import emulation_dtype
 from lowprec.kernels.triton_block_mx import e4m3_codes_kernel, mx_chunk_kernel, store_tile, tile_of
-from lowprec.kernels.triton_dequant import _decode
+from lowprec.kernels.triton_numerics import decode_codes
 from lowprec.kernels.triton_tiles import _expand
 from lowprec.quant import GranularityKind, QuantizedTensor
 
@@ -107,7 +107,7 @@ def _bf16_values(ptr, s_ptr, rows, k, KB, s_first, k0, EXP: tl.constexpr, MAN: t
     elif EXP == 5 and MAN == 2:
         v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
-        v = _decode(c.to(tl.int32), EXP, MAN)
+        v = decode_codes(c.to(tl.int32), EXP, MAN)
     si = s_first + tl.arange(0, ROWS // BR)
     sj = k0 // BC + tl.arange(0, BK // BC)
     s = tl.load(s_ptr + (si % S_ROWS)[:, None].to(tl.int64) * KB + sj[None, :], mask=sj[None, :] < KB, other=1.0)

@@ -19,21 +19,9 @@ import triton
 import triton.language as tl
 
 from lowprec.kernels.ops import define
-from lowprec.kernels.triton_numerics import bf16_bits, exp2i
+from lowprec.kernels.triton_numerics import bf16_bits, decode_codes
 from lowprec.kernels.triton_tiles import _expand
 from lowprec.quant import QuantizedTensor
-
-
-@triton.jit
-def _decode(c, EXP: tl.constexpr, MAN: tl.constexpr):
-    """float32 value of the (finite or NaN-free) codes ``c`` of a float format with a sign bit."""
-    bias = (1 << (EXP - 1)) - 1
-    ef = (c >> MAN) & ((1 << EXP) - 1)
-    man = c & ((1 << MAN) - 1)
-    sig = tl.where(ef > 0, man + (1 << MAN), man)
-    mag = sig.to(tl.float32) * exp2i(tl.maximum(ef, 1) - bias - MAN)  # exact: few bits times 2^e
-    # the sign set on the bits: Triton negates as 0 - x, which makes the code of -0 +0 on a GPU
-    return (mag.to(tl.int32, bitcast=True) | (((c >> (EXP + MAN)) & 1) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -56,7 +44,7 @@ def dequant_kernel(data_ptr, scale_ptr, out_ptr, R, C, s_rows, s_cols, EXP: tl.c
         else:
             v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
     else:
-        v = _decode(c.to(tl.int32), EXP, MAN)
+        v = decode_codes(c.to(tl.int32), EXP, MAN)
     bi = pid_m * (BM // BR) + tl.arange(0, BM // BR)
     bj = pid_k * (BK // BC) + tl.arange(0, BK // BC)
     s = tl.load(scale_ptr + bi[:, None] * s_cols + bj[None, :], mask=(bi[:, None] < s_rows) & (bj[None, :] < s_cols),

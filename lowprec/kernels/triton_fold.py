@@ -14,19 +14,10 @@ import triton.language as tl
 
 from lowprec import formats as F
 from lowprec.kernels import triton_launch as launch
-from lowprec.kernels.triton_dequant import _decode
-from lowprec.kernels.triton_numerics import exp2i, to_codes
+from lowprec.kernels.triton_numerics import decode_codes, exponent_of, folded_value, to_codes
 from lowprec.kernels.triton_plan import SPECIALS
 from lowprec.kernels.triton_tiles import _expand
 from lowprec.quant import QuantizedTensor, rowwise
-
-
-@triton.jit
-def _exponent(s, NAN_E: tl.constexpr):
-    """int32 log2 of power-of-two float32 ``s`` (2^-127, FP32's one subnormal here, included); NaN -> ``NAN_E``."""
-    biased = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.where(biased == 0, -127, biased - 127)
-    return tl.where(s != s, NAN_E, e)
 
 
 @triton.jit
@@ -43,7 +34,7 @@ def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, S
         sj = j0 + tl.arange(0, BKB)
         s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * KB + sj[None, :],
                     mask=rows[:, None] & (sj[None, :] < KB), other=float("nan"))
-        top = tl.maximum(top, tl.max(_exponent(s, NAN_E), axis=1))
+        top = tl.maximum(top, tl.max(exponent_of(s, NAN_E), axis=1))
     r = tl.where(top == NAN_E, 0, top - H)
     tl.store(r_ptr + offs_m, r, mask=rows)
     for k0 in range(0, K, BK):
@@ -51,9 +42,7 @@ def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, S
         sj = k0 // BC + tl.arange(0, BKB)
         s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * KB + sj[None, :],
                     mask=rows[:, None] & (sj[None, :] < KB), other=1.0)
-        e = _exponent(s, NAN_E)
-        d = tl.maximum(e - r[:, None], MIN_D)
-        factor = tl.where(e == NAN_E, float("nan"), exp2i(d))  # (BM, BKB)
+        e = exponent_of(s, NAN_E)  # (BM, BKB)
         mask = rows[:, None] & (offs_k[None, :] < K)
         c = tl.load(c_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0)
         if NATIVE == 1:
@@ -61,9 +50,8 @@ def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, S
         elif NATIVE == 2:
             v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
         else:
-            v = _decode(c.to(tl.int32), SRC_EXP, SRC_MAN)
-        x = v * _expand(factor, BM, BK, 1, BC)  # exact: a few bits times a normal power of two
-        x = tl.where(x == 0, 0.0, x)  # every zero +0, as the reference
+            v = decode_codes(c.to(tl.int32), SRC_EXP, SRC_MAN)
+        x = folded_value(v, _expand(e, BM, BK, 1, BC), r[:, None], NAN_E, MIN_D)
         sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
         codes = to_codes(x, sign, 0.0, T_EXP, T_MAN, T_SPECIAL, False, False)
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], codes.to(tl.uint8), mask=mask)

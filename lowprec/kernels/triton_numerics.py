@@ -40,6 +40,37 @@ def exp2i(e):
 
 
 @triton.jit
+def decode_codes(c, EXP: tl.constexpr, MAN: tl.constexpr):
+    """float32 value of the (finite or NaN-free) codes ``c`` of a float format with a sign bit."""
+    bias = (1 << (EXP - 1)) - 1
+    ef = (c >> MAN) & ((1 << EXP) - 1)
+    man = c & ((1 << MAN) - 1)
+    sig = tl.where(ef > 0, man + (1 << MAN), man)
+    mag = sig.to(tl.float32) * exp2i(tl.maximum(ef, 1) - bias - MAN)  # exact: few bits times 2^e
+    # the sign set on the bits: Triton negates as 0 - x, which makes the code of -0 +0 on a GPU
+    return (mag.to(tl.int32, bitcast=True) | (((c >> (EXP + MAN)) & 1) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exponent_of(s, NAN_E: tl.constexpr):
+    """int32 ``log2`` of power-of-two float32 ``s`` (2^-127, FP32's one subnormal here, included); NaN ->
+    ``NAN_E``."""
+    biased = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.where(biased == 0, -127, biased - 127)
+    return tl.where(s != s, NAN_E, e)
+
+
+@triton.jit
+def folded_value(v, e, r, NAN_E: tl.constexpr, MIN_D: tl.constexpr):
+    """An MX element's exact value ``v``, in a block of scale exponent ``e``, moved onto its row's scale
+    ``2^r``: ``v * 2^max(e - r, MIN_D)``, exact; NaN where the block's scale is NaN (``e == NAN_E``); every
+    zero +0 (see [Note: folding MX blocks into rows] in ``lowprec.kernels.fold``). Still to be rounded onto
+    the target's grid."""
+    x = v * tl.where(e == NAN_E, float("nan"), exp2i(tl.maximum(e - r, MIN_D)))
+    return tl.where(x == 0, 0.0, x)
+
+
+@triton.jit
 def bf16_value(bits):
     """float32 of BF16 codes (int16 bits), exactly: the interpreter flushes bf16 subnormals."""
     return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)

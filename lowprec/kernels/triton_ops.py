@@ -16,6 +16,7 @@ import triton
 
 from lowprec.kernels import triton_launch as launch
 from lowprec.kernels import triton_tiles as T
+from lowprec.kernels.fold import MIN_SHIFT, NAN_EXPONENT
 from lowprec.kernels.ops import define
 from lowprec.kernels.triton_plan import Plan, Side, off_args
 
@@ -38,9 +39,10 @@ def _config(plan: tuple[int, ...]) -> tuple[Plan, tuple[int, int], dict, dict, t
         amax_kw.update({f"KIND_{suffix}": kind, f"HAD_{suffix}": int(bool(s and s.hadamard)),
                         f"BR_{suffix}": block[0], f"BC_{suffix}": block[1]})
     cast_kw = dict(BM=bm, BK=bk, EVEN=even, RECORD=p.record, SHARE=p.share, num_warps=warps,
+                   NAN_E=NAN_EXPONENT, MIN_D=MIN_SHIFT,
                    **(p.a.kernel_args("A") if p.a else off_args("A")),
                    **(p.b.kernel_args("B") if p.b else off_args("B")))
-    outs = tuple(None if s is None else (tuple(s.out_shape), s.format.storage_dtype, tuple(s.scale_shape))
+    outs = tuple(None if s is None else (tuple(s.out_shape), s.out_format.storage_dtype, tuple(s.scale_shape))
                  for s in (p.a, p.b))
     dims = tuple(d for s in (p.a, p.b) for d in ((*s.out_shape, *s.scale_shape) if s is not None else (0, 0, 0, 0)))
     return p, grid, amax_kw, cast_kw, outs, dims
@@ -49,7 +51,7 @@ def _config(plan: tuple[int, ...]) -> tuple[Plan, tuple[int, int], dict, dict, t
 def _amax_len(s: Side | None, p: Plan, transposed: bool) -> int:
     if s is None or s.amax_kind == T.AMAX_NONE:
         return 0
-    return (p.k if transposed else p.m) if s.amax_kind == T.AMAX_LINES else 1
+    return (p.k if transposed else p.m) if s.amax_kind in (T.AMAX_LINES, T.AMAX_FOLD) else 1
 
 
 def _pointer(t: torch.Tensor | None, live: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,8 @@ from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_tiles as T
+from lowprec.kernels.fold import foldable, headroom
+from lowprec.kernels.fold import target as fold_target
 from lowprec.quant import Granularity, GranularityKind, ScaleRule
 from lowprec.quant.hadamard import RHT_BLOCK
 
@@ -48,9 +50,15 @@ class Side:
     """``triton_tiles.ROUND_*``."""
     hadamard: bool
     saturate: bool
+    fold: int
+    """0, or 1 + the index into :data:`FORMATS` of the FP8 format a folded side's codes are folded into
+    (see [Note: tiles and sides] in ``triton_tiles``)."""
+    headroom: int
+    """A folded side's ``h`` (``lowprec.kernels.fold.headroom``); 0 otherwise."""
     out_shape: tuple[int, int]
     """The padded 2-D view of this side's tensor (x for side A, x.T for side B)."""
     scale_shape: tuple[int, int]
+    """Its scales' shape: the blocks' grid, or one per line where folded."""
 
     @property
     def amax_kind(self) -> int:
@@ -59,40 +67,50 @@ class Side:
             return T.AMAX_TENSOR
         if self.mode == T.MODE_LINES:
             return T.AMAX_LINES
+        if self.fold:
+            return T.AMAX_FOLD
         if self.mode == T.MODE_LOCAL and self.rule == N.RULE_NVFP4:
             return T.AMAX_FINITE_BLOCKS
         return T.AMAX_NONE
 
     @property
     def format(self) -> F.Format:
+        """The format the side's elements are cast to (an MX format, where the side is then folded)."""
         return F.get(FORMATS[self.fmt])
+
+    @property
+    def out_format(self) -> F.Format:
+        """The format of the codes the side writes: the folded target, or :attr:`format`."""
+        return F.get(FORMATS[self.fold - 1]) if self.fold else self.format
 
     def to_ints(self) -> list[int]:
         return [1, self.fmt, self.mode, self.rule, *self.block, self.rounding, int(self.hadamard),
-                int(self.saturate), *self.out_shape, *self.scale_shape]
+                int(self.saturate), self.fold, self.headroom, *self.out_shape, *self.scale_shape]
 
     @staticmethod
     def from_ints(v: list[int]) -> Side | None:
         if not v[0]:
             return None
-        return Side(v[1], v[2], v[3], (v[4], v[5]), v[6], bool(v[7]), bool(v[8]), (v[9], v[10]), (v[11], v[12]))
+        return Side(v[1], v[2], v[3], (v[4], v[5]), v[6], bool(v[7]), bool(v[8]), v[9], v[10], (v[11], v[12]),
+                    (v[13], v[14]))
 
     def kernel_args(self, suffix: str) -> dict:
-        f = self.format
+        f, t = self.format, self.out_format
         args = dict(ON=True, EXP=f.exp_bits, MAN=f.man_bits, SPECIAL=SPECIALS[f.special], FMAX=f.max,
                     EMAX=f.emax, MODE=self.mode, RULE=self.rule, BR=self.block[0], BC=self.block[1],
-                    ROUND=self.rounding, HAD=int(self.hadamard), SAT=int(self.saturate))
+                    ROUND=self.rounding, HAD=int(self.hadamard), SAT=int(self.saturate), FOLD=int(bool(self.fold)),
+                    T_EXP=t.exp_bits, T_MAN=t.man_bits, T_SPECIAL=SPECIALS[t.special], H=self.headroom)
         return {f"{k}_{suffix}": v for k, v in args.items()}
 
 
-SIDE_INTS = 13
+SIDE_INTS = 15
 """Length of :meth:`Side.to_ints`: a present flag, then the fields in order, tuples flattened."""
 _OFF = [0] * SIDE_INTS
 
 
 def off_args(suffix: str) -> dict:
     args = dict(ON=False, EXP=4, MAN=3, SPECIAL=1, FMAX=448.0, EMAX=8, MODE=0, RULE=0, BR=1, BC=1, ROUND=0,
-                HAD=0, SAT=1)
+                HAD=0, SAT=1, FOLD=0, T_EXP=4, T_MAN=3, T_SPECIAL=1, H=0)
     return {f"{k}_{suffix}": v for k, v in args.items()}
 
 
@@ -119,7 +137,7 @@ def covers(spec, saturate: bool = True) -> bool:
     if spec.delayed and fmt.special is F.Special.NONE:
         return False
     mode = _mode(g, spec.delayed)
-    if mode is None:
+    if mode is None or (spec.folded and not foldable(fmt, g)):
         return False
     return spec.hadamard_seed is None or (mode == T.MODE_LOCAL and g.block_cols % RHT_BLOCK == 0)
 
@@ -137,12 +155,14 @@ def side(spec, saturate: bool, *, transposed: bool, rows: int, cols: int, given:
     mode = _mode(g, given)
     ebr, ebc = br or rows, bc or cols
     out_shape = (_roundup(rows, ebr), _roundup(cols, ebc))
-    scale_shape = (out_shape[0] // ebr, out_shape[1] // ebc)
+    scale_shape = (out_shape[0], 1) if spec.folded else (out_shape[0] // ebr, out_shape[1] // ebc)
     block = (br, bc) if mode == T.MODE_LOCAL else (1, 1)
     if transposed:
         block = block[::-1]
     rnd = T.ROUND_NEAREST if not spec.stochastic else (T.ROUND_RAND if rand else T.ROUND_PHILOX)
-    return Side(FORMATS.index(fmt.name), mode, rule, block, rnd, hadamard, saturate, out_shape, scale_shape)
+    fold = 1 + FORMATS.index(fold_target(fmt).name) if spec.folded else 0
+    return Side(FORMATS.index(fmt.name), mode, rule, block, rnd, hadamard, saturate, fold,
+                headroom(fmt) if spec.folded else 0, out_shape, scale_shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,20 +290,23 @@ class Template:
     """Each side's :meth:`Side.to_ints` without its shapes (None: the side is absent)."""
     blocks: tuple[tuple[int, int], tuple[int, int]]
     """Each side's block edges along its own view's rows and columns (0: the whole dimension)."""
+    folded: tuple[bool, bool]
+    """Each side is folded: one scale per row of its view."""
     facts: Launch
     """The shape-free fields of the launch (``ints`` and ``scale_shapes`` are placeholders)."""
 
     def launch(self, m: int, k: int, record: bool) -> Launch:
         ints, shapes = [m, k, int(record), 0], []
-        for head, (br, bc), (rows, cols) in zip(self.heads, self.blocks, ((m, k), (k, m))):
+        for head, (br, bc), (rows, cols), folded in zip(self.heads, self.blocks, ((m, k), (k, m)), self.folded):
             if head is None:
                 ints += _OFF
                 shapes.append((0, 0))
                 continue
             br, bc = br or rows, bc or cols
             r, c = -(-rows // br) * br, -(-cols // bc) * bc
-            ints += [*head, r, c, r // br, c // bc]
-            shapes.append((r // br, c // bc))
+            scales = (r, 1) if folded else (r // br, c // bc)
+            ints += [*head, r, c, *scales]
+            shapes.append(scales)
         f = self.facts
         return Launch((*ints, 0, 0), f.amax_kinds, f.hadamard, f.given, f.nvfp4, tuple(shapes), f.philox, f.share)
 
@@ -299,4 +322,5 @@ def template(a, b, given: bool) -> Template:
         heads.append(head if spec is not None else None)
         g = spec.granularity if spec is not None else None
         blocks.append((g.block_rows or 0, g.block_cols or 0) if g is not None else (0, 0))
-    return Template(tuple(heads), tuple(blocks), facts)
+    folded = tuple(spec is not None and spec.folded for spec in (a, b))
+    return Template(tuple(heads), tuple(blocks), folded, facts)

@@ -20,9 +20,10 @@ import torch
 from lowprec._checks import describe, fail
 from lowprec.kernels import triton_ops as ops
 from lowprec.kernels import triton_tiles as T
+from lowprec.kernels.fold import target as fold_target
 from lowprec.kernels.route import CastSpec
 from lowprec.kernels.triton_plan import Launch, Template, launch
-from lowprec.quant import Granularity, QuantizedTensor, hadamard_matrix
+from lowprec.quant import Granularity, QuantizedTensor, hadamard_matrix, rowwise
 from lowprec.quant import quantize as _reference
 from lowprec.quant.hadamard import RHT_BLOCK
 from lowprec.quant.quantize import _check_args, as_2d
@@ -117,6 +118,8 @@ def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator, after=None)
 
 
 def _result(launch: Launch, i: int, data, scale, g, spec: CastSpec, shape, dtype, given) -> QuantizedTensor:
+    if spec.folded:  # row-wise codes of the fold's target (see [Note: folding MX blocks into rows])
+        return QuantizedTensor(data, scale, fold_target(spec.fmt), rowwise(), shape, dtype)
     if launch.given[i]:  # the reference keeps the given scale, broadcast to the block grid
         scale = torch.broadcast_to(given.float(), launch.scale_shapes[i])
     return QuantizedTensor(data, scale, spec.fmt, spec.granularity, shape, dtype, g if launch.nvfp4[i] else None)

@@ -17,6 +17,12 @@ LINES          one amax per line along the side's reduction dimension (row-wise)
 GIVEN          a known scale (delayed scaling); the cast can record the new amax       one
 =============  ======================================================================  ==========
 
+A LOCAL side with MX blocks may also be *folded* (``FOLD``): its codes, once cast, are moved onto one
+power-of-two scale per line, as ``lowprec.kernels.fold`` folds an MX operand, and the side writes those
+FP8 codes with one scale per line instead of the MX codes and block scales (see [Note: folding MX blocks
+into rows]). A line's scale follows from its largest finite block amax (the block scale is monotone in
+it), which the amax pass reduces first (``AMAX_FOLD``): two passes, and no second pass over the codes.
+
 Block shapes are given in ``x``'s coordinates (side B's ``br x bc`` blocks of ``x.T`` are ``bc x br``
 blocks of ``x``). Padding follows ``lowprec.quant``: each side's output covers its blocks, and the
 padded region holds zero codes.
@@ -30,7 +36,11 @@ from lowprec.kernels.triton_numerics import (
     F32_MAX,
     abs_bits,
     bf16_value,
+    decode_codes,
     e2m1_codes,
+    exp2i,
+    exponent_of,
+    folded_value,
     nvfp4_encode,
     nvfp4_global_encode,
     round_to_dtype,
@@ -40,7 +50,7 @@ from lowprec.kernels.triton_numerics import (
 
 MODE_LOCAL, MODE_TENSOR, MODE_LINES, MODE_GIVEN = 0, 1, 2, 3
 ROUND_NEAREST, ROUND_RAND, ROUND_PHILOX = 0, 1, 2
-AMAX_NONE, AMAX_TENSOR, AMAX_LINES, AMAX_FINITE_BLOCKS = 0, 1, 2, 3
+AMAX_NONE, AMAX_TENSOR, AMAX_LINES, AMAX_FINITE_BLOCKS, AMAX_FOLD = 0, 1, 2, 3, 4
 
 
 @triton.jit
@@ -134,6 +144,16 @@ def _side_amax(v, offs_m, offs_k, M, K, amax_ptr, KIND: tl.constexpr, TRANS: tl.
         blk = _block_max(bits, BM, BK, BR, BC)
         blk = tl.where(blk < 0x7F800000, blk, 0)
         tl.atomic_max(amax_ptr, tl.max(tl.max(blk, axis=1), axis=0))
+    elif KIND == 4:  # a folded side: per line, its largest finite block amax's bits plus one (0: none finite)
+        blk = _block_max(bits, BM, BK, BR, BC)
+        if TRANS:  # blocks of BR x 1 along m: each column of the tile one line of x.T; blocks past M are no blocks
+            starts = tl.program_id(0) * BM + tl.arange(0, BM // BR) * BR
+            blk = tl.where((blk < 0x7F800000) & (starts[:, None] < M), blk + 1, 0)
+            tl.atomic_max(amax_ptr + offs_k, tl.max(blk, axis=0), mask=offs_k < K)
+        else:
+            starts = tl.program_id(1) * BK + tl.arange(0, BK // BC) * BC
+            blk = tl.where((blk < 0x7F800000) & (starts[None, :] < K), blk + 1, 0)
+            tl.atomic_max(amax_ptr + offs_m, tl.max(blk, axis=1), mask=offs_m < M)
 
 
 @triton.jit
@@ -193,9 +213,11 @@ def divide(v, d, r, in_range, KIND: tl.constexpr):
 @triton.jit
 def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr, g_ptr, s_rows, s_cols,
                 MODE: tl.constexpr, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
-                TRANS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+                TRANS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                STORE: tl.constexpr):
     """(divisor, reciprocal, dead, in_range), broadcastable to the tile; stores the side's scales (and NVFP4's
-    global scale). Scales are found per block, per line or once, never per element."""
+    global scale) unless ``STORE`` is off (a folded side stores its lines' scales itself). Scales are found
+    per block, per line or once, never per element."""
     first = (pid_m == 0) & (pid_k == 0)
     if MODE == 0:
         big = 1.0
@@ -208,7 +230,9 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
         s = scale_from_amax(_block_max(abs_bits(v), BM, BK, BR, BC), big, RULE, FMAX, EMAX)  # (BM/BR, BK/BC)
         bi = pid_m * (BM // BR) + tl.arange(0, BM // BR)
         bj = pid_k * (BK // BC) + tl.arange(0, BK // BC)
-        if TRANS:
+        if not STORE:
+            pass
+        elif TRANS:
             tl.store(scale_ptr + bj[None, :] * s_cols + bi[:, None], s,
                      mask=(bj[None, :] < s_rows) & (bi[:, None] < s_cols))
         else:
@@ -288,11 +312,14 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
                 EXP: tl.constexpr, MAN: tl.constexpr, SPECIAL: tl.constexpr, FMAX: tl.constexpr,
                 EMAX: tl.constexpr, MODE: tl.constexpr, RULE: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr, ROUND: tl.constexpr, HAD: tl.constexpr, SAT: tl.constexpr,
+                FOLD: tl.constexpr, T_EXP: tl.constexpr, T_MAN: tl.constexpr, T_SPECIAL: tl.constexpr,
+                H: tl.constexpr, NAN_E: tl.constexpr, MIN_D: tl.constexpr,
                 TRANS: tl.constexpr, HW: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-    """uint8 codes of one side's tile, in x's coordinates; the side's scales stored on the way."""
+    """uint8 codes of one side's tile, in x's coordinates; the side's scales stored on the way. A folded
+    side (``FOLD``) writes its codes folded onto one scale per line (``amax_ptr``: the lines' fold amaxes)."""
     v = _transform(v, h_ptr, x.dtype, HAD, TRANS, BM, BK)
     d, r, dead, ok = _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr, g_ptr,
-                             s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC)
+                             s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC, not FOLD)
     if (RULE == 1) | (RULE == 2) | (RULE == 3):
         scaled = divide(v, d, r, ok, 0)
     elif MODE == 3:
@@ -322,7 +349,44 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
             codes = e2m1_codes(scaled, rnd, ROUND != 0)
         else:
             codes = to_codes(scaled, nan_sign, rnd, EXP, MAN, SPECIAL, SAT, ROUND != 0)
-    return tl.where(dead, 0, codes).to(tl.uint8)
+    if FOLD:
+        codes = _fold_codes(codes, d, dead, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, scale_ptr, nan_sign,
+                            EXP, MAN, FMAX, EMAX, RULE, T_EXP, T_MAN, T_SPECIAL, H, NAN_E, MIN_D, TRANS, HW)
+    else:
+        codes = tl.where(dead, 0, codes)
+    return codes.to(tl.uint8)
+
+
+@triton.jit
+def _fold_codes(codes, d, dead, pid_m, pid_k, offs_m, offs_k, M, K, line_ptr, scale_ptr, nan_sign,
+                EXP: tl.constexpr, MAN: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr,
+                T_EXP: tl.constexpr, T_MAN: tl.constexpr, T_SPECIAL: tl.constexpr, H: tl.constexpr,
+                NAN_E: tl.constexpr, MIN_D: tl.constexpr, TRANS: tl.constexpr, HW: tl.constexpr):
+    """A folded side's codes (see [Note: tiles and sides]): the MX ``codes`` of blocks whose expanded
+    divisor is ``d`` (their power-of-two scale, 1 where ``dead``: a NaN scale), moved onto each line's
+    scale ``2^r`` and rounded onto the target's grid; stores ``2^r`` per line. ``r`` is the largest block
+    exponent of the line less ``H``, from the amax pass's largest finite block amax (plus one; 0: no finite
+    block, and ``r = 0``), as ``lowprec.kernels.fold.fold_reference`` finds it from the block scales."""
+    if TRANS:
+        line = tl.load(line_ptr + offs_k, mask=offs_k < K, other=0)[None, :]
+    else:
+        line = tl.load(line_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
+    top = exponent_of(scale_from_amax(tl.maximum(line - 1, 0), 1.0, RULE, FMAX, EMAX), NAN_E)
+    r = tl.where(line == 0, 0, top - H)
+    v = decode_codes(tl.where(dead, 0, codes), EXP, MAN)
+    x = folded_value(v, tl.where(dead, NAN_E, exponent_of(d, NAN_E)), r, NAN_E, MIN_D)
+    if HW and (T_EXP + T_MAN == 7):  # x lies on the grid or below the target's normals: RNE either way
+        out = hw_fp8(x, nan_sign, T_EXP, True)
+    else:
+        sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+        out = to_codes(x, sign, 0.0, T_EXP, T_MAN, T_SPECIAL, False, False)
+    if TRANS:
+        if pid_m == 0:
+            tl.store(scale_ptr + offs_k[None, :], exp2i(r), mask=offs_k[None, :] < K)
+    else:
+        if pid_k == 0:
+            tl.store(scale_ptr + offs_m[:, None], exp2i(r), mask=offs_m[:, None] < M)
+    return out
 
 
 @triton.jit
@@ -352,9 +416,12 @@ def cast_kernel(
     ON_A: tl.constexpr, EXP_A: tl.constexpr, MAN_A: tl.constexpr, SPECIAL_A: tl.constexpr,
     FMAX_A: tl.constexpr, EMAX_A: tl.constexpr, MODE_A: tl.constexpr, RULE_A: tl.constexpr,
     BR_A: tl.constexpr, BC_A: tl.constexpr, ROUND_A: tl.constexpr, HAD_A: tl.constexpr, SAT_A: tl.constexpr,
+    FOLD_A: tl.constexpr, T_EXP_A: tl.constexpr, T_MAN_A: tl.constexpr, T_SPECIAL_A: tl.constexpr, H_A: tl.constexpr,
     ON_B: tl.constexpr, EXP_B: tl.constexpr, MAN_B: tl.constexpr, SPECIAL_B: tl.constexpr,
     FMAX_B: tl.constexpr, EMAX_B: tl.constexpr, MODE_B: tl.constexpr, RULE_B: tl.constexpr,
     BR_B: tl.constexpr, BC_B: tl.constexpr, ROUND_B: tl.constexpr, HAD_B: tl.constexpr, SAT_B: tl.constexpr,
+    FOLD_B: tl.constexpr, T_EXP_B: tl.constexpr, T_MAN_B: tl.constexpr, T_SPECIAL_B: tl.constexpr, H_B: tl.constexpr,
+    NAN_E: tl.constexpr, MIN_D: tl.constexpr,
 ):
     """Quantize one tile for side A (x along K) and side B (x.T along M); see [Note: tiles and sides].
     ``SHARE``: side B is side A's cast transposed (one scale for the whole tensor), so its codes are
@@ -366,11 +433,13 @@ def cast_kernel(
     if ON_A:
         codes = _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_a, given_ptr, rand_a, seed_ptr,
                             scale_a, s_rows_a, s_cols_a, g_a, EXP_A, MAN_A, SPECIAL_A, FMAX_A, EMAX_A, MODE_A,
-                            RULE_A, BR_A, BC_A, ROUND_A, HAD_A, SAT_A, False, HW, BM, BK)
+                            RULE_A, BR_A, BC_A, ROUND_A, HAD_A, SAT_A, FOLD_A, T_EXP_A, T_MAN_A, T_SPECIAL_A,
+                            H_A, NAN_E, MIN_D, False, HW, BM, BK)
         _store(codes, offs_m, offs_k, out_a, o_rows_a, o_cols_a, False, EVEN)
     if ON_B:
         if not SHARE:
             codes = _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_b, given_ptr, rand_b,
                                 seed_ptr + 1, scale_b, s_rows_b, s_cols_b, g_b, EXP_B, MAN_B, SPECIAL_B, FMAX_B,
-                                EMAX_B, MODE_B, RULE_B, BR_B, BC_B, ROUND_B, HAD_B, SAT_B, True, HW, BM, BK)
+                                EMAX_B, MODE_B, RULE_B, BR_B, BC_B, ROUND_B, HAD_B, SAT_B, FOLD_B, T_EXP_B,
+                                T_MAN_B, T_SPECIAL_B, H_B, NAN_E, MIN_D, True, HW, BM, BK)
         _store(codes, offs_m, offs_k, out_b, o_rows_b, o_cols_b, True, EVEN)

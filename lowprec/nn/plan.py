@@ -19,7 +19,7 @@ import torch
 
 from lowprec import formats as F
 from lowprec import recipes as R
-from lowprec.kernels import Backend, CastRoute, CastSpec, GemmPath, capability, gemm_path, route
+from lowprec.kernels import Backend, CastRoute, CastSpec, GemmPath, capability, folds_at_cast, gemm_path, route
 from lowprec.quant import Granularity, GranularityKind
 from lowprec.quant.hadamard import RHT_SEED
 
@@ -212,12 +212,12 @@ def codes_serve(granularity: Granularity, op: OperandPlan | None) -> bool:
                           and s.hadamard_seed is None for s in sides)
 
 
-def _spec(c: R.Cast, nearest: bool) -> CastSpec | None:
+def _spec(c: R.Cast, nearest: bool, folded: bool = False) -> CastSpec | None:
     if not c.quantized:
         return None
     rounding = F.Rounding.NEAREST if nearest else F.as_rounding(c.rounding)
     return CastSpec(c.fmt, c.granularity, rounding, RHT_SEED if c.hadamard else None,
-                    c.scaling is R.Scaling.DELAYED)
+                    c.scaling is R.Scaling.DELAYED, folded)
 
 
 def _recast_route(a: CastSpec | None, b: CastSpec | None, device: torch.device) -> CastRoute | None:
@@ -237,10 +237,11 @@ def _recast_route(a: CastSpec | None, b: CastSpec | None, device: torch.device) 
 
 @functools.lru_cache(maxsize=512)
 def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torch.device,
-                 nearest: bool = False) -> OperandPlan:
+                 nearest: bool = False, folded: tuple[bool, bool] = (False, False)) -> OperandPlan:
     """The routes of one operand's casts on ``device`` (shared by every layer with the same casts, so
-    that layers can compare them by identity); ``nearest``: every side rounds to nearest."""
-    a, b = _spec(along_k, nearest), _spec(transposed, nearest)
+    that layers can compare them by identity); ``nearest``: every side rounds to nearest; ``folded``:
+    which sides are cast straight to the folded operands of a folded GEMM (see :func:`folded_sides`)."""
+    a, b = _spec(along_k, nearest, folded[0]), _spec(transposed, nearest, folded[1])
     specs = [s for s in (a, b) if s is not None]
     return OperandPlan(
         role, along_k, transposed,
@@ -251,6 +252,17 @@ def operand_plan(role: R.Role, along_k: R.Cast, transposed: R.Cast, device: torc
         shareable=all(not s.delayed and not s.stochastic for s in specs),
         recast=_recast_route(a, b, device),
     )
+
+
+def folded_sides(role: R.Role, paths: dict[str, GemmPath], device: torch.device) -> tuple[bool, bool]:
+    """Which of ``role``'s two casts (along K, transposed) are folded as they are cast: those read by a
+    GEMM whose path is ``FOLDED`` (both its operands MX), where the device's first-use check of folded
+    GEMMs passed. The cast writes the FP8 codes and row scales the GEMM multiplies in its own passes
+    (``CastSpec.folded``), rather than MX codes that a second pass folds at the GEMM: the same bits."""
+    if GemmPath.FOLDED not in paths.values() or not folds_at_cast(device):
+        return False, False
+    (g_k, _), (g_t, _) = R.SIDES[role]
+    return paths[g_k] is GemmPath.FOLDED, paths[g_t] is GemmPath.FOLDED
 
 
 def gemm_plan(g: R.Gemm, device: torch.device) -> GemmPlan:
@@ -321,14 +333,19 @@ def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_fea
         return LayerPlan(recipe, device, reason, kind if reason is not None else None,
                          recipe.hp_dtype if reason is None else None, weight_storage=weight_storage)
     r = recipe
-    weight = operand_plan(R.Role.WEIGHT, *r.sides(R.Role.WEIGHT), device, nearest)
-    inp = operand_plan(R.Role.INPUT, *r.sides(R.Role.INPUT), device, nearest)
+    gemms = {g: gemm_plan(getattr(r, g), device) for g in R.GEMMS}
+    paths = {g: p.path for g, p in gemms.items()}
+
+    def operand(role: R.Role) -> OperandPlan:
+        return operand_plan(role, *r.sides(role), device, nearest, folded_sides(role, paths, device))
+
+    weight, inp = operand(R.Role.WEIGHT), operand(R.Role.INPUT)
     plan = LayerPlan(
         recipe, device, None, None, None,
         input=inp,
         weight=weight,
-        grad_output=operand_plan(R.Role.GRAD_OUTPUT, *r.sides(R.Role.GRAD_OUTPUT), device, nearest),
-        fprop=gemm_plan(r.fprop, device), dgrad=gemm_plan(r.dgrad, device), wgrad=gemm_plan(r.wgrad, device),
+        grad_output=operand(R.Role.GRAD_OUTPUT),
+        fprop=gemms["fprop"], dgrad=gemms["dgrad"], wgrad=gemms["wgrad"],
         recast_weight_t=recasts_weight_t(recipe, nearest),
         recast_input=recast_input and inp.recast is not None,
         weight_storage=weight_storage,

@@ -23,6 +23,7 @@ import torch
 
 from lowprec import formats as F
 from lowprec import recipes as R
+from lowprec.kernels import quantize
 from lowprec.nn.probe import probe, reporting_to
 from lowprec.quant.hadamard import RHT_BLOCK, hadamard_padded
 from lowprec.telemetry.stats import OperandStats, cast_format, stats_tensor
@@ -54,6 +55,11 @@ class Collector:
             return  # a layer outside the sampled model
         if spec is not None and spec.hadamard_seed is not None:
             hp2 = hadamard_padded(hp2, RHT_BLOCK, spec.hadamard_seed)  # what the cast quantized
+        if spec is not None and spec.folded:
+            # a folded cast's codes hold no block scales, so its saturation would be judged against the
+            # FP8 target's range: the figures are those of the MX cast it folded, made again here (on
+            # sampled steps only; a stochastic cast draws its own numbers, alike in distribution)
+            q = quantize(hp2, spec.fmt, spec.granularity, rounding=spec.rounding.value)
         figures = stats_tensor(hp2, q)
         self._pending.append((name, _GEMM_OF_SIDE[(role, transposed)], _OPERANDS[role], cast_format(q), figures))
 
