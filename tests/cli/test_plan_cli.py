@@ -127,10 +127,12 @@ def test_info_describes_a_cuda_device_and_the_path_each_gemm_takes_there(fake_cu
 def test_info_says_whether_a_self_checking_path_passed_its_check_on_each_gpu(fake_cuda, monkeypatch):
     from lowprec.kernels import blackwell as BW
     from lowprec.kernels import fold as FD
+    from lowprec.kernels import grouped_gemm as GG
 
     fake_cuda(("NVIDIA H100 80GB HBM3", (9, 0), 85.0), ("NVIDIA B200", (10, 0), 180.0))
     monkeypatch.setattr(FD.CHECK, "_done", {})
     monkeypatch.setattr(BW.CHECK, "_done", {})
+    monkeypatch.setattr(GG, "_CHECKED", {})  # --check runs the experts' checks too: none kept past this test
 
     def paths():
         data = json.loads(_run("info", "--json").output)
