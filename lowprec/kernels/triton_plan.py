@@ -252,6 +252,8 @@ class Launch:
     """A side draws its own random numbers (stochastic rounding without given uniforms)."""
     share: bool
     """Side B is side A transposed: the kernel writes one scale for both."""
+    fold_blocks: tuple[int, int] = (0, 0)
+    """Per side, a folded side's block length along its reduction dimension (0: not folded)."""
 
     @staticmethod
     def of(p: Plan) -> Launch:
@@ -264,7 +266,8 @@ class Launch:
             tuple(p.to_ints()), each(lambda s: s.amax_kind, T.AMAX_NONE), each(lambda s: s.hadamard, False),
             each(lambda s: s.mode == T.MODE_GIVEN, False), each(lambda s: s.rule == N.RULE_NVFP4, False),
             each(lambda s: s.scale_shape, (0, 0)),
-            any(s is not None and s.rounding == T.ROUND_PHILOX for s in sides), p.share)
+            any(s is not None and s.rounding == T.ROUND_PHILOX for s in sides), p.share,
+            tuple(max(s.block) if s is not None and s.fold else 0 for s in sides))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -308,7 +311,8 @@ class Template:
             ints += [*head, r, c, *scales]
             shapes.append(scales)
         f = self.facts
-        return Launch((*ints, 0, 0), f.amax_kinds, f.hadamard, f.given, f.nvfp4, tuple(shapes), f.philox, f.share)
+        return Launch((*ints, 0, 0), f.amax_kinds, f.hadamard, f.given, f.nvfp4, tuple(shapes), f.philox, f.share,
+                      f.fold_blocks)
 
 
 @functools.lru_cache(maxsize=1024)

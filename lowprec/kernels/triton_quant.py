@@ -69,14 +69,25 @@ def _rand2(rand: torch.Tensor | None) -> torch.Tensor | None:
     return None if rand is None else as_2d(rand.detach()).float().contiguous()
 
 
-def _traceable_amax(x2: torch.Tensor, kind: int, hadamard: bool, transposed: bool) -> torch.Tensor | None:
+def _traceable_amax(x2: torch.Tensor, kind: int, hadamard: bool, transposed: bool,
+                    fold_block: int = 0) -> torch.Tensor | None:
     """A side's amax bits from torch reductions, where they are plain maxima of ``|x|`` (per tensor,
-    per line, no Hadamard transform), else None. Under ``torch.compile`` the compiler fuses these into
-    the kernel that produced x, sparing the amax pass its read. The bits equal the amax kernel's:
-    the max of a float tensor is exact, and a NaN (which torch propagates) marks the scale NaN either way."""
-    if hadamard or kind not in (T.AMAX_TENSOR, T.AMAX_LINES):
+    per line, or a folded side's largest finite block per line, with whole blocks; no Hadamard transform),
+    else None. Under ``torch.compile`` the compiler fuses these into the kernel that produced x, sparing the
+    amax pass its read (and the graph an operator call). The bits equal the amax kernel's: the max of a
+    float tensor is exact, and a NaN (which torch propagates) marks the scale NaN either way, or the block
+    as not finite."""
+    if hadamard or kind not in (T.AMAX_TENSOR, T.AMAX_LINES, T.AMAX_FOLD):
         return None
     a = x2.abs()
+    if kind == T.AMAX_FOLD:  # (see [Note: tiles and sides] in triton_tiles)
+        n = x2.shape[0] if transposed else x2.shape[1]  # along the side's reduction dimension
+        if not fold_block or n % fold_block:
+            return None
+        blocks = (a.reshape(n // fold_block, fold_block, -1).amax(1) if transposed
+                  else a.reshape(a.shape[0], -1, fold_block).amax(2))
+        bits = blocks.float().view(torch.int32) & 0x7FFFFFFF
+        return torch.where(bits < 0x7F800000, bits + 1, 0).amax(0 if transposed else 1)
     amax = a.amax().reshape(1) if kind == T.AMAX_TENSOR else a.amax(dim=0 if transposed else 1)
     return amax.float().view(torch.int32) & 0x7FFFFFFF  # a NaN's sign may survive abs(): clear it
 
@@ -89,8 +100,8 @@ def _amaxes(x2, launch: Launch, hmat, compiling: bool, opaque: bool):
     if kinds == (T.AMAX_NONE, T.AMAX_NONE):
         return None, None
     if compiling:
-        sides = [None if kind == T.AMAX_NONE else _traceable_amax(x2, kind, h, t)
-                 for kind, h, t in zip(kinds, launch.hadamard, (False, True), strict=True)]
+        sides = [None if kind == T.AMAX_NONE else _traceable_amax(x2, kind, h, t, b)
+                 for kind, h, t, b in zip(kinds, launch.hadamard, (False, True), launch.fold_blocks, strict=True)]
         if all(s is not None or kind == T.AMAX_NONE for s, kind in zip(sides, kinds, strict=True)):
             return tuple(sides)
     if opaque:

@@ -111,6 +111,42 @@ def test_only_mx_casts_fold():
         route(CastSpec.of("e4m3", rowwise(), folded=True), None, "cpu", "triton")
 
 
+@pytest.mark.parametrize("shape", [(64, 128), (33, 96)], ids=str)
+def test_compiled_code_reduces_a_folded_sides_line_amax_as_the_amax_kernel_does(shape):
+    """Under torch.compile the fold's line amaxes are torch reductions the compiler fuses into x's producer
+    (whole blocks only: 33 rows are no whole blocks of the transposed side, which takes the kernel)."""
+    pytest.importorskip("triton")
+    from lowprec.kernels import triton_ops as ops
+    from lowprec.kernels import triton_quant as TQ
+    from lowprec.kernels import triton_tiles as T
+    from lowprec.kernels.triton_plan import launch
+
+    x = _awkward(*shape, seed=4)
+    spec = CastSpec.of("e4m3", mx(32), folded=True)
+    lau = launch(spec, spec, *shape, True, False, False, False, False)
+    assert lau.amax_kinds == (T.AMAX_FOLD, T.AMAX_FOLD) and lau.fold_blocks == (32, 32)
+    kernel = ops.amax(x, lau.ints, None)
+    for i, transposed in enumerate((False, True)):
+        traced = TQ._traceable_amax(x, T.AMAX_FOLD, False, transposed, 32)
+        if transposed and shape[0] % 32:
+            assert traced is None
+            continue
+        assert traced.dtype == torch.int32 and torch.equal(traced, kernel[i])
+    assert TQ._traceable_amax(x, T.AMAX_FOLD, True, False, 32) is None  # a Hadamard side: the kernel's
+
+    def f(x):
+        c = cast(x, route(spec, spec, "cpu", "triton"))
+        k, t = c.along_k, c.transposed
+        return k.data.view(torch.uint8), k.scale, t.data.view(torch.uint8), t.scale
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    want = cast(x, route(spec, spec, "cpu", "torch"))
+    nan_k, nan_t = want.along_k.values().isnan(), want.transposed.values().isnan()
+    assert torch.equal(got[0][~nan_k], want.along_k.data.view(torch.uint8)[~nan_k])
+    assert torch.equal(got[2][~nan_t], want.transposed.data.view(torch.uint8)[~nan_t])
+    assert torch.equal(got[1], want.along_k.scale) and torch.equal(got[3], want.transposed.scale)
+
+
 # --- layers --------------------------------------------------------------------------------------------
 
 def _fp8_cpu(monkeypatch):
