@@ -14,7 +14,7 @@ import triton.language as tl
 
 from lowprec import formats as F
 from lowprec.kernels import triton_launch as launch
-from lowprec.kernels.triton_numerics import decode_codes, exponent_of, folded_value, to_codes
+from lowprec.kernels.triton_numerics import decode_codes, exponent_of, fold_factor, folded_value, to_codes
 from lowprec.kernels.triton_plan import SPECIALS
 from lowprec.kernels.triton_tiles import _expand
 from lowprec.quant import QuantizedTensor, rowwise
@@ -42,7 +42,7 @@ def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, S
         sj = k0 // BC + tl.arange(0, BKB)
         s = tl.load(s_ptr + offs_m[:, None].to(tl.int64) * KB + sj[None, :],
                     mask=rows[:, None] & (sj[None, :] < KB), other=1.0)
-        e = exponent_of(s, NAN_E)  # (BM, BKB)
+        factor = fold_factor(exponent_of(s, NAN_E), r[:, None], NAN_E, MIN_D)  # (BM, BKB)
         mask = rows[:, None] & (offs_k[None, :] < K)
         c = tl.load(c_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mask, other=0)
         if NATIVE == 1:
@@ -51,7 +51,7 @@ def fold_kernel(c_ptr, s_ptr, out_ptr, r_ptr, M, K, KB, SRC_EXP: tl.constexpr, S
             v = c.to(tl.float8e5, bitcast=True).to(tl.float32)
         else:
             v = decode_codes(c.to(tl.int32), SRC_EXP, SRC_MAN)
-        x = folded_value(v, _expand(e, BM, BK, 1, BC), r[:, None], NAN_E, MIN_D)
+        x = folded_value(v, _expand(factor, BM, BK, 1, BC))
         sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
         codes = to_codes(x, sign, 0.0, T_EXP, T_MAN, T_SPECIAL, False, False)
         tl.store(out_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], codes.to(tl.uint8), mask=mask)

@@ -61,12 +61,18 @@ def exponent_of(s, NAN_E: tl.constexpr):
 
 
 @triton.jit
-def folded_value(v, e, r, NAN_E: tl.constexpr, MIN_D: tl.constexpr):
-    """An MX element's exact value ``v``, in a block of scale exponent ``e``, moved onto its row's scale
-    ``2^r``: ``v * 2^max(e - r, MIN_D)``, exact; NaN where the block's scale is NaN (``e == NAN_E``); every
-    zero +0 (see [Note: folding MX blocks into rows] in ``lowprec.kernels.fold``). Still to be rounded onto
-    the target's grid."""
-    x = v * tl.where(e == NAN_E, float("nan"), exp2i(tl.maximum(e - r, MIN_D)))
+def fold_factor(e, r, NAN_E: tl.constexpr, MIN_D: tl.constexpr):
+    """What an MX block of scale exponent ``e`` multiplies its elements by to move them onto their row's
+    scale ``2^r``: ``2^max(e - r, MIN_D)``, NaN where the block's scale is NaN (``e == NAN_E``); see [Note:
+    folding MX blocks into rows] in ``lowprec.kernels.fold``."""
+    return tl.where(e == NAN_E, float("nan"), exp2i(tl.maximum(e - r, MIN_D)))
+
+
+@triton.jit
+def folded_value(v, factor):
+    """An MX element's exact value ``v`` times its block's :func:`fold_factor` (exact), every zero +0: the
+    value to round onto the target's grid."""
+    x = v * factor
     return tl.where(x == 0, 0.0, x)
 
 

@@ -40,6 +40,7 @@ from lowprec.kernels.triton_numerics import (
     e2m1_codes,
     exp2i,
     exponent_of,
+    fold_factor,
     folded_value,
     nvfp4_encode,
     nvfp4_global_encode,
@@ -215,9 +216,9 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
                 MODE: tl.constexpr, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
                 TRANS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                 STORE: tl.constexpr):
-    """(divisor, reciprocal, dead, in_range), broadcastable to the tile; stores the side's scales (and NVFP4's
-    global scale) unless ``STORE`` is off (a folded side stores its lines' scales itself). Scales are found
-    per block, per line or once, never per element."""
+    """(divisor, reciprocal, dead, in_range), broadcastable to the tile, and the scales as found (per block,
+    per line or once, never per element); stores the side's scales (and NVFP4's global scale) unless
+    ``STORE`` is off (a folded side stores its lines' scales itself)."""
     first = (pid_m == 0) & (pid_k == 0)
     if MODE == 0:
         big = 1.0
@@ -246,25 +247,30 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
         d = _expand(d, BM, BK, BR, BC)
         r = _expand(r, BM, BK, BR, BC)
         dead = _expand(dead, BM, BK, BR, BC)
+        found = s
     elif MODE == 1:
         s = scale_from_amax(tl.load(amax_ptr), 1.0, RULE, FMAX, EMAX)
         if first:
             tl.store(scale_ptr, s)
         d, r, dead, ok = divisor_of(tl.zeros((1, 1), tl.float32) + s)
+        found = s
     elif MODE == 2:
         if TRANS:
             s = scale_from_amax(tl.load(amax_ptr + offs_k, mask=offs_k < K, other=0), 1.0, RULE, FMAX, EMAX)
             if pid_m == 0:
                 tl.store(scale_ptr + offs_k, s, mask=offs_k < K)
             d, r, dead, ok = divisor_of(s[None, :])
+            found = s
         else:
             s = scale_from_amax(tl.load(amax_ptr + offs_m, mask=offs_m < M, other=0), 1.0, RULE, FMAX, EMAX)
             if pid_k == 0:
                 tl.store(scale_ptr + offs_m, s, mask=offs_m < M)
             d, r, dead, ok = divisor_of(s[:, None])
+            found = s
     else:
-        d, r, dead, ok = divisor_of(tl.zeros((1, 1), tl.float32) + tl.load(given_ptr))
-    return d, r, dead, ok
+        found = tl.load(given_ptr)
+        d, r, dead, ok = divisor_of(tl.zeros((1, 1), tl.float32) + found)
+    return d, r, dead, ok, found
 
 
 @triton.jit
@@ -318,8 +324,8 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
     """uint8 codes of one side's tile, in x's coordinates; the side's scales stored on the way. A folded
     side (``FOLD``) writes its codes folded onto one scale per line (``amax_ptr``: the lines' fold amaxes)."""
     v = _transform(v, h_ptr, x.dtype, HAD, TRANS, BM, BK)
-    d, r, dead, ok = _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr, g_ptr,
-                             s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC, not FOLD)
+    d, r, dead, ok, found = _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr,
+                                        g_ptr, s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC, not FOLD)
     if (RULE == 1) | (RULE == 2) | (RULE == 3):
         scaled = divide(v, d, r, ok, 0)
     elif MODE == 3:
@@ -329,7 +335,17 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
     if RULE == 3:  # a block whose E4M3 scale underflowed to 0 (r = FP32 max): TE clamps its x * r
         scaled = tl.where(r == F32_MAX, tl.minimum(tl.maximum(scaled, -FMAX), FMAX), scaled)
     nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
-    if HW and (MAN + EXP == 7) and SAT and ROUND == 0:
+    if FOLD:
+        factor = _expand(_fold_factors(found, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, scale_ptr, FMAX, EMAX,
+                                       RULE, H, NAN_E, MIN_D, TRANS), BM, BK, BR, BC)
+    if FOLD and HW and (MAN + EXP == 7) and SAT and ROUND == 0:
+        # the element's value by the GPU's conversions, there and back; a dead block's factor is NaN
+        if EXP == 4:
+            x = folded_value(scaled.to(tl.float8e4nv).to(tl.float32), factor)
+        else:
+            x = folded_value(scaled.to(tl.float8e5).to(tl.float32), factor)
+        codes = hw_fp8(x, 0, T_EXP, False)  # on the grid or onto its subnormal step, never past its max
+    elif HW and (MAN + EXP == 7) and SAT and ROUND == 0:
         codes = hw_fp8(scaled, nan_sign, EXP, MODE == 3)
     else:
         # Linear index in the side's own 2-D view: the reference's rand has that view's shape.
@@ -349,44 +365,39 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
             codes = e2m1_codes(scaled, rnd, ROUND != 0)
         else:
             codes = to_codes(scaled, nan_sign, rnd, EXP, MAN, SPECIAL, SAT, ROUND != 0)
-    if FOLD:
-        codes = _fold_codes(codes, d, dead, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, scale_ptr, nan_sign,
-                            EXP, MAN, FMAX, EMAX, RULE, T_EXP, T_MAN, T_SPECIAL, H, NAN_E, MIN_D, TRANS, HW)
-    else:
+    if FOLD and not (HW and (MAN + EXP == 7) and SAT and ROUND == 0):
+        x = folded_value(decode_codes(tl.where(dead, 0, codes), EXP, MAN), factor)
+        if HW and (T_EXP + T_MAN == 7):
+            codes = hw_fp8(x, 0, T_EXP, False)
+        else:
+            codes = to_codes(x, (x.to(tl.int32, bitcast=True) >> 31) & 1, 0.0, T_EXP, T_MAN, T_SPECIAL, False, False)
+    elif not FOLD:
         codes = tl.where(dead, 0, codes)
     return codes.to(tl.uint8)
 
 
 @triton.jit
-def _fold_codes(codes, d, dead, pid_m, pid_k, offs_m, offs_k, M, K, line_ptr, scale_ptr, nan_sign,
-                EXP: tl.constexpr, MAN: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr,
-                T_EXP: tl.constexpr, T_MAN: tl.constexpr, T_SPECIAL: tl.constexpr, H: tl.constexpr,
-                NAN_E: tl.constexpr, MIN_D: tl.constexpr, TRANS: tl.constexpr, HW: tl.constexpr):
-    """A folded side's codes (see [Note: tiles and sides]): the MX ``codes`` of blocks whose expanded
-    divisor is ``d`` (their power-of-two scale, 1 where ``dead``: a NaN scale), moved onto each line's
-    scale ``2^r`` and rounded onto the target's grid; stores ``2^r`` per line. ``r`` is the largest block
-    exponent of the line less ``H``, from the amax pass's largest finite block amax (plus one; 0: no finite
-    block, and ``r = 0``), as ``lowprec.kernels.fold.fold_reference`` finds it from the block scales."""
-    if TRANS:
+def _fold_factors(blocks, pid_m, pid_k, offs_m, offs_k, M, K, line_ptr, scale_ptr, FMAX: tl.constexpr,
+                  EMAX: tl.constexpr, RULE: tl.constexpr, H: tl.constexpr, NAN_E: tl.constexpr, MIN_D: tl.constexpr,
+                  TRANS: tl.constexpr):
+    """A folded side's per-block factors (see [Note: tiles and sides]): what each MX block of scales
+    ``blocks`` multiplies its element values by to move them onto its line's scale ``2^r``; stores ``2^r`` per
+    line. ``r`` is the line's largest block exponent less ``H``, from the amax pass's largest finite block
+    amax (plus one; 0: no finite block, and ``r = 0``), as ``lowprec.kernels.fold.fold_reference`` finds it
+    from the block scales (the scale is monotone in the amax)."""
+    if TRANS:  # lines along k; blocks (BM / BR, BK)
         line = tl.load(line_ptr + offs_k, mask=offs_k < K, other=0)[None, :]
-    else:
+    else:  # lines along m; blocks (BM, BK / BC)
         line = tl.load(line_ptr + offs_m, mask=offs_m < M, other=0)[:, None]
     top = exponent_of(scale_from_amax(tl.maximum(line - 1, 0), 1.0, RULE, FMAX, EMAX), NAN_E)
     r = tl.where(line == 0, 0, top - H)
-    v = decode_codes(tl.where(dead, 0, codes), EXP, MAN)
-    x = folded_value(v, tl.where(dead, NAN_E, exponent_of(d, NAN_E)), r, NAN_E, MIN_D)
-    if HW and (T_EXP + T_MAN == 7):  # x lies on the grid or below the target's normals: RNE either way
-        out = hw_fp8(x, nan_sign, T_EXP, True)
-    else:
-        sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
-        out = to_codes(x, sign, 0.0, T_EXP, T_MAN, T_SPECIAL, False, False)
     if TRANS:
         if pid_m == 0:
             tl.store(scale_ptr + offs_k[None, :], exp2i(r), mask=offs_k[None, :] < K)
     else:
         if pid_k == 0:
             tl.store(scale_ptr + offs_m[:, None], exp2i(r), mask=offs_m[:, None] < M)
-    return out
+    return fold_factor(exponent_of(blocks, NAN_E), r, NAN_E, MIN_D)
 
 
 @triton.jit
