@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 
 import torch
 
@@ -122,12 +123,18 @@ def folded_runs(device: torch.device | str) -> bool:
     return device.type == "cuda" and _folded_checked(device)
 
 
+FOLD_AT_CAST = os.environ.get("LOWPREC_FOLD_AT_CAST") != "0"
+"""``LOWPREC_FOLD_AT_CAST=0`` (read at import, to measure what folding at the casts gives): layers cast MX
+operands as MX and their folded GEMMs fold them, as before casts could fold; the same bits either way."""
+
+
 def folds_at_cast(device: torch.device | str) -> bool:
     """Whether a layer's casts for folded GEMMs on ``device`` write the folded operands themselves
     (``CastSpec.folded``): where folded GEMMs run, i.e. a CUDA device whose first-use check passed (run now
-    if it has not), or a device without that check (the CPU, in tests, told it has FP8 tensor cores)."""
+    if it has not), or a device without that check (the CPU, in tests, told it has FP8 tensor cores); unless
+    :data:`FOLD_AT_CAST` is off."""
     device = torch.device(device)
-    return device.type != "cuda" or _folded_checked(device)
+    return FOLD_AT_CAST and (device.type != "cuda" or _folded_checked(device))
 
 
 def check_paths(device: torch.device | str) -> None:
