@@ -190,9 +190,11 @@ def test_a_layer_folds_at_its_casts_with_the_bits_of_folding_at_its_gemms(monkey
         assert torch.equal(got, want), recipe
 
 
-def test_only_sides_read_by_a_folded_gemm_fold():
+def test_only_sides_read_by_a_folded_gemm_fold(monkeypatch):
+    from lowprec.kernels import gemm as G
     from lowprec.nn.plan import folded_sides
 
+    monkeypatch.setattr(G, "FOLD_AT_CAST", True)
     cpu = torch.device("cpu")
     paths = {"fprop": GemmPath.FOLDED, "dgrad": GemmPath.CUBLAS, "wgrad": GemmPath.EMULATED}
     assert folded_sides(R.Role.INPUT, paths, cpu) == (True, False)
@@ -206,10 +208,13 @@ def test_only_sides_read_by_a_folded_gemm_fold():
 def test_a_cuda_device_whose_check_failed_folds_at_the_gemm(monkeypatch):
     from lowprec.kernels import gemm as G
 
+    monkeypatch.setattr(G, "FOLD_AT_CAST", True)
     monkeypatch.setattr(G, "_folded_checked", lambda device: False)
     assert not G.folds_at_cast("cuda:0") and G.folds_at_cast("cpu")
     monkeypatch.setattr(G, "_folded_checked", lambda device: True)
     assert G.folds_at_cast("cuda:0")
+    monkeypatch.setattr(G, "FOLD_AT_CAST", False)  # LOWPREC_FOLD_AT_CAST=0: fold at the GEMMs, to compare
+    assert not G.folds_at_cast("cuda:0") and not G.folds_at_cast("cpu")
 
 
 def test_telemetry_reports_the_mx_cast_a_folded_side_made():
