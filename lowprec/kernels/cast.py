@@ -11,6 +11,13 @@ Backward makes some casts again rather than keep forward's (weight.T; a layer's 
 operator, which the compiler's partitioner never recomputes; one whose inputs all exist in forward it
 moves into forward and saves its output, undoing the point. ``after`` (backward passes its incoming
 gradient) makes the operator depend on a backward tensor it never reads, so it stays in backward.
+
+[Note: folded casts in compiled code]
+A folded side (``CastSpec.folded``) is one Triton pass in eager code, where it is faster than an MX cast and a
+second pass that folds it. In a compiled graph the MX cast stays one opaque operator and the fold becomes
+the reference's elementwise ops (``kernels.fold.fold`` there), which the compiler fuses with what reads
+and writes around them: measured faster there (BENCHMARKS.md). The route carries the unfolded casts for it
+(``CastRoute.unfolded``); the bits are the same either way.
 """
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from lowprec.kernels import routed  # looked up at call time, so a test's spy on routed.quantize sees it
-from lowprec.kernels.fold import fold_reference
+from lowprec.kernels.fold import fold, fold_reference
 from lowprec.kernels.route import Backend, CastRoute, CastSpec, Pairing
 from lowprec.quant import QuantizedTensor, hadamard_padded
 from lowprec.quant.hadamard import RHT_BLOCK
@@ -41,6 +48,10 @@ def _one(x: torch.Tensor, spec: CastSpec, backend: Backend, scale, generator) ->
     return fold_reference(q) if spec.folded else q
 
 
+def _folded(q: QuantizedTensor | None, spec: CastSpec | None) -> QuantizedTensor | None:
+    return fold(q) if q is not None and spec.folded else q
+
+
 def cast(x2: torch.Tensor, route: CastRoute, *, scale_k: torch.Tensor | None = None,
          scale_t: torch.Tensor | None = None, record_amax: bool = False,
          generator: torch.Generator | None = None, after: torch.Tensor | None = None) -> Casts:
@@ -49,6 +60,10 @@ def cast(x2: torch.Tensor, route: CastRoute, *, scale_k: torch.Tensor | None = N
     ``x2.abs().amax()`` (NaN if x2 holds one) for the amax history. ``after``: a backward tensor the
     cast comes after in compiled code (see [Note: casts a compiled backward makes])."""
     a, b = route.along_k, route.transposed
+    if route.unfolded is not None and torch.compiler.is_compiling():  # see [Note: folded casts in compiled code]
+        c = cast(x2, route.unfolded, scale_k=scale_k, scale_t=scale_t, record_amax=record_amax, generator=generator,
+                 after=after)
+        return Casts(_folded(c.along_k, a), _folded(c.transposed, b), c.amax)
     if route.pairing is Pairing.FUSED and x2.numel():
         from lowprec.kernels import triton_quant
 

@@ -44,7 +44,7 @@ the device's cached capability. Which CUDA parameters the fused AdamW step cover
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -117,6 +117,9 @@ class CastRoute:
     """A fused route's launch templates, without and with a given scale (Triton's; see
     ``lowprec.kernels.triton_plan.Template``): made here, eagerly, so that compiled code does not
     trace the planning."""
+    unfolded: CastRoute | None = None
+    """A fused route with folded sides: the same casts unfolded, which compiled code takes, folding after
+    them by ops the compiler fuses (see [Note: folded casts in compiled code] in ``lowprec.kernels.cast``)."""
 
     @property
     def fused(self) -> bool:
@@ -181,7 +184,11 @@ def route(along_k: CastSpec | None, transposed: CastSpec | None, device: torch.d
 
         delayed = any(s is not None and s.delayed for s in (along_k, transposed))
         templates = (template(along_k, transposed, False), template(along_k, transposed, True) if delayed else None)
-    return CastRoute(along_k, transposed, bk or bt, bt or bk, pairing, device.type, templates)
+    unfolded = None
+    if pairing is Pairing.FUSED and any(s is not None and s.folded for s in (along_k, transposed)):
+        plain = [None if s is None else replace(s, folded=False) for s in (along_k, transposed)]
+        unfolded = route(*plain, device, backend)
+    return CastRoute(along_k, transposed, bk or bt, bt or bk, pairing, device.type, templates, unfolded)
 
 
 def quantize_backend(spec: CastSpec, device: torch.device | str, *, saturate: bool = True,
