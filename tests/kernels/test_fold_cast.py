@@ -113,8 +113,9 @@ def test_only_mx_casts_fold():
 
 @pytest.mark.parametrize("shape", [(64, 128), (33, 96)], ids=str)
 def test_compiled_code_reduces_a_folded_sides_line_amax_as_the_amax_kernel_does(shape):
-    """Under torch.compile the fold's line amaxes are torch reductions the compiler fuses into x's producer
-    (whole blocks only: 33 rows are no whole blocks of the transposed side, which takes the kernel)."""
+    """Under torch.compile a direct folded cast's line amaxes are torch reductions the compiler fuses into x's
+    producer (whole blocks only: 33 rows are no whole blocks of the transposed side, which takes the kernel);
+    a route's cast in compiled code takes its unfolded casts and folds after them: the same bits."""
     pytest.importorskip("triton")
     from lowprec.kernels import triton_ops as ops
     from lowprec.kernels import triton_quant as TQ
@@ -134,13 +135,23 @@ def test_compiled_code_reduces_a_folded_sides_line_amax_as_the_amax_kernel_does(
         assert traced.dtype == torch.int32 and torch.equal(traced, kernel[i])
     assert TQ._traceable_amax(x, T.AMAX_FOLD, True, False, 32) is None  # a Hadamard side: the kernel's
 
+    r = route(spec, spec, "cpu", "triton")
+    assert r.unfolded is not None and not r.unfolded.along_k.folded and not r.unfolded.transposed.folded
+    assert route(spec, spec, "cpu", "torch").unfolded is None  # the reference's ops: the compiler sees them
+
     def f(x):
-        c = cast(x, route(spec, spec, "cpu", "triton"))
+        c = cast(x, r)
         k, t = c.along_k, c.transposed
         return k.data.view(torch.uint8), k.scale, t.data.view(torch.uint8), t.scale
 
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     want = cast(x, route(spec, spec, "cpu", "torch"))
+    direct = TQ.cast(x, spec, spec)  # the folded cast itself, compiled: its amaxes traced
+    got_direct = torch.compile(lambda x: [t for q in TQ.cast(x, spec, spec)[:2] for t in (q.data, q.scale)],
+                               fullgraph=True, backend="aot_eager")(x)
+    for g, w in zip(got_direct, [t for q in direct[:2] for t in (q.data, q.scale)], strict=True):
+        torch.testing.assert_close(g.view(torch.uint8) if g.element_size() == 1 else g,
+                                   w.view(torch.uint8) if w.element_size() == 1 else w, rtol=0, atol=0, equal_nan=True)
     nan_k, nan_t = want.along_k.values().isnan(), want.transposed.values().isnan()
     assert torch.equal(got[0][~nan_k], want.along_k.data.view(torch.uint8)[~nan_k])
     assert torch.equal(got[2][~nan_t], want.transposed.data.view(torch.uint8)[~nan_t])
