@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
-import warnings
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from lowprec import recipes as R
 from lowprec.kernels import fold as FD
 from lowprec.kernels.gemm import GemmPath, scaled_mm
 from lowprec.quant import GranularityKind, QuantizedTensor, mx, nvfp4, quantize, rowwise
+from tests.kernels.folded_layers import fp8_cpu, train_once
 
 MX_ELEMENTS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
 TARGET = {"e5m2": (2.0 ** -14, 2.0 ** -16)}  # (smallest normal, subnormal step) of the target
@@ -263,27 +262,16 @@ def test_the_first_use_check_passes_here_and_refuses_a_wrong_gemm():
 def test_a_linear_trains_folded_within_the_bound_of_the_emulated_one(monkeypatch):
     """A device with FP8 tensor cores (the CPU, told so; torch._scaled_mm runs on it) takes the folded path
     for every GEMM of mxfp8 and mxfp4; forward and backward stay within 2^-12 of the emulated layer."""
-    import lowprec
     from lowprec.nn.plan import layer_plan
 
-    C = sys.modules["lowprec.kernels.capability"]
-    cpu = torch.device("cpu")
     for recipe in ("mxfp8", "mxfp4"):
         outs = {}
         for fp8 in (False, True):
-            monkeypatch.setitem(C._KNOWN, cpu, C.Capability("cpu", "cpu", None, fp8, False, False, False))
+            fp8_cpu(monkeypatch, fp8)
             layer_plan.cache_clear()
-            torch.manual_seed(0)
-            lin = lowprec.nn.Linear(256, 128, recipe=recipe)
-            x = torch.randn(64, 256, requires_grad=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                y = lin(x)
-            plan = lin.plan()
+            plan, outs[fp8] = train_once(recipe)
             assert {plan.fprop.path, plan.dgrad.path, plan.wgrad.path} == {GemmPath.FOLDED if fp8 else
                                                                              GemmPath.EMULATED}
-            y.backward(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)))
-            outs[fp8] = (y.detach(), x.grad, lin.weight.grad)
         layer_plan.cache_clear()
         for got, want in zip(outs[True], outs[False]):
             assert ((got - want).abs().max() / want.abs().max()).item() <= 2.0 ** -12, recipe

@@ -5,8 +5,6 @@ folded GEMM multiplies, in the cast's own passes, bit for bit what ``kernels.fol
 from __future__ import annotations
 
 import math
-import sys
-import warnings
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from lowprec.kernels.cast import cast
 from lowprec.kernels.gemm import GemmPath
 from lowprec.kernels.route import Backend, CastSpec, route
 from lowprec.quant import QuantizedTensor, mx, quantize, rowwise
+from tests.kernels.folded_layers import fp8_cpu, train_once
 
 MX_ELEMENTS = ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")
 
@@ -160,37 +159,17 @@ def test_compiled_code_reduces_a_folded_sides_line_amax_as_the_amax_kernel_does(
 
 # --- layers --------------------------------------------------------------------------------------------
 
-def _fp8_cpu(monkeypatch):
-    """The CPU told it has FP8 tensor cores (torch._scaled_mm runs on it): MX recipes take folded GEMMs."""
-    C = sys.modules["lowprec.kernels.capability"]
-    cpu = torch.device("cpu")
-    monkeypatch.setitem(C._KNOWN, cpu, C.Capability("cpu", "cpu", None, True, False, False, False))
-
-
-def _train_once(recipe: str):
-    import lowprec
-
-    torch.manual_seed(0)
-    lin = lowprec.nn.Linear(256, 128, recipe=recipe)
-    x = torch.randn(64, 256, requires_grad=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        y = lin(x)
-    y.backward(torch.randn(64, 128, generator=torch.Generator().manual_seed(1)))
-    return lin.plan(), (y.detach(), x.grad, lin.weight.grad)
-
-
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
 def test_a_layer_folds_at_its_casts_with_the_bits_of_folding_at_its_gemms(monkeypatch, recipe):
     from lowprec.nn import plan as P
 
-    _fp8_cpu(monkeypatch)
+    fp8_cpu(monkeypatch)
     outs = {}
     for at_cast in (True, False):
         monkeypatch.setattr(P, "folds_at_cast", lambda device, v=at_cast: v)
         P.layer_plan.cache_clear()
         P.operand_plan.cache_clear()
-        plan, outs[at_cast] = _train_once(recipe)
+        plan, outs[at_cast] = train_once(recipe)
         assert {plan.fprop.path, plan.dgrad.path, plan.wgrad.path} == {GemmPath.FOLDED}
         sides = [s for op in (plan.input, plan.weight, plan.grad_output)
                  for s in (op.both.along_k, op.both.transposed)]
