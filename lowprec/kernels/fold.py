@@ -42,36 +42,11 @@ import math
 
 import torch
 
-from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels.first_use import FirstUseCheck, integer_operands
+from lowprec.kernels.fold_rule import ELEMENTS, MIN_SHIFT, NAN_EXPONENT, foldable, headroom, target
 from lowprec.kernels.route import Backend, fold_backend
-from lowprec.quant import GranularityKind, QuantizedTensor, mx, rowwise
-
-E4M3, E5M2 = F.get("e4m3"), F.get("e5m2")
-ELEMENTS = tuple(F.get(n) for n in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1"))
-"""The element formats that fold: at most 3 mantissa bits, a range inside E4M3's (or E5M2 itself)."""
-NAN_EXPONENT = -1000
-"""The exponent a NaN scale stands for: below every real one (E8M0's smallest is -127)."""
-MIN_SHIFT = -40
-"""Block shifts below this fold to zero alike (every element then lies under half the smallest
-subnormal step of the target) and keep the FP32 multiply normal."""
-
-
-def target(fmt: F.Format) -> F.Format:
-    """The FP8 format ``fmt``'s elements fold into: E5M2 for E5M2, E4M3 for the others."""
-    return E5M2 if fmt is E5M2 else E4M3
-
-
-def headroom(fmt: F.Format) -> int:
-    """``h``: binades the row's largest block moves up so that its largest element still fits the target."""
-    return int(math.floor(math.log2(target(fmt).max / fmt.max)))
-
-
-def foldable(fmt, granularity) -> bool:
-    """Whether an operand of this format and granularity folds (MX: E8M0 scales per 1 x N block)."""
-    return (granularity.kind is GranularityKind.MX and granularity.block_rows == 1
-            and F.get(fmt) in ELEMENTS)
+from lowprec.quant import QuantizedTensor, mx, rowwise
 
 
 def _check(q: QuantizedTensor) -> None:

@@ -16,7 +16,7 @@ import triton
 
 from lowprec.kernels import triton_launch as launch
 from lowprec.kernels import triton_tiles as T
-from lowprec.kernels.fold import MIN_SHIFT, NAN_EXPONENT
+from lowprec.kernels.fold_rule import MIN_SHIFT, NAN_EXPONENT
 from lowprec.kernels.ops import define
 from lowprec.kernels.triton_plan import Plan, Side, off_args
 

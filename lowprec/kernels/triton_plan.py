@@ -13,8 +13,8 @@ from lowprec import formats as F
 from lowprec._checks import fail
 from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_tiles as T
-from lowprec.kernels.fold import foldable, headroom
-from lowprec.kernels.fold import target as fold_target
+from lowprec.kernels.fold_rule import foldable, headroom
+from lowprec.kernels.fold_rule import target as fold_target
 from lowprec.quant import Granularity, GranularityKind, ScaleRule
 from lowprec.quant.hadamard import RHT_BLOCK
 

@@ -20,7 +20,7 @@ import torch
 from lowprec._checks import describe, fail
 from lowprec.kernels import triton_ops as ops
 from lowprec.kernels import triton_tiles as T
-from lowprec.kernels.fold import target as fold_target
+from lowprec.kernels.fold_rule import target as fold_target
 from lowprec.kernels.route import CastSpec
 from lowprec.kernels.triton_plan import Launch, Template, launch
 from lowprec.quant import Granularity, QuantizedTensor, hadamard_matrix, rowwise
