@@ -51,6 +51,7 @@ from lowprec._checks import describe, fail
 from lowprec.conversion_report import LayerReport
 from lowprec.nn import GroupedLinear
 from lowprec.nn.plan import Kept
+from lowprec.nn.routing import expert_counts, outside_graphs
 from lowprec.policy import Policy
 
 __all__ = ["HFGroupedExperts", "HFMoE", "Projection", "hf_moe_layers", "hf_projections", "router_row",
@@ -153,13 +154,19 @@ class HFGroupedExperts(nn.Module):
         tokens, k = self._check(hidden_states, top_k_index, top_k_weights)
         expert = top_k_index.t().reshape(-1)  # (k*T,): slot by slot, as the eager loop takes them
         order = torch.argsort(expert, stable=True)  # (S,) pairs grouped by expert
-        counts = torch.bincount(expert, minlength=self.num_experts)
-        if counts.numel() != self.num_experts:
-            fail("top_k_index", f"expert indices in [0, {self.num_experts})", int(expert.max()))
+        if not torch.compiler.is_compiling():  # a graph cannot read the indices (see lowprec.nn.routing)
+            outside = expert[(expert < 0) | (expert >= self.num_experts)]
+            if outside.numel():
+                fail("top_k_index", f"expert indices in [0, {self.num_experts})", int(outside[0]))
+        counts = expert_counts(expert, self.num_experts)  # (E,)
         rows = hidden_states[order % tokens]  # (S, H)
-        y = self._experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self._experts, rows, counts)
+        y = self._run_experts(rows, counts)  # (S, H)
         y = (y * top_k_weights.t().reshape(-1)[order, None]).to(hidden_states.dtype)
         return _combine(y, order, top_k_index)
+
+    @outside_graphs  # the counts on the host, the all-to-all's sizes: see [Note: experts under torch.compile]
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self._experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self._experts, rows, counts)
 
     def _experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The experts this process holds (all, or its slice under expert parallelism) on ``rows`` grouped

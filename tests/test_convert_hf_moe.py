@@ -320,3 +320,30 @@ def test_an_expert_index_out_of_range_is_refused_in_one_line():
         experts_of(model)(torch.randn(3, H), torch.tensor([[0, 1], [2, 4], [1, 3]]), torch.rand(3, 2))
     with pytest.raises(ValueError, match=r"^top_k_weights: expected a tensor of shape \(3, 2\)"):
         experts_of(model)(torch.randn(3, H), torch.tensor([[0, 1], [2, 3], [1, 3]]), torch.rand(3))
+
+
+@pytest.mark.slow
+def test_a_converted_model_compiles_once_whatever_the_routing():
+    """Under ``torch.compile`` the converted experts run outside the graph ([Note: experts under torch.compile]
+    in ``lowprec.nn.routing``): new routings compile nothing again, and the losses are the eager model's."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build("mixtral").train()
+    convert(model, "fp8-current")
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    for seed in range(3):
+        batch = tokens(seed)
+        loss = compiled(batch, labels=batch).loss
+        loss.backward()
+        eager = twin(batch, labels=batch).loss
+        eager.backward()
+        torch.testing.assert_close(loss, eager, rtol=1e-4, atol=0)
+        if seed == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert [r for r in counters["graph_break"] if "lowprec.nn.routing" not in r] == []
+    g, g_eager = experts_of(model).down_proj.grad, experts_of(twin).down_proj.grad
+    torch.testing.assert_close(g, g_eager, rtol=1e-3, atol=1e-6)

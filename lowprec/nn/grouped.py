@@ -27,7 +27,8 @@ How the experts run (the values above hold on every path):
   (:func:`_grouped_bf16`).
 
 The host reads ``offsets`` once per forward (the loops and the grouped GEMMs' padding need the counts),
-or once for several layers given the ``Groups`` :func:`route` made.
+or once for several layers given the ``Groups`` :func:`route` made; so under ``torch.compile`` the forward
+runs outside the graph (see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
 
 Under expert parallelism (``lowprec.distributed.expert_parallel``) ``weight`` (and ``bias``) are DTensors
 split by experts (``Shard(0)``) over the expert-parallel group: this process computes with its local
@@ -59,6 +60,7 @@ from lowprec.nn.casts import CastState, cast_operand
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
 from lowprec.nn.probe import probe
+from lowprec.nn.routing import outside_graphs
 from lowprec.ranks import is_dtensor
 
 _SAVED = len(Saved().flat())
@@ -391,6 +393,7 @@ class GroupedLinear(nn.Module):
         first = self.weight.device_mesh.get_local_rank() * n  # Shard(0) of E divisible by the group's size
         return range(first, first + n)
 
+    @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def forward(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
         experts = self.local_experts()
         weight, bias = (p.to_local() if p is not None and is_dtensor(p) else p for p in (self.weight, self.bias))

@@ -7,12 +7,13 @@ precision (``keep_routers``: a few bits of error reorder the experts); its logit
 before the softmax. Each token goes to the ``top_k`` experts of highest probability, weighted by those
 probabilities renormalised to sum to one. No token is dropped (no capacity limit): the ``T * top_k``
 (token, expert) pairs are sorted by expert (a stable sort, so the order is the same on every run),
-the offsets are the cumulative counts, and the routed experts are three ``lowprec.nn.GroupedLinear``s
-(``w1`` gate, ``w3`` up, ``w2`` down: a SwiGLU each, the names of the dense feed-forward), which
-``convert`` binds to the recipe. Each pair's output is put back in token order by a gather (no
-scatter-add, so the combine is deterministic on any device), multiplied by its weight and summed over
-the token's ``top_k`` experts. The shared experts are one dense SwiGLU of ``n_shared`` experts' width,
-added to every token.
+the offsets are the cumulative counts (``lowprec.nn.routing.expert_counts``, of a fixed shape), and the
+routed experts are three ``lowprec.nn.GroupedLinear``s (``w1`` gate, ``w3`` up, ``w2`` down: a SwiGLU each,
+the names of the dense feed-forward), which ``convert`` binds to the recipe; under ``torch.compile`` they
+run outside the graph (see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
+Each pair's output is put back in token order by a gather (no scatter-add, so the combine is deterministic
+on any device), multiplied by its weight and summed over the token's ``top_k`` experts. The shared experts
+are one dense SwiGLU of ``n_shared`` experts' width, added to every token.
 
 Under expert parallelism (:func:`parallelize_experts`; see [Note: expert parallelism] in
 ``lowprec.distributed.expert_parallel``) each rank holds a slice of the experts: the grouped rows go to
@@ -51,6 +52,7 @@ from lowprec.distributed.expert_parallel import ExpertParallel, shard_experts, s
 from lowprec.nn import GroupedLinear, SwiGLU
 from lowprec.nn.grouped import route
 from lowprec.nn.recomputation import recomputing
+from lowprec.nn.routing import expert_counts, outside_graphs
 
 __all__ = ["MoEConfig", "MoEFeedForward", "RoutedExperts", "balance_experts", "parallelize_experts"]
 
@@ -91,6 +93,7 @@ class RoutedExperts(nn.Module):
         self.w2 = GroupedLinear(n_experts, hidden, dim)
         self.act = SwiGLU()
 
+    @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         g = route(x, offsets)  # the counts read on the host once for the three projections
         return self.w2(self.act(self.w1(x, g), self.w3(x, g)), g)  # (N, dim)
@@ -136,16 +139,20 @@ class MoEFeedForward(nn.Module):
         weights, experts = self.route(flat)  # (N, k)
         pairs = experts.flatten()  # (N*k,) the expert of each (token, slot)
         order = pairs.argsort(stable=True)  # (N*k,) pairs grouped by expert
-        counts = torch.bincount(pairs, minlength=self.experts.w1.num_experts)  # (E,)
+        counts = expert_counts(pairs, self.experts.w1.num_experts)  # (E,)
         if self.balance_rate > 0 and self.training and torch.is_grad_enabled() and not recomputing():
             self.expert_load += counts
         rows = flat[order // self.top_k]  # (N*k, D) in expert order
-        y = self.experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self.experts, rows, counts)
+        y = self._run_experts(rows, counts)  # (N*k, D)
         y = y[order.argsort()].view(B * T, self.top_k, D)  # (N, k, D) back in token order
         out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # (N, D)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(B, T, D)
+
+    @outside_graphs  # the counts on the host, the all-to-all's sizes: see [Note: experts under torch.compile]
+    def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self.experts, rows, counts)
 
 
 def parallelize_experts(model: nn.Module, ep: ExpertParallel) -> int:
