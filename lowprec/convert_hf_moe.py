@@ -164,9 +164,20 @@ class HFGroupedExperts(nn.Module):
         y = (y * top_k_weights.t().reshape(-1)[order, None]).to(hidden_states.dtype)
         return _combine(y, order, top_k_index)
 
-    @outside_graphs  # the counts on the host, the all-to-all's sizes: see [Note: experts under torch.compile]
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self._experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self._experts, rows, counts)
+        if self.ep is not None:
+            return self._dispatched(rows, counts)
+        if torch.compiler.is_compiling() and all(g.takes_offsets(rows) for g in self.grouped()):
+            return self._experts(rows, counts.cumsum(0))  # in the graph
+        return self._counted(rows, counts.cumsum(0))
+
+    @outside_graphs  # the all-to-all's sizes are read on the host: see [Note: experts under torch.compile]
+    def _dispatched(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.ep.run(self._experts, rows, counts)
+
+    @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
+    def _counted(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self._experts(rows, offsets)
 
     def _experts(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The experts this process holds (all, or its slice under expert parallelism) on ``rows`` grouped

@@ -318,23 +318,34 @@ class BatchedFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def _grouped_bf16(x, weight, bias, counts: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor | None:
-    """High-precision experts on a GPU whose GEMMs run in BF16 (BF16 tensors, autocast to BF16, or the
-    ``bf16`` recipe) as one ``torch._grouped_mm`` (PyTorch's grouped BF16 GEMM, FP32 accumulation), the
-    baseline MoE training uses; None elsewhere (the CPU, other dtypes, biases, widths not multiples of 16),
-    where every expert is its own ``linear``. Per expert the values are a BF16 GEMM's; the order of
-    accumulation inside the kernel may differ from cuBLAS's."""
-    if x.device.type != "cuda" or bias is not None or not hasattr(torch, "_grouped_mm") or \
+GROUPED_BF16_DEVICES = ("cuda",)
+"""Device types whose high-precision BF16 experts run as one ``torch._grouped_mm`` (:func:`_grouped_bf16`)."""
+
+
+def _bf16_dtype(x, weight, bias, dtype: torch.dtype | None) -> torch.dtype | None:
+    """BF16 where high-precision experts run as one ``torch._grouped_mm`` (see :func:`_grouped_bf16`), else None;
+    a decision on shapes, dtypes and the device alone, so compiled code makes it too."""
+    if x.device.type not in GROUPED_BF16_DEVICES or bias is not None or not hasattr(torch, "_grouped_mm") or \
             weight.shape[1] % 16 or weight.shape[2] % 16:
         return None
     dev = x.device.type
     dt = dtype or (torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype)
-    if dt != torch.bfloat16:
+    return dt if dt == torch.bfloat16 else None
+
+
+def _grouped_bf16(x, weight, bias, offsets: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """High-precision experts on a GPU whose GEMMs run in BF16 (BF16 tensors, autocast to BF16, or the
+    ``bf16`` recipe) as one ``torch._grouped_mm`` (PyTorch's grouped BF16 GEMM, FP32 accumulation), the
+    baseline MoE training uses; None elsewhere (the CPU, other dtypes, biases, widths not multiples of 16),
+    where every expert is its own ``linear``. ``offsets``: the cumulative counts on the device (nothing is read
+    on the host). Per expert the values are a BF16 GEMM's; the order of accumulation inside the kernel may
+    differ from cuBLAS's."""
+    dt = _bf16_dtype(x, weight, bias, dtype)
+    if dt is None:
         return None
     out = output_dtype(x)
-    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-    with torch.autocast(dev, enabled=False):
-        y = torch._grouped_mm(x.to(dt), weight.to(dt).transpose(-2, -1), offs=offsets)  # (T, out)
+    with torch.autocast(x.device.type, enabled=False):
+        y = torch._grouped_mm(x.to(dt), weight.to(dt).transpose(-2, -1), offs=offsets.to(torch.int32))  # (T, out)
     return y.to(out)
 
 
@@ -393,8 +404,42 @@ class GroupedLinear(nn.Module):
         first = self.weight.device_mesh.get_local_rank() * n  # Shard(0) of E divisible by the group's size
         return range(first, first + n)
 
-    @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def forward(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
+        if torch.compiler.is_compiling() and isinstance(offsets, torch.Tensor) and self.takes_offsets(x):
+            return self._on_offsets(x, offsets)
+        return self._counted(x, offsets)
+
+    def takes_offsets(self, x: torch.Tensor) -> bool:
+        """Whether a compiled call runs on the offsets as the device holds them, with no count read on the
+        host: high-precision BF16 experts as one ``torch._grouped_mm`` (see [Note: experts under
+        torch.compile] in ``lowprec.nn.routing``). A decision on the recipe, shapes and dtypes alone."""
+        return self._offsets_dtype(x) is not None
+
+    def _offsets_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        recipe = _no_delay(resolve(self.recipe), "autocast recipe")
+        plan = self.plan(recipe, nearest=not (self.training and torch.is_grad_enabled())) if recipe is not None \
+            else None
+        if plan is not None and (plan.scaled or plan.hp_reason is not None):  # a reason: said eagerly, once
+            return None
+        weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
+        return _bf16_dtype(x, weight, self.bias, plan.hp_dtype if plan is not None else None)
+
+    def _on_offsets(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """:meth:`takes_offsets`'s path: the offsets are checked on the device (an assertion there), not read."""
+        n = len(self.local_experts())
+        self._check_x(x)
+        if offsets.dtype.is_floating_point or offsets.dtype.is_complex or offsets.dtype == torch.bool:
+            fail("offsets", "an integer tensor of cumulative token counts", describe(offsets), TypeError)
+        if offsets.shape != (n,):
+            fail("offsets", f"shape ({n},) (one per expert)", describe(offsets))
+        ends = offsets.to(torch.int64)
+        torch._assert_async((ends[-1] == x.shape[0]) & (torch.diff(ends, prepend=ends.new_zeros(1)) >= 0).all(),
+                            "offsets: expected non-decreasing cumulative token counts ending at x's rows")
+        weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
+        return _grouped_bf16(x, weight, None, offsets, self._offsets_dtype(x))
+
+    @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
+    def _counted(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
         experts = self.local_experts()
         weight, bias = (p.to_local() if p is not None and is_dtensor(p) else p for p in (self.weight, self.bias))
         states = self.expert_states[experts.start:experts.stop]
@@ -440,7 +485,7 @@ class GroupedLinear(nn.Module):
         """One ``linear`` per (local) expert in high precision, as ``lowprec.nn.Linear`` runs without a
         recipe, or (``dtype``: bf16, fp16 recipes) with every operand cast to ``dtype``. BF16 experts on a
         GPU run as one ``torch._grouped_mm`` instead (see :func:`_grouped_bf16`)."""
-        grouped = _grouped_bf16(x, weight, bias, counts, dtype)
+        grouped = _grouped_bf16(x, weight, bias, torch.tensor(counts, device=x.device).cumsum(0), dtype)
         if grouped is not None:
             return grouped
         weights = weight.unbind(0)

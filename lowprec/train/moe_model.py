@@ -93,8 +93,13 @@ class RoutedExperts(nn.Module):
         self.w2 = GroupedLinear(n_experts, hidden, dim)
         self.act = SwiGLU()
 
-    @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and all(m.takes_offsets(x) for m in (self.w1, self.w3, self.w2)):
+            return self.w2(self.act(self.w1(x, offsets), self.w3(x, offsets)), offsets)  # in the graph
+        return self._counted(x, offsets)
+
+    @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
+    def _counted(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         g = route(x, offsets)  # the counts read on the host once for the three projections
         return self.w2(self.act(self.w1(x, g), self.w3(x, g)), g)  # (N, dim)
 
@@ -150,9 +155,14 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(flat)
         return out.view(B, T, D)
 
-    @outside_graphs  # the counts on the host, the all-to-all's sizes: see [Note: experts under torch.compile]
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self.experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self.experts, rows, counts)
+        return self.experts(rows, counts.cumsum(0)) if self.ep is None else _dispatched(self.ep, self.experts, rows,
+                                                                                         counts)
+
+
+@outside_graphs  # the all-to-all's sizes are read on the host: see [Note: experts under torch.compile]
+def _dispatched(ep: ExpertParallel, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    return ep.run(experts, rows, counts)
 
 
 def parallelize_experts(model: nn.Module, ep: ExpertParallel) -> int:

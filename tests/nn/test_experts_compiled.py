@@ -63,11 +63,11 @@ def test_the_reference_moe_compiles_once_and_trains_as_eager(recipe):
         lowprec.convert(model, recipe, lowprec.Policy(skip_small=False))
     twin = copy.deepcopy(model)
     batches = _batches(4, cfg.vocab_size)
-    routed = []  # the first layer's offsets at each step
-    model.layers[0].feed_forward.experts.register_forward_pre_hook(lambda m, args: routed.append(args[1].tolist()))
+    routed = []  # the first layer's offsets at each step, in the eager twin
+    twin.layers[0].feed_forward.experts.register_forward_pre_hook(lambda m, args: routed.append(args[1].tolist()))
     compiled, grads = _train(model, batches, compiled=True)
-    assert len({tuple(r) for r in routed}) == len(batches)  # every step routed differently
     eager, eager_grads = _train(twin, batches, compiled=False)
+    assert len({tuple(r) for r in routed}) == len(batches)  # every step routed differently
     # aot_eager runs the eager kernels; its decompositions move the last bits of the norms and the softmax,
     # and a moved bit can move an FP8 code a step, which the next steps carry on
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=5e-4, atol=0)
@@ -102,3 +102,41 @@ def test_expert_counts_are_bincounts_of_a_fixed_shape(n):
     expert[0] = 5  # an expert at the end; some in between stay empty at n=1 and n=5
     assert torch.equal(expert_counts(expert, 8), torch.bincount(expert, minlength=8))
     assert expert_counts(expert.int(), 8).dtype == torch.int64
+
+
+@pytest.fixture
+def grouped_mm_on_cpu(monkeypatch):
+    """The CPU taken as a device whose BF16 experts run as one ``torch._grouped_mm`` (PyTorch's CPU kernel)."""
+    from lowprec.nn import grouped
+
+    monkeypatch.setattr(grouped, "GROUPED_BF16_DEVICES", ("cuda", "cpu"))
+
+
+def test_bf16_experts_on_grouped_mm_compile_into_the_graph_without_a_break(grouped_mm_on_cpu):
+    """BF16 experts need only the offsets on the device: no count is read, so nothing leaves the graph."""
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = preset("moe-tiny")
+    model = build_model(cfg, seed=0).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    compiled, grads = _train(model, _batches(3, cfg.vocab_size), compiled=True)
+    eager, eager_grads = _train(twin, _batches(3, cfg.vocab_size), compiled=False)
+    assert dict(counters["graph_break"]) == {}
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=2e-2, atol=0)  # BF16 weights
+    w2 = "layers.1.feed_forward.experts.w2.weight"
+    torch.testing.assert_close(grads[w2].float(), eager_grads[w2].float(), rtol=5e-2, atol=1e-3)
+
+
+def test_offsets_a_compiled_bf16_call_does_not_read_are_checked_on_the_device(grouped_mm_on_cpu):
+    torch._dynamo.reset()
+    layer = GroupedLinear(2, 32, 16, dtype=torch.bfloat16)
+    f = torch.compile(lambda x, offsets: layer(x, offsets), backend="aot_eager")
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    torch.testing.assert_close(f(x, torch.tensor([3, 8])), layer(x, torch.tensor([3, 8])), rtol=0, atol=0)
+    for bad in ([3, 7], [5, 3]):  # not ending at x's rows; decreasing
+        with pytest.raises(RuntimeError, match="offsets: expected non-decreasing cumulative token counts"):
+            f(x, torch.tensor(bad))
+    with pytest.raises(ValueError, match=r"^offsets: expected shape \(2,\) \(one per expert\)"):
+        f(x, torch.tensor([8]))
+    with pytest.raises(TypeError, match=r"^offsets: expected an integer tensor of cumulative token counts"):
+        f(x, torch.tensor([3.0, 8.0]))
