@@ -69,6 +69,35 @@ def ep_train(rank: int, world: int) -> dict:
     return out
 
 
+_EXPECTED_BREAKS = ("lowprec.nn.routing", "DistributedDataParallel", "set_runtime_stats_and_log")
+"""The graph breaks of a compiled DDP model with experts: lowprec's experts region, and DDP's own forward (its
+logger and its ``_inside_ddp_forward``, which Dynamo does not trace)."""
+
+
+@check
+def ep_compiled(rank: int, world: int) -> dict:
+    """moe-tiny under ``torch.compile`` with its experts split over the two ranks (fp8-current, FP8 dispatch,
+    DDP): the experts and their all-to-all run outside the graph (see [Note: experts under torch.compile] in
+    ``lowprec.nn.routing``); losses and graphs compiled after the first step, beside the same run eagerly."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model, _ = _ep_model("fp8-current", "ddp", True)
+        opt = EP.sgd(model.parameters())
+        if compiled:
+            model = torch.compile(model, backend="aot_eager")
+        losses = EP.train(model, opt, rank, world)
+        graphs = counters["stats"]["unique_graphs"]
+        EP.train(model, opt, rank, world)  # three more steps, routed anew
+        out[compiled] = {"losses": losses, "graphs": (graphs, counters["stats"]["unique_graphs"]),
+                         "breaks": sorted(r.split("\n")[0] for r in counters["graph_break"]
+                                          if not any(k in r for k in _EXPECTED_BREAKS))}
+    return out
+
+
 @check
 def ep_nan(rank: int, world: int) -> dict:
     """A NaN in the gradient of one expert that only rank 1 holds: both ranks skip the step."""
