@@ -417,6 +417,8 @@ class GroupedLinear(nn.Module):
 
     def _offsets_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         recipe = _no_delay(resolve(self.recipe), "autocast recipe")
+        if recipe is not None and recipe.hp_dtype is None:  # FP8 or FP4 GEMMs, or a reason to keep them
+            return None
         plan = self.plan(recipe, nearest=not (self.training and torch.is_grad_enabled())) if recipe is not None \
             else None
         if plan is not None and (plan.scaled or plan.hp_reason is not None):  # a reason: said eagerly, once
