@@ -166,14 +166,10 @@ class HFGroupedExperts(nn.Module):
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep is not None:
-            return self._dispatched(rows, counts)
+            return self.ep.run(self._experts, rows, counts)  # outside compiled graphs
         if torch.compiler.is_compiling() and all(g.takes_offsets(rows) for g in self.grouped()):
             return self._experts(rows, counts.cumsum(0))  # in the graph
         return self._counted(rows, counts.cumsum(0))
-
-    @outside_graphs  # the all-to-all's sizes are read on the host: see [Note: experts under torch.compile]
-    def _dispatched(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self.ep.run(self._experts, rows, counts)
 
     @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def _counted(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from lowprec.distributed.fp8_comm import BLOCK, PACKED_ROW, pack, padded_len, un
 from lowprec.distributed.replica_grads import summed_over
 from lowprec.distributed.traffic import labelled
 from lowprec.nn import GroupedLinear
+from lowprec.nn.routing import outside_graphs
 
 
 def pack_rows(x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +106,7 @@ class ExpertParallel:
     replicas: dist.ProcessGroup | None = None
     """The ranks holding this rank's experts in the other groups (None: one group of every rank)."""
 
+    @outside_graphs  # the all-to-all's sizes are read on the host: see [Note: experts under torch.compile]
     def run(self, experts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``experts(rows, offsets)`` (this rank's local experts, offsets per local expert) applied to the
         rows ``x`` (T, D) grouped by global expert with ``counts`` (E,) rows each: the rows go to their

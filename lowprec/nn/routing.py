@@ -11,7 +11,9 @@ graph: :func:`outside_graphs` wraps it in ``torch.compiler.disable``, and the co
 before each MoE layer's experts (attention, norms, the router, the sort) and one after (the combine, the
 shared experts, the next block), of the same shapes at every step, so it compiles once. The experts' own
 kernels are already grouped (one cast per operand, one grouped GEMM per projection on a GPU); what the
-compiler would add there is the fusion of the SwiGLU between them.
+compiler would add there is the fusion of the SwiGLU between them. Experts that need no count stay in the
+graph: high-precision BF16 experts on a GPU, one ``torch._grouped_mm`` per projection on the offsets as the
+device holds them (``GroupedLinear.takes_offsets``), the offsets checked by a device assertion.
 
 :func:`expert_counts` counts the tokens per expert in a tensor of a fixed shape (``torch.bincount``'s
 depends on the largest index, another break), by an integer ``scatter_add`` (exact in any order).

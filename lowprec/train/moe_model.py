@@ -156,13 +156,7 @@ class MoEFeedForward(nn.Module):
         return out.view(B, T, D)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return self.experts(rows, counts.cumsum(0)) if self.ep is None else _dispatched(self.ep, self.experts, rows,
-                                                                                         counts)
-
-
-@outside_graphs  # the all-to-all's sizes are read on the host: see [Note: experts under torch.compile]
-def _dispatched(ep: ExpertParallel, experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    return ep.run(experts, rows, counts)
+        return self.experts(rows, counts.cumsum(0)) if self.ep is None else self.ep.run(self.experts, rows, counts)
 
 
 def parallelize_experts(model: nn.Module, ep: ExpertParallel) -> int:
