@@ -334,16 +334,19 @@ def _bf16_dtype(x, weight, bias, dtype: torch.dtype | None) -> torch.dtype | Non
     return dt if dt == torch.bfloat16 else None
 
 
-def _grouped_bf16(x, weight, bias, offsets: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | None:
+def _grouped_bf16(x, weight, bias, offsets: torch.Tensor | tuple[int, ...],
+                  dtype: torch.dtype | None) -> torch.Tensor | None:
     """High-precision experts on a GPU whose GEMMs run in BF16 (BF16 tensors, autocast to BF16, or the
     ``bf16`` recipe) as one ``torch._grouped_mm`` (PyTorch's grouped BF16 GEMM, FP32 accumulation), the
     baseline MoE training uses; None elsewhere (the CPU, other dtypes, biases, widths not multiples of 16),
     where every expert is its own ``linear``. ``offsets``: the cumulative counts on the device (nothing is read
-    on the host). Per expert the values are a BF16 GEMM's; the order of accumulation inside the kernel may
-    differ from cuBLAS's."""
+    on the host), or the counts on the host. Per expert the values are a BF16 GEMM's; the order of accumulation
+    inside the kernel may differ from cuBLAS's."""
     dt = _bf16_dtype(x, weight, bias, dtype)
     if dt is None:
         return None
+    if not isinstance(offsets, torch.Tensor):  # the counts, on the host
+        offsets = torch.tensor(offsets, device=x.device).cumsum(0)
     out = output_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         y = torch._grouped_mm(x.to(dt), weight.to(dt).transpose(-2, -1), offs=offsets.to(torch.int32))  # (T, out)
@@ -406,8 +409,10 @@ class GroupedLinear(nn.Module):
         return range(first, first + n)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
-        if torch.compiler.is_compiling() and isinstance(offsets, torch.Tensor) and self.takes_offsets(x):
-            return self._on_offsets(x, offsets)
+        if torch.compiler.is_compiling() and isinstance(offsets, torch.Tensor):
+            dtype = self._offsets_dtype(x)
+            if dtype is not None:
+                return self._on_offsets(x, offsets, dtype)
         return self._counted(x, offsets)
 
     def takes_offsets(self, x: torch.Tensor) -> bool:
@@ -427,7 +432,7 @@ class GroupedLinear(nn.Module):
         weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
         return _bf16_dtype(x, weight, self.bias, plan.hp_dtype if plan is not None else None)
 
-    def _on_offsets(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def _on_offsets(self, x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """:meth:`takes_offsets`'s path: the offsets are checked on the device (an assertion there), not read."""
         n = len(self.local_experts())
         self._check_x(x)
@@ -439,7 +444,7 @@ class GroupedLinear(nn.Module):
         torch._assert_async((ends[-1] == x.shape[0]) & (torch.diff(ends, prepend=ends.new_zeros(1)) >= 0).all(),
                             "offsets: expected non-decreasing cumulative token counts ending at x's rows")
         weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
-        return _grouped_bf16(x, weight, None, offsets, self._offsets_dtype(x))
+        return _grouped_bf16(x, weight, None, offsets, dtype)
 
     @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def _counted(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
@@ -488,7 +493,7 @@ class GroupedLinear(nn.Module):
         """One ``linear`` per (local) expert in high precision, as ``lowprec.nn.Linear`` runs without a
         recipe, or (``dtype``: bf16, fp16 recipes) with every operand cast to ``dtype``. BF16 experts on a
         GPU run as one ``torch._grouped_mm`` instead (see :func:`_grouped_bf16`)."""
-        grouped = _grouped_bf16(x, weight, bias, torch.tensor(counts, device=x.device).cumsum(0), dtype)
+        grouped = _grouped_bf16(x, weight, bias, counts, dtype)
         if grouped is not None:
             return grouped
         weights = weight.unbind(0)
