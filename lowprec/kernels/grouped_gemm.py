@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from typing import NamedTuple
 
 import torch
+
+from lowprec.kernels.route import Backend, padding_backend
 
 _CHECKED: dict[tuple[torch.device, str], bool] = {}
 """Per device and kind of grouped GEMM: whether it ran and agreed with the per-expert GEMMs on first use."""
@@ -63,22 +66,36 @@ def _by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum: b
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def token_padding(counts: tuple[int, ...], lengths: torch.Tensor,
-                  multiple: int = 16) -> tuple[torch.Tensor | None, int, torch.Tensor]:
-    """(each row's place among the padded rows or None, the padded row count, the padded offsets): each
-    expert's rows followed by zero rows up to a multiple of ``multiple`` (16: the grouped GEMM's K groups
-    must start at 16-aligned columns, and zero codes add nothing to a product; an MX block along the tokens:
-    no block holds two experts). Computed on the rows' device."""
+class Padding(NamedTuple):
+    """Token rows padded per expert (:func:`token_padding`)."""
+
+    dest: torch.Tensor | None
+    """``(T,)``: each row's place among the padded rows; None where no expert needs padding."""
+    total: int
+    """The padded row count."""
+    ends: torch.Tensor
+    """``(E,)`` int32: the padded offsets, cumulative."""
+    sources: torch.Tensor | None
+    """``(total,)`` int32: each padded row's row, -1 for the zero rows between experts (None with ``dest``)."""
+
+
+def token_padding(counts: tuple[int, ...], lengths: torch.Tensor, multiple: int = 16) -> Padding:
+    """Each expert's rows followed by zero rows up to a multiple of ``multiple`` (16: the grouped GEMM's K
+    groups must start at 16-aligned columns, and zero codes add nothing to a product; an MX block along the
+    tokens: no block holds two experts). Computed on the rows' device from ``counts`` (host) and
+    ``lengths`` (the same on the device)."""
     padded = (lengths + multiple - 1) // multiple * multiple  # (E,)
     ends = padded.cumsum(0)
     starts = padded_starts(counts, multiple)
     total = starts[-1] + -(-counts[-1] // multiple) * multiple if counts else 0
     if total == sum(counts):
-        return None, total, ends.to(torch.int32)
+        return Padding(None, total, ends.to(torch.int32), None)
     shift = (ends - padded) - (lengths.cumsum(0) - lengths)  # (E,) where each expert's rows move
     rows = sum(counts)
     dest = torch.repeat_interleave(shift, lengths, output_size=rows) + torch.arange(rows, device=lengths.device)
-    return dest, total, ends.to(torch.int32)
+    sources = torch.full((total,), -1, dtype=torch.int32, device=lengths.device)
+    sources[dest] = torch.arange(rows, dtype=torch.int32, device=lengths.device)
+    return Padding(dest, total, ends.to(torch.int32), sources)
 
 
 def padded_starts(counts: tuple[int, ...], multiple: int = 16) -> tuple[int, ...]:
@@ -86,14 +103,19 @@ def padded_starts(counts: tuple[int, ...], multiple: int = 16) -> tuple[int, ...
     return tuple(itertools.accumulate((-(-n // multiple) * multiple for n in counts[:-1]), initial=0))
 
 
-def features_padded(rows: torch.Tensor, dest: torch.Tensor | None, total: int) -> torch.Tensor:
-    """``(K, total)``: token rows ``(T, K)`` (codes or values) transposed, row ``t`` at column ``dest[t]`` of
-    zeros (the layout :func:`grouped_by_features` reads)."""
-    if dest is None:
+def features_padded(rows: torch.Tensor, padding: Padding) -> torch.Tensor:
+    """``(K, total)``: token rows ``(T, K)`` (codes or values) transposed, each row at its padded column,
+    zeros between the experts (the layout :func:`grouped_by_features` reads). One Triton pass where the
+    route says so (``kernels.route.padding_backend``), else the reference's scatter; the same bits."""
+    if rows.numel() and padding_backend(rows.device) is Backend.TRITON:
+        from lowprec.kernels import triton_grouped  # Triton: imported where it runs
+
+        return triton_grouped.features_padded(rows, padding.sources, padding.total)
+    if padding.dest is None:
         return rows.t().contiguous()
     raw = rows.view(torch.uint8) if rows.element_size() == 1 else rows  # FP8 codes: moved as bytes
-    out = raw.new_zeros(rows.shape[1], total)
-    out[:, dest] = raw.t()
+    out = raw.new_zeros(rows.shape[1], padding.total)
+    out[:, padding.dest] = raw.t()
     return out.view(rows.dtype)
 
 
@@ -108,13 +130,12 @@ def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool) -
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def _by_features(a, a_scales, b, b_scales, counts, lengths, out_dtype, fast_accum: bool) -> torch.Tensor:
+def _by_features(a, a_scales, b, b_scales, padding: Padding, out_dtype, fast_accum: bool) -> torch.Tensor:
     """``(E, M, N)``: ``a[rows of e].T @ b[rows of e]`` for token rows ``a`` ``(T, M)`` and ``b`` ``(T, N)``
-    grouped with ``counts`` (``lengths`` on the device); ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)``
-    per expert and feature."""
-    dest, total, ends = token_padding(counts, lengths)
-    return _laid_out(features_padded(a, dest, total), a_scales, features_padded(b, dest, total), b_scales, ends,
-                     out_dtype, fast_accum)
+    grouped as ``padding`` pads them; ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)`` per expert and
+    feature."""
+    return _laid_out(features_padded(a, padding), a_scales, features_padded(b, padding), b_scales,
+                     padding.ends, out_dtype, fast_accum)
 
 
 def _reference(kind: str, a, a_scales, b, b_scales, counts) -> torch.Tensor:
@@ -161,8 +182,8 @@ def _self_check(kind: str, device: torch.device, a_dtype: torch.dtype) -> bool:
         if kind == ROWS:
             got = _by_rows(a, sa, b, sb, _offsets(counts, device), counts, torch.bfloat16, False).float()
         else:
-            lengths = torch.tensor(counts, device=device)
-            got = _by_features(a, sa, b, sb, counts, lengths, torch.bfloat16, False).float()
+            padding = token_padding(counts, torch.tensor(counts, device=device))
+            got = _by_features(a, sa, b, sb, padding, torch.bfloat16, False).float()
     except Exception as e:  # any failure (PyTorch's, Triton's compile or resources): per expert
         warnings.warn(f"lowprec: {name} fails on {device} ({str(e).splitlines()[0]}); those expert GEMMs run "
                       "one by one", stacklevel=4)
@@ -213,12 +234,11 @@ def grouped_by_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_
 
 
 def grouped_by_features(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                        counts: tuple[int, ...], lengths: torch.Tensor, out_dtype: torch.dtype,
-                        fast_accum: bool) -> torch.Tensor:
+                        padding: Padding, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """``(E, M, N)``: for every expert, ``a[its rows].T @ b[its rows]`` (FP8 token rows ``(T, M)`` and
-    ``(T, N)`` grouped with ``counts``, ``lengths`` the same on the device; scales ``(E * M,)`` and
+    ``(T, N)`` grouped by expert as ``padding`` pads them, :func:`token_padding`; scales ``(E * M,)`` and
     ``(E * N,)`` per expert and feature), in one grouped GEMM."""
-    return _by_features(a, a_scales, b, b_scales, counts, lengths, out_dtype, fast_accum)
+    return _by_features(a, a_scales, b, b_scales, padding, out_dtype, fast_accum)
 
 
 def grouped_by_features_laid_out(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor,
@@ -269,6 +289,6 @@ def grouped_status() -> dict[str, bool]:
     return {f"{d} {kind}": ok for (d, kind), ok in _CHECKED.items()}
 
 
-__all__ = ["FEATURES", "KERNELS", "ROWS", "check_kernels", "features_padded", "grouped_by_features",
+__all__ = ["FEATURES", "KERNELS", "ROWS", "Padding", "check_kernels", "features_padded", "grouped_by_features",
            "grouped_by_features_laid_out", "grouped_by_rows", "grouped_status", "kernel_states", "padded_starts",
            "runs_grouped", "token_padding"]

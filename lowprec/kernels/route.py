@@ -265,6 +265,13 @@ def grouped_rows_backend(spec: CastSpec, device: torch.device | str) -> Backend:
     return backend_for(spec, device)
 
 
+def padding_backend(device: torch.device | str) -> Backend:
+    """Whether experts' token rows move into the weight gradient's padded features-major layout
+    (``kernels.grouped_gemm.features_padded``) in one Triton pass (a CUDA device that runs Triton) or by the
+    reference's scatter; the same bits either way."""
+    return Backend.TRITON if _triton_runs(device) else Backend.TORCH
+
+
 def fused_adamw_step(requested: bool | None) -> bool:
     """Whether AdamWLP steps the parameters its fused Triton kernel covers by that kernel
     (``lowprec.optim.fused``): as ``requested``, or by default where a CUDA device runs Triton. True

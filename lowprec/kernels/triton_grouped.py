@@ -1,6 +1,6 @@
-"""Token rows grouped by expert: each (expert, feature)'s amax over the expert's rows, and the cast with a
+"""Token rows grouped by expert: each (expert, feature)'s amax over the expert's rows, the cast with a
 scale per (expert, feature) (the weight gradient's transposed operands of experts under a row-wise
-recipe), each in one Triton pass.
+recipe), and the tokens moved features-major into the padded layout, each in one Triton pass.
 
 The amax (:func:`amax_by_group`) reads each tile of rows once and folds it into ``(E, K)`` by an atomic
 integer maximum of the absolute values' bits: for non-negative floats the order of the bits is the order
@@ -9,11 +9,19 @@ feature makes that amax NaN. A maximum is exact in any order, so the result does
 schedule: it equals a reduction over each expert's rows, bit for bit (up to a NaN's payload).
 
 Each element ``x[t, k]`` is divided by the scale of ``amax[group[t], k]`` (its expert's amax of that
-feature over the expert's tokens, reduced beforehand) and rounded to the format. The tile, the scale
-from an amax, the correctly rounded division and the rounding to codes are the row-wise cast kernel's own
-helpers (``triton_tiles``, ``triton_numerics``), so the codes equal the reference's given the same scales
+feature over the expert's tokens, reduced beforehand) and rounded to the format. The scale from an amax,
+the correctly rounded division and the rounding to codes are the row-wise cast kernel's own helpers
+(``triton_numerics``, ``triton_tiles``), so the codes equal the reference's given the same scales
 (``lowprec.quant.quantize`` with a scale per element), bit for bit; see [Note: batched per-expert
 casts] in ``lowprec.nn.grouped_casts``.
+
+Both that cast (:func:`columns_by_group`) and the plain move of codes or values (:func:`features_padded`)
+write the features-major layout the weight gradient's grouped GEMM reads, each expert's tokens from a
+16-aligned column on (``grouped_gemm.token_padding``). A program owns a tile of that output and gathers
+the rows it holds through each padded column's source row (-1 for the zeros between experts), so its
+stores run along the output's contiguous columns; scattering row tiles to their places instead (the
+first version) left the stores strided by the output's width, at about a twentieth of the H200's
+bandwidth (BENCHMARKS.md, run 56).
 """
 from __future__ import annotations
 
@@ -27,37 +35,44 @@ from lowprec.kernels.triton_numerics import RULE_AMAX, abs_bits, scale_from_amax
 from lowprec.kernels.triton_plan import SPECIALS
 from lowprec.kernels.triton_tiles import divide, divisor_of, hw_fp8, load_tile, to_f32
 
-BM, BK = 64, 64
+PADDED_TILE = (64, 64)
+"""Output tile of the padded features-major kernel: padded columns x features."""
 AM, AK = 64, 128
 
 
 @triton.jit
-def columns_kernel(x_ptr, sxm, sxk, M, K, group_ptr, amax_ptr, dest_ptr, P, out_ptr,
-                   BM: tl.constexpr, MOVED: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
-                   EXP: tl.constexpr, MAN: tl.constexpr,
-                   SPECIAL: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr,
-                   HW: tl.constexpr):
-    x, pid_m, pid_k, offs_m, offs_k = load_tile(x_ptr, sxm, sxk, M, K, BM, BK, EVEN)
-    v = to_f32(x)
-    in_view = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    grp = tl.load(group_ptr + offs_m, mask=offs_m < M, other=0)
-    a = tl.load(amax_ptr + grp[:, None] * K + offs_k[None, :], mask=in_view, other=0)  # amax bits
-    s = scale_from_amax(a, 1.0, RULE, FMAX, EMAX)
-    d, r, dead, ok = divisor_of(s)
-    scaled = divide(v, d, r, ok, 1)
-    nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
-    if HW and (MAN + EXP == 7):
-        codes = hw_fp8(scaled, nan_sign, EXP, False)
+def padded_kernel(x_ptr, sxm, sxk, M, K, src_ptr, group_ptr, amax_ptr, P, out_ptr,
+                  BP: tl.constexpr, BK: tl.constexpr, MOVED: tl.constexpr, CAST: tl.constexpr,
+                  EXP: tl.constexpr, MAN: tl.constexpr, SPECIAL: tl.constexpr, FMAX: tl.constexpr,
+                  EMAX: tl.constexpr, RULE: tl.constexpr, HW: tl.constexpr):
+    # one tile of the output (BK features x BP padded columns), gathered from the rows it holds
+    offs_p = tl.program_id(0) * BP + tl.arange(0, BP)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    if MOVED:  # each padded column's row, -1 for the zeros between experts
+        src = tl.load(src_ptr + offs_p, mask=offs_p < P, other=-1)
     else:
-        codes = to_codes(scaled, nan_sign, scaled, EXP, MAN, SPECIAL, True, False)
-    codes = tl.where(dead, 0, codes).to(tl.uint8)
-    if MOVED:  # each row's padded place
-        place = tl.load(dest_ptr + offs_m, mask=offs_m < M, other=0)
-    else:
-        place = offs_m
-    # features-major: (K, P), row t at column place[t]
-    to = out_ptr + offs_k[:, None].to(tl.int64) * P + place[None, :]  # int64: past 2^31 codes
-    tl.store(to, tl.trans(codes), mask=tl.trans(in_view))
+        src = tl.where(offs_p < M, offs_p, -1)
+    live = src >= 0
+    take = live[:, None] & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + src[:, None].to(tl.int64) * sxm + offs_k[None, :] * sxk, mask=take, other=0)
+    if CAST:
+        v = to_f32(x)
+        grp = tl.load(group_ptr + src, mask=live, other=0)
+        a = tl.load(amax_ptr + grp[:, None] * K + offs_k[None, :], mask=take, other=0)  # amax bits
+        s = scale_from_amax(a, 1.0, RULE, FMAX, EMAX)
+        d, r, dead, ok = divisor_of(s)
+        scaled = divide(v, d, r, ok, 1)
+        nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
+        if HW and (MAN + EXP == 7):
+            codes = hw_fp8(scaled, nan_sign, EXP, False)
+        else:
+            codes = to_codes(scaled, nan_sign, scaled, EXP, MAN, SPECIAL, True, False)
+        y = tl.where(dead | ~take, 0, codes).to(tl.uint8)
+    else:  # the bits moved as they are
+        y = x
+    # features-major (K, P): contiguous along the padded columns (int64: past 2^31 elements)
+    to = out_ptr + offs_k[None, :].to(tl.int64) * P + offs_p[:, None]
+    tl.store(to, y, mask=(offs_p[:, None] < P) & (offs_k[None, :] < K))
 
 
 @triton.jit
@@ -94,29 +109,55 @@ def amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch
     return out.view(torch.float32)
 
 
-def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format,
-                     dest: torch.Tensor | None, total: int) -> torch.Tensor:
-    """Codes ``(K, total)`` in ``fmt``'s storage dtype, features-major: ``x2[t, k]`` (float32, bfloat16 or
-    float16) scaled by ``amax_scale(amax[group[t], k])`` at ``[k, dest[t]]`` (``dest`` None: ``t``), zero
-    codes elsewhere; ``group`` ``(M,)`` int64, ``amax`` ``(G, K)`` float32 (NaN for a group whose feature
-    holds one)."""
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its width (its bits moved as they are: NaN payloads too)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _padded(x2: torch.Tensor, sources: torch.Tensor | None, total: int, out: torch.Tensor, group, bits,
+            cast: dict, key: tuple) -> None:
     m, k = x2.shape
-    out = (torch.zeros if total != m else torch.empty)((k, total), dtype=torch.uint8, device=x2.device)
-    if not x2.numel():
+    bp, bk = PADDED_TILE
+    grid = (triton.cdiv(total, bp), triton.cdiv(k, bk))
+    moved = sources is not None
+    meta = dict(BP=bp, BK=bk, MOVED=int(moved), num_warps=4, **cast)
+    args = (x2, x2.stride(0), x2.stride(1), m, k, sources if moved else out, group, bits, total, out)
+    if x2.is_cuda:
+        launch.run(padded_kernel, grid, args, meta, key + (moved,))
+    else:
+        padded_kernel[grid](*args, **meta)
+
+
+_COPY = dict(CAST=0, EXP=0, MAN=0, SPECIAL=0, FMAX=0.0, EMAX=0, RULE=0, HW=0)
+
+
+def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format,
+                     sources: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Codes ``(K, total)`` in ``fmt``'s storage dtype, features-major: ``x2[t, k]`` (float32, bfloat16 or
+    float16) scaled by ``amax_scale(amax[group[t], k])`` at ``[k, p]`` where ``sources[p] == t`` (``sources``
+    None: ``p == t``), zero codes where ``sources[p]`` is -1; ``group`` ``(M,)`` int64, ``amax`` ``(G, K)``
+    float32 (NaN for a group whose feature holds one)."""
+    m, k = x2.shape
+    out = torch.empty((k, total), dtype=torch.uint8, device=x2.device)  # every element written
+    if not out.numel():
         return out.view(fmt.storage_dtype)
     x2 = x2 if x2.dtype in (torch.float32, torch.bfloat16, torch.float16) else x2.float()
     bits = amax.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF  # as the amax kernel's
-    grid = (triton.cdiv(m, BM), triton.cdiv(k, BK))
-    moved = dest is not None
-    meta = dict(BM=BM, BK=BK, MOVED=int(moved), EVEN=int(m % BM == 0 and k % BK == 0), EXP=fmt.exp_bits,
-                MAN=fmt.man_bits, SPECIAL=SPECIALS[fmt.special], FMAX=fmt.max, EMAX=fmt.emax, RULE=RULE_AMAX,
-                HW=int(x2.is_cuda), num_warps=4)
-    args = (x2, x2.stride(0), x2.stride(1), m, k, group.contiguous(), bits, dest if moved else group, total, out)
-    if x2.is_cuda:
-        launch.run(columns_kernel, grid, args, meta, ("columns", fmt.name, moved))
-    else:
-        columns_kernel[grid](*args, **meta)
+    cast = dict(CAST=1, EXP=fmt.exp_bits, MAN=fmt.man_bits, SPECIAL=SPECIALS[fmt.special], FMAX=fmt.max,
+                EMAX=fmt.emax, RULE=RULE_AMAX, HW=int(x2.is_cuda))
+    _padded(x2, sources, total, out, group.contiguous(), bits, cast, ("columns", fmt.name))
     return out.view(fmt.storage_dtype)
 
 
-__all__ = ["amax_by_group", "columns_by_group"]
+def features_padded(rows: torch.Tensor, sources: torch.Tensor | None, total: int) -> torch.Tensor:
+    """``(K, total)``: token rows ``(T, K)`` (codes or values, their bits as they are) transposed, column
+    ``p`` holding row ``sources[p]`` (``sources`` None: row ``p``), zeros where ``sources[p]`` is -1."""
+    m, k = rows.shape
+    out = torch.empty((k, total), dtype=rows.dtype, device=rows.device)
+    if out.numel():
+        raw = _bits(rows)
+        _padded(raw, sources, total, _bits(out), raw, raw, _COPY, ("features padded", rows.element_size()))
+    return out
+
+
+__all__ = ["amax_by_group", "columns_by_group", "features_padded"]

@@ -275,8 +275,8 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
         e, fast = len(counts), plan.wgrad.fast_accum
         a, sa, b, sb = qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e)
         if qdy_t.kind is GC.Side.COLUMN:  # both laid out as the grouped GEMM reads them (one kind per plan)
-            return GG.grouped_by_features_laid_out(a, sa, b, sb, g.padded()[2], dtype, fast)
-        return GG.grouped_by_features(a, sa, b, sb, counts, g.lengths, dtype, fast)
+            return GG.grouped_by_features_laid_out(a, sa, b, sb, g.padded().ends, dtype, fast)
+        return GG.grouped_by_features(a, sa, b, sb, g.padded(), dtype, fast)
     dws = [torch.zeros(w_shape, dtype=dtype, device=device) for _ in counts]
     for e, rows in _slices(counts):
         dws[e] = gemm(qdy_t.expert(e, rows), qx_t.expert(e, rows), plan.wgrad, dtype)

@@ -215,10 +215,9 @@ class Groups:
     """``(T,)`` int64: each row's expert."""
     _padded: list = field(default_factory=list, init=False, repr=False, compare=False)
 
-    def padded(self) -> tuple[torch.Tensor | None, int, torch.Tensor]:
-        """The tokens padded per expert to multiples of 16 (``kernels.grouped_gemm.token_padding``: each
-        row's place or None, the padded count, the padded offsets), worked out once for the layers that
-        share these groups."""
+    def padded(self) -> GG.Padding:
+        """The tokens padded per expert to multiples of 16 (``kernels.grouped_gemm.token_padding``), worked
+        out once for the layers that share these groups."""
         if not self._padded:
             self._padded.append(GG.token_padding(self.counts, self.lengths))
         return self._padded[0]
@@ -290,15 +289,15 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     them as they are)."""
     amax = expert_amax(x2, g, fmt, True)  # (E, K)
     scales = amax_scale(amax, fmt)
-    dest, total, _ = g.padded()
+    padding = g.padded()
     spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
     if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
         from lowprec.kernels import triton_grouped  # Triton: imported where it runs
 
-        data = triton_grouped.columns_by_group(x2.detach(), g.expert, amax, fmt, dest, total)
+        data = triton_grouped.columns_by_group(x2.detach(), g.expert, amax, fmt, padding.sources, padding.total)
     else:
         codes = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
-        data = GG.features_padded(codes, dest, total)
+        data = GG.features_padded(codes, padding)
     return ExpertCast(data, scales, fmt, x2.dtype, Side.COLUMN, starts=GG.padded_starts(g.counts))
 
 
@@ -312,8 +311,7 @@ def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) ->
     """The token rows' transposed side in MX blocks along the tokens: each expert's tokens start a block (its
     rows padded with zeros to whole blocks, as its own cast pads them), so no block holds two experts."""
     bc = gran.block_cols
-    dest, total, _ = GG.token_padding(g.counts, g.lengths, bc)
-    xp = GG.features_padded(x2.detach(), dest, total)
+    xp = GG.features_padded(x2.detach(), GG.token_padding(g.counts, g.lengths, bc))
     q = routed_quantize(xp, fmt, gran)  # (K, P): blocks along the padded tokens
     return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran,
                       starts=GG.padded_starts(g.counts, bc))

@@ -4,6 +4,7 @@ the self-check's reference, and the refusal off CUDA. The GEMM itself runs on th
 (``benchmarks/bench_moe.py`` checks it against the per-expert loop)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from lowprec import formats as F
@@ -11,8 +12,8 @@ from lowprec.kernels import grouped_gemm as GG
 
 
 def _pad(t, counts):
-    dest, total, offsets = GG.token_padding(counts, torch.tensor(counts))
-    return dest, GG.features_padded(t, dest, total), offsets.tolist()
+    padding = GG.token_padding(counts, torch.tensor(counts))
+    return padding.dest, GG.features_padded(t, padding), padding.ends.tolist()
 
 
 def test_each_experts_tokens_are_padded_to_16_with_zero_codes_features_major():
@@ -30,6 +31,35 @@ def test_aligned_tokens_are_only_transposed():
     dest, padded, offsets = _pad(t, (16, 0, 16))
     assert dest is None and offsets == [16, 16, 32]
     assert torch.equal(padded.view(torch.uint8), t.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("counts", [(3, 0, 70, 1, 29), (16, 0, 64), ()])
+def test_triton_move_into_the_padded_layout_equals_the_scatter_bit_for_bit(dtype, counts):
+    """``triton_grouped.features_padded`` (through Triton's interpreter): each padded column gathers its
+    row, across several output tiles and a K that is not a multiple of the tile, bits as they are (NaN
+    payloads, negative zeros, FP8 codes); equal to the reference's scatter."""
+    from lowprec.kernels import triton_grouped
+
+    rows = sum(counts)
+    raw = torch.randint(-2 ** 15, 2 ** 15, (rows, 70), generator=torch.Generator().manual_seed(rows))
+    t = {1: raw.to(torch.uint8), 2: raw.to(torch.int16), 4: raw.to(torch.int32) * 65599}[dtype.itemsize].view(dtype)
+    padding = GG.token_padding(counts, torch.tensor(counts, dtype=torch.int64))
+    assert (padding.sources is None) == (padding.dest is None)
+    got = triton_grouped.features_padded(t, padding.sources, padding.total)
+    want = GG.features_padded(t, padding)  # the scatter on the CPU
+    assert got.dtype == dtype and got.shape == (70, padding.total)
+    assert torch.equal(got.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    if padding.sources is not None:  # every padded row is the row it names
+        live = padding.sources >= 0
+        assert torch.equal(padding.sources[padding.dest], torch.arange(rows, dtype=torch.int32))
+        assert int(live.sum()) == rows
+
+
+def test_the_move_is_routed_to_triton_only_where_triton_runs():
+    from lowprec.kernels.route import Backend, padding_backend
+
+    assert padding_backend("cpu") is Backend.TORCH
 
 
 def test_the_self_checks_reference_is_each_experts_product():

@@ -50,8 +50,8 @@ def test_features_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(count
     t, e, m, n = sum(counts), len(counts), 80, 144
     a, b = _ints(t, m, seed=5, dtype=E5M2), _ints(t, n, seed=6, dtype=E4M3)
     sa, sb = _pow2(e * m, 7), _pow2(e * n, 8)
-    dest, total, ends = GG.token_padding(counts, torch.tensor(counts))
-    got = TG.grouped_features(GG.features_padded(a, dest, total), sa, GG.features_padded(b, dest, total), sb, ends,
+    padding = GG.token_padding(counts, torch.tensor(counts))
+    got = TG.grouped_features(GG.features_padded(a, padding), sa, GG.features_padded(b, padding), sb, padding.ends,
                               torch.float32)
     want = GG._reference(GG.FEATURES, a, sa, b, sb, counts)
     assert got.shape == (e, m, n) and torch.equal(got, want)
@@ -80,7 +80,8 @@ def test_the_self_check_problem_passes_through_the_dispatch():
         if kind == GG.ROWS:
             got = GG._by_rows(a, sa, b, sb, GG._offsets(counts, "cpu"), counts, torch.float32, False)
         else:
-            got = GG._by_features(a, sa, b, sb, counts, torch.tensor(counts), torch.float32, False)
+            got = GG._by_features(a, sa, b, sb, GG.token_padding(counts, torch.tensor(counts)), torch.float32,
+                                    False)
         want = GG._reference(kind, a, sa, b, sb, counts)
         assert ((got - want).abs().max() / want.abs().max()).item() <= 1e-6, kind
 

@@ -57,12 +57,13 @@ def test_each_element_cast_by_its_experts_feature_amax(fmt, dtype, poison):
     x, _ = _rows(dtype, poison)
     g = GC.groups(COUNTS)
     amax = GC._amax_by(x.abs().float(), g)  # (E, K)
-    dest, total, _ = g.padded()
-    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt), dest, total)
+    padding = g.padded()
+    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt), padding.sources, padding.total)
     scales = amax_scale(amax, F.get(fmt))
     want = quantize(x, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # (T, K)
+    total = padding.total
     assert got.shape == (96, total) and total == sum(-(-n // 16) * 16 for n in COUNTS)
-    assert torch.equal(bits(got), bits(grouped_gemm.features_padded(want, dest, total)))
+    assert torch.equal(bits(got), bits(grouped_gemm.features_padded(want, padding)))
     for e, (n, first) in enumerate(zip(COUNTS, grouped_gemm.padded_starts(COUNTS))):  # each expert's columns
         rows = g.expert == e
         assert torch.equal(bits(got[:, first:first + n]), bits(want[rows].t()))
@@ -72,7 +73,7 @@ def test_each_element_cast_by_its_experts_feature_amax(fmt, dtype, poison):
         ge = GC.groups(even)
         xe = torch.cat([x[:16], x[:32]])
         ae = GC._amax_by(xe.abs().float(), ge)
-        assert ge.padded()[0] is None
+        assert ge.padded().sources is None
         got = triton_grouped.columns_by_group(xe, ge.expert, ae, F.get(fmt), None, 48)
         want = quantize(xe, fmt, blockwise(1, 1), scale=amax_scale(ae, F.get(fmt))[ge.expert]).data
         assert torch.equal(bits(got), bits(want.t()))
@@ -165,8 +166,8 @@ def test_columns_of_whole_tiles_cast_features_major(fmt):
     x = torch.cat([randn(64, 128, seed=50) * 3.0, randn(64, 128, seed=51) * 2.0 ** -6])
     g = GC.groups(counts)
     amax = GC._amax_by(x.abs().float(), g)
-    dest, total, _ = g.padded()
-    assert dest is None and total == 128
-    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt), dest, total)
+    padding = g.padded()
+    assert padding.sources is None and padding.total == 128
+    got = triton_grouped.columns_by_group(x, g.expert, amax, F.get(fmt), None, 128)
     want = quantize(x, fmt, blockwise(1, 1), scale=amax_scale(amax, F.get(fmt))[g.expert]).data
     assert torch.equal(bits(got), bits(want.t()))

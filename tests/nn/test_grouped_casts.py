@@ -181,11 +181,10 @@ def test_the_weight_gradient_takes_one_grouped_gemm_of_the_laid_out_tokens(monke
         calls.append(("laid out", tuple(a_t.shape), tuple(b_t.shape)))
         return exact(a_t, sa, b_t, sb, ends).to(out_dtype)
 
-    def by_features(a, sa, b, sb, counts, lengths, out_dtype, fast_accum):
+    def by_features(a, sa, b, sb, padding, out_dtype, fast_accum):
         calls.append(("rows", tuple(a.shape), tuple(b.shape)))
-        dest, total, ends = GG.token_padding(counts, lengths)
-        return exact(GG.features_padded(a, dest, total), sa, GG.features_padded(b, dest, total), sb,
-                     ends).to(out_dtype)
+        return exact(GG.features_padded(a, padding), sa, GG.features_padded(b, padding), sb,
+                     padding.ends).to(out_dtype)
 
     monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: kind == GG.FEATURES)
     monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
