@@ -10,10 +10,11 @@ pace. Launched through the cache, the cast kernel took 21 us where the ordinary 
 
 :func:`run` keeps the compiled kernel Triton returned at the first launch of a *site key*: the
 constants' identity (the caller's own key: a cast's plan) with what the binder derives from the
-arguments themselves (a tensor's dtype and whether its address is a multiple of 16, an int's value),
-so two launches with one key are launches Triton would bind alike. Later launches with that key go
-straight to the compiled kernel's launcher (``CompiledKernel[grid]``, Triton's own entry for a compiled
-kernel), with the arguments Triton's binder would have passed: every parameter in order, constants
+arguments themselves (a tensor's dtype and whether its address is a multiple of 16; for an int, whether
+it is 1, whether 16 divides it and whether it fits 32 bits), so two launches with one key are launches
+Triton would bind alike. Later launches with that key go straight to the compiled kernel's launcher
+(``CompiledKernel[grid]``, Triton's own entry for a compiled kernel, on this launch's grid), with the
+arguments Triton's binder would have passed: every parameter in order, constants
 included. Anything else (the CPU interpreter, a kernel object without that entry) takes the ordinary
 launch every time: the same kernel either way, only its host cost differs. If a compiled kernel's
 launcher refuses those arguments (a Triton that passes them otherwise), the cache turns itself off
@@ -39,10 +40,21 @@ _REFUSED: list[str] = []
 """The error that turned the cache off, once one has."""
 
 
+def _int_class(v: int) -> tuple:
+    """What Triton's binder derives from an int: whether it is 1 (then a constant), whether 16 divides it
+    (an alignment it compiles for), and its type (i32, i64 or u64 by range). Ints alike in these bind
+    to one compiled kernel, so a size that changes at every call (the routed tokens of experts) still
+    hits the cache."""
+    kind = "i32" if -2 ** 31 <= v < 2 ** 31 else "u64" if v >= 2 ** 63 else "i64"
+    return int, v == 1, v % 16 == 0, kind
+
+
 def _key_of(args: tuple) -> tuple:
-    """What Triton's binder reads from each argument: a tensor's dtype and 16-byte alignment; anything
-    else by type and value (True, 1 and 1.0 are equal in Python and bound differently by Triton)."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+    """What Triton's binder reads from each argument: a tensor's dtype and 16-byte alignment; an int's
+    class (:func:`_int_class`); anything else by type and value (True, 1 and 1.0 are equal in Python and
+    bound differently by Triton)."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                 else _int_class(a) if type(a) is int else (type(a), a) for a in args)
 
 
 def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tuple) -> None:
@@ -53,10 +65,11 @@ def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tupl
     if _REFUSED or DISABLED:
         kernel[grid](*args, **constexprs)
         return
-    key = (id(kernel), site, torch.cuda.current_device(), grid, _key_of(args))
+    key = (id(kernel), site, torch.cuda.current_device(), _key_of(args))
     hit = _CACHE.get(key)
     if hit is not None:
-        runner, tail, tried = hit
+        compiled, tail, tried = hit
+        runner = compiled[(*grid, 1, 1)[:3]]  # a compiled kernel's launcher takes three grid dims
         if tried:
             runner(*args, *tail)
             return
@@ -76,7 +89,7 @@ def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tupl
                  for n in kernel.arg_names[len(args):])
     if len(_CACHE) >= _LIMIT:
         _CACHE.clear()
-    _CACHE[key] = [compiled[(*grid, 1, 1)[:3]], tail, False]  # a compiled kernel's launcher takes three grid dims
+    _CACHE[key] = [compiled, tail, False]
 
 
 def _refuse(e: Exception) -> None:
@@ -87,3 +100,9 @@ def _refuse(e: Exception) -> None:
         warnings.warn(f"lowprec: Triton kernels take the ordinary launch path (the launch cache failed: {e!r})",
                       stacklevel=3)
     _CACHE.clear()
+
+
+def host_table(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small table made on the host (``t``, on the CPU) on ``device``: to a GPU from pinned memory, so the
+    copy waits for no earlier work (a copy from pageable memory waits for the whole stream first)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -74,24 +74,34 @@ def test_each_entry_launches_the_kernel_compiled_for_it():
         ("bound", None), ("bound", None), ("direct", 1), ("direct", 2)]
 
 
-@pytest.mark.parametrize("first,then", [(1, 17), (17, 1), (1, True), (16, 32), (1, 1.0), (64, 2**31 + 64)])
+@pytest.mark.parametrize("first,then", [(1, 17), (17, 1), (1, True), (16, 24), (1, 1.0), (64, 2**31 + 64),
+                                        (2**31 + 64, 2**63 + 64)])
 def test_ints_triton_specialises_apart_are_never_confused(first, then):
-    # 1 becomes a constant, 16 | n sets divisibility, a bool is u1, a float fp32, 2^31 + 64 is i64
+    # 1 becomes a constant, 16 | n sets divisibility, a bool is u1, a float fp32, 2^31 + 64 is i64, 2^63 + 64 u64
     k, x = _Kernel(), torch.zeros(64)
     triton_launch.run(k, (4,), (x, first), {"A": 3}, site=0)
     triton_launch.run(k, (4,), (x, then), {"A": 3}, site=0)
     assert [e[0] for e in k.log] == ["bound", "bound"]
 
 
-@pytest.mark.parametrize("change", ["site", "grid", "int", "dtype", "alignment", "device"])
+@pytest.mark.parametrize("first,then", [(64, 4096), (17, 33), (2**31 + 16, 2**40)])
+def test_ints_triton_binds_alike_share_the_compiled_kernel_whatever_the_grid(first, then):
+    """A size that changes at each call (experts' routed tokens) but not its class (1 or not, 16 dividing
+    it or not, i32/i64/u64) launches the kernel already compiled, on the grid of this launch."""
+    k, x = _Kernel(), torch.zeros(64)
+    triton_launch.run(k, (4,), (x, first), {"A": 3}, site=0)
+    triton_launch.run(k, (9, 2), (x, then), {"A": 3}, site=0)
+    assert [e[0] for e in k.log] == ["bound", "direct"]
+    assert k.log[1][1] == (9, 2, 1) and k.log[1][2][1] == then
+
+
+@pytest.mark.parametrize("change", ["site", "int", "dtype", "alignment", "device"])
 def test_a_launch_triton_would_bind_differently_is_bound_again(change, monkeypatch):
     k, x = _Kernel(), torch.zeros(64)
     triton_launch.run(k, (4,), (x, 64), {"A": 3}, site=1)
     args, grid, site = (x, 64), (4,), 1
     if change == "site":
         site = 2
-    elif change == "grid":
-        grid = (5,)
     elif change == "int":
         args = (x, 65)  # 64 is divisible by 16, 65 is not: Triton specialises on it
     elif change == "dtype":
