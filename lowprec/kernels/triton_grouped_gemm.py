@@ -37,7 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lowprec.kernels import triton_launch as launch
 from lowprec.kernels.triton_block_mx import store_tile
+from lowprec.kernels.triton_launch import host_table
 
 BM, BN, BK = 128, 128, 128
 """Tiles: 128 rows of one expert, 128 columns, 128 along K (four K steps of the FP8 MMA per load)."""
@@ -131,6 +133,15 @@ def _launch_options(device: torch.device) -> dict:
     return dict(num_warps=WARPS, num_stages=STAGES) if device.type == "cuda" else {}
 
 
+def _launch(kernel, grid, args: tuple, meta: dict, site: tuple) -> None:
+    """Through the launch cache on a GPU ([Note: launching a Triton kernel cheaply]), the ordinary launch
+    elsewhere (the interpreter)."""
+    if args[0].is_cuda:
+        launch.run(kernel, grid, args, meta, site)
+    else:
+        kernel[grid](*args, **meta)
+
+
 def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                  counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``(T, N)``: every expert's rows of ``a`` (float8 ``(T, K)``, ``a_scales`` ``(T,)``; rows grouped by
@@ -142,11 +153,13 @@ def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_sca
     tiles = _tiles(tuple(counts), BM)
     if not tiles or n == 0:
         return out.to(out_dtype)
-    table = torch.tensor(tiles, dtype=torch.int32).to(a.device, non_blocking=True)
+    table = host_table(torch.tensor(tiles, dtype=torch.int32), a.device)
     grid = (len(tiles) // 3, triton.cdiv(n, BN))
-    rows_kernel[grid](a.contiguous(), a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(),
-                      table, raw, n, k, OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, BLOCK_M=BM,
-                      BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a.device))
+    args = (a.contiguous(), a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(), table, raw,
+            n, k)
+    meta = dict(OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+                **_launch_options(a.device))
+    _launch(rows_kernel, grid, args, meta, ("grouped rows", bf16, k % BK == 0, fast_accum))
     return out if bf16 else out.to(out_dtype)
 
 
@@ -160,9 +173,10 @@ def grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tenso
     if out.numel() == 0:
         return out.to(out_dtype)
     grid = (e, triton.cdiv(m, BM) * triton.cdiv(n, BN))
-    features_kernel[grid](a_t.contiguous(), a_scales.float().contiguous(), b_t.contiguous(),
-                          b_scales.float().contiguous(), ends.to(torch.int32).contiguous(), raw, m, n, p,
-                          OUT_BF16=bf16, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a_t.device))
+    args = (a_t.contiguous(), a_scales.float().contiguous(), b_t.contiguous(), b_scales.float().contiguous(),
+            ends.to(torch.int32).contiguous(), raw, m, n, p)
+    meta = dict(OUT_BF16=bf16, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a_t.device))
+    _launch(features_kernel, grid, args, meta, ("grouped features", bf16))
     return out if bf16 else out.to(out_dtype)
 
 

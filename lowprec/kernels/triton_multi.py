@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowprec.kernels.triton_launch import host_table
 from lowprec.kernels.triton_numerics import bf16_bits, bf16_value, to_codes
 from lowprec.kernels.triton_tiles import divide, divisor_of, hw_fp8
 
@@ -55,18 +56,13 @@ def on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; to a GPU from pinned memory, so that the copy waits for no earlier work."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
 def _rows_on(rows: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return _to(torch.tensor(rows, dtype=torch.int64), device)
+    return host_table(torch.tensor(rows, dtype=torch.int64), device)
 
 
 def _owners_on(numels: tuple[int, ...], block: int, device: torch.device) -> torch.Tensor:
     counts = torch.tensor([triton.cdiv(n, block) for n in numels])
-    return _to(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
+    return host_table(torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), counts), device)
 
 
 @functools.lru_cache(maxsize=16)

@@ -134,10 +134,8 @@ class ExpertCast:
     width: int = 0
     """``MX``: K before padding to whole blocks."""
     aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.kind is Side.TENSOR:
-            object.__setattr__(self, "aligned", _aligned(self.scales))
+    """``TENSOR``: the scales as cuBLAS reads one expert's (:func:`_aligned`), made when an expert's operand
+    is first asked for (the grouped GEMMs read ``scales`` as they are)."""
 
     def expert(self, e: int, rows: slice | None = None) -> QuantizedTensor:
         """Expert ``e``'s operand, as its own cast would make it: its token rows ``rows``, or its weight."""
@@ -150,6 +148,8 @@ class ExpertCast:
                                    self.dtype)
         codes = self.data[rows] if rows is not None else self.data[e]
         if self.kind is Side.TENSOR:
+            if self.aligned is None:
+                object.__setattr__(self, "aligned", _aligned(self.scales))
             scale, g = self.aligned[e, :1].view(1, 1), tensorwise()
         elif self.kind is Side.ROW:
             n = codes.shape[0]
@@ -369,7 +369,7 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
             tc = _rows(w.transpose(1, 2).reshape(e * k, out), ft)
             tc = ExpertCast(tc.data.view(e, k, out), tc.scales, ft, weight.dtype, Side.ROW)
         return kc, tc
-    amax = w.abs().float().amax(dim=(1, 2))  # (E,)
+    amax = w.abs().amax(dim=(1, 2)).float()  # (E,): a maximum is exact in the weights' own dtype
     flat = w.reshape(e * out, k)
 
     def spread(v):
