@@ -91,11 +91,12 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
     experts = convert_grouped(model, recipe, policy, blocks, report, device)
     if recipe.uses_delayed_scaling:  # one bank per device, folded once per forward of the model
         bank_layers(model, list(converted.values()))
-    for group in share_groups(policy, list(converted)):
+    layers = {**converted, **experts}  # experts' projections reading one input share its casts too
+    for group in share_groups(policy, list(layers)):
         report.shared_inputs.append(group)
         share = InputShare(group)
         for name in group:
-            converted[name].state.share = share
+            layers[name].state.share = share
     if fp8_weights:
         _store_fp8(converted, report)
     _bind_activations(model, policy, report)

@@ -201,14 +201,31 @@ def _slices(counts: tuple[int, ...]) -> list[tuple[int, slice]]:
     return [(e, rows) for e, rows in _rows_of(counts) if rows.start != rows.stop]
 
 
-def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad: bool, need_wgrad: bool):
+def _input_casts(x: torch.Tensor, g: GC.Groups, op, need_wgrad: bool, state: CastState | None):
+    """:func:`~lowprec.nn.grouped_casts.cast_rows` of the rows ``x`` along K (and transposed where the weight
+    gradient needs them), taken from the layer's input share when a sibling projection (the experts' gate
+    and up) cast the same unchanged rows for the same groups the same way (see ``lowprec.nn.casts.InputShare``)."""
+    share = state.share if state is not None else None
+    if share is None or not op.shareable or torch.compiler.is_compiling() or x.is_inference():
+        return GC.cast_rows(x, g, op, True, need_wgrad)
+    key = (x._version, x.shape, x.stride(), x.dtype, x.device, op, need_wgrad, g)
+    casts = share.get(x, key)
+    if casts is None:
+        casts = GC.cast_rows(x, g, op, True, need_wgrad)
+        share.put(x, key, casts)
+    return casts
+
+
+def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad: bool, need_wgrad: bool,
+                     state: CastState | None = None):
     """``(y, x's transposed casts, weight.T's casts)``: every expert's forward GEMM with the casts of all
     experts batched (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``), as one grouped
-    GEMM where the device runs it (see [Note: one grouped GEMM for the experts])."""
+    GEMM where the device runs it (see [Note: one grouped GEMM for the experts]); ``state``: the layer's, whose
+    input share the casts of ``x`` come from."""
     out_dtype = output_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         counts, expert = g.counts, g.expert
-        qx, qx_t = GC.cast_rows(x, g, plan.input, True, need_wgrad)
+        qx, qx_t = _input_casts(x, g, plan.input, need_wgrad, state)
         qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
         _, n, k = weight.shape
         y = _folded_rows(qx, qw, g, plan.fprop, out_dtype)
@@ -289,9 +306,9 @@ class BatchedFunction(torch.autograd.Function):
     the device runs them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: GC.Groups, plan: LayerPlan):
+    def forward(ctx, x, weight, bias, g: GC.Groups, plan: LayerPlan, state: CastState):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        y, qx_t, qw_t = _batched_forward(x, weight, bias, g, plan, need_dgrad, need_wgrad)
+        y, qx_t, qw_t = _batched_forward(x, weight, bias, g, plan, need_dgrad, need_wgrad, state)
         (xt, xt_meta), (wt, wt_meta) = _pack(qx_t), _pack(qw_t)
         ctx.save_for_backward(*xt, *wt)
         ctx.metas = (xt_meta, wt_meta)
@@ -316,7 +333,7 @@ class BatchedFunction(torch.autograd.Function):
                 dw = _batched_wgrad(qdy_t, qx_t, g, plan, w_dtype, ctx.w_shape)  # (E, out, in)
             if b_dtype is not None and need_bias:  # each expert's sum, as the loop sums it
                 db = torch.stack([dy[rows].sum(0).to(b_dtype) for _, rows in _rows_of(g.counts)])  # (E, out)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 GROUPED_BF16_DEVICES = ("cuda",)
@@ -467,8 +484,8 @@ class GroupedLinear(nn.Module):
         if GC.batches(plan) and probe() is None:  # a sampled step takes the loop: telemetry per expert
             g = g if g is not None else GC.Groups.of(counts, offsets.to(x.device))
             if grad:
-                return BatchedFunction.apply(x, weight, bias, g, plan)
-            return _batched_forward(x, weight, bias, g, plan, False, False)[0]
+                return BatchedFunction.apply(x, weight, bias, g, plan, self.state)
+            return _batched_forward(x, weight, bias, g, plan, False, False, self.state)[0]
         if grad:
             return GroupedFunction.apply(x, weight, bias, counts, plan, states)
         fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)

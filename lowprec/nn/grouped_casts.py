@@ -200,10 +200,11 @@ class ExpertCast:
         return self.scales.reshape(-1)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Groups:
     """Token rows grouped by expert, on the host and on the rows' device (made once per forward from the
-    offsets the layer is given, so that nothing waits for the device again)."""
+    offsets the layer is given, so that nothing waits for the device again). Equal only to itself: the
+    layers that read the same rows share their casts for the same groups object."""
 
     counts: tuple[int, ...]
     """Each expert's rows (host)."""
