@@ -31,7 +31,7 @@ import _common as C
 import torch
 
 from lowprec.kernels import grouped_gemm
-from lowprec.nn import grouped, grouped_casts
+from lowprec.nn import InputShare, grouped, grouped_casts
 from lowprec.train.moe_model import RoutedExperts
 
 
@@ -68,6 +68,7 @@ def main() -> None:
     offsets = torch.tensor(counts, device=dev).cumsum(0)
     torch.manual_seed(0)
     base = RoutedExperts(args.experts, args.dim, args.width).to(dev, torch.bfloat16)
+    base.w1.state.share = base.w3.state.share = InputShare(("w1", "w3"))  # as convert groups them
     x = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16) * 1e-2
     recipes = ("fp8-current", "fp8-rowwise")
