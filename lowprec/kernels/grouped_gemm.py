@@ -17,7 +17,10 @@ It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels f
 operands E4M3 and the dimensions other than the tokens multiples of 16. PyTorch's kernel refuses E5M2, so
 a pair with an E5M2 operand (fp8-current's gradients: E5M2 times E4M3) runs as lowprec's own grouped
 Triton GEMMs of the same two kinds and scales instead ([Note: grouped FP8 GEMMs in Triton] in
-``lowprec.kernels.triton_grouped_gemm``), where Triton runs. The first time either runs a kind on a
+``lowprec.kernels.triton_grouped_gemm``), where Triton runs. So does an E4M3 weight gradient without fast
+accumulation (fp8-rowwise's): PyTorch's kernel promoting its sums ran it at 161 TFLOP/s on the H200, the
+Triton kernel at 363, equally close to the exact sums (BENCHMARKS.md, run 57); with fast accumulation, and
+for the forward and input gradient's kind, PyTorch's kernel is as fast or faster. The first time either runs a kind on a
 device it checks itself against the per-expert GEMMs computed from the exact values (FP8 products in
 FP32) on a small problem of unbalanced experts (one of them without tokens, several tiles of each
 dimension); if they disagree beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns
@@ -119,10 +122,21 @@ def features_padded(rows: torch.Tensor, padding: Padding) -> torch.Tensor:
     return out.view(rows.dtype)
 
 
-def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool) -> torch.Tensor:
+def _features_on_torch(a_t: torch.Tensor, b_t: torch.Tensor, fast_accum: bool) -> bool:
+    """Whether a weight gradient's pair runs on PyTorch's grouped kernel: an E4M3 pair with fast accumulation,
+    or where Triton does not run. Without fast accumulation PyTorch's kernel ran these at 161 TFLOP/s on the
+    H200, lowprec's Triton kernel (promoting every 128) at 363 with the same error (BENCHMARKS.md, run 57)."""
+    return _on_torch(a_t, b_t) and (fast_accum or not _triton_runs(a_t.device))
+
+
+def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool,
+              on_torch: bool | None = None) -> torch.Tensor:
     """``(E, M, N)`` from features-major codes ``a_t`` ``(M, P)`` and ``b_t`` ``(N, P)``, each expert's
-    tokens at 16-aligned columns ending at ``ends``."""
-    if not _on_torch(a_t, b_t):
+    tokens at 16-aligned columns ending at ``ends``; ``on_torch``: the kernel (None: as
+    :func:`_features_on_torch` says)."""
+    if on_torch is None:
+        on_torch = _features_on_torch(a_t, b_t, fast_accum)
+    if not on_torch:
         from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
 
         return triton_grouped_gemm.grouped_features(a_t, a_scales, b_t, b_scales, ends, out_dtype)
@@ -130,12 +144,13 @@ def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool) -
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
-def _by_features(a, a_scales, b, b_scales, padding: Padding, out_dtype, fast_accum: bool) -> torch.Tensor:
+def _by_features(a, a_scales, b, b_scales, padding: Padding, out_dtype, fast_accum: bool,
+                 on_torch: bool | None = None) -> torch.Tensor:
     """``(E, M, N)``: ``a[rows of e].T @ b[rows of e]`` for token rows ``a`` ``(T, M)`` and ``b`` ``(T, N)``
     grouped as ``padding`` pads them; ``a_scales`` ``(E * M,)``, ``b_scales`` ``(E * N,)`` per expert and
     feature."""
     return _laid_out(features_padded(a, padding), a_scales, features_padded(b, padding), b_scales,
-                     padding.ends, out_dtype, fast_accum)
+                     padding.ends, out_dtype, fast_accum, on_torch)
 
 
 def _reference(kind: str, a, a_scales, b, b_scales, counts) -> torch.Tensor:
@@ -175,25 +190,29 @@ def _name(kind: str, on_torch: bool) -> str:
     return f"torch._scaled_grouped_mm ({kind})" if on_torch else f"lowprec's grouped Triton GEMM ({kind})"
 
 
-def _self_check(kind: str, device: torch.device, a_dtype: torch.dtype) -> bool:
-    a, sa, b, sb, counts = _problem(kind, device, a_dtype)
-    name = _name(kind, a_dtype == E4M3)
-    try:
-        if kind == ROWS:
-            got = _by_rows(a, sa, b, sb, _offsets(counts, device), counts, torch.bfloat16, False).float()
-        else:
-            padding = token_padding(counts, torch.tensor(counts, device=device))
-            got = _by_features(a, sa, b, sb, padding, torch.bfloat16, False).float()
-    except Exception as e:  # any failure (PyTorch's, Triton's compile or resources): per expert
-        warnings.warn(f"lowprec: {name} fails on {device} ({str(e).splitlines()[0]}); those expert GEMMs run "
-                      "one by one", stacklevel=4)
-        return False
-    want = _reference(kind, a, sa, b, sb, counts)
-    rel = ((got - want).norm() / want.norm()).item()
-    if not rel <= TOLERANCE:
-        warnings.warn(f"lowprec: {name} differs from the per-expert FP8 GEMMs on {device} by {rel:.2e} of the "
-                      f"output (more than {TOLERANCE:.2e}); those expert GEMMs run one by one", stacklevel=4)
-        return False
+def _self_check(kind: str, device: torch.device, on_torch: bool) -> bool:
+    """The first-use check of one kind on one kernel: PyTorch's with an E4M3 pair; lowprec's Triton one with
+    each pair it takes (E5M2 gradients; E4M3 weight gradients without fast accumulation)."""
+    name = _name(kind, on_torch)
+    pairs = (E4M3,) if on_torch else (E5M2,) if kind == ROWS else (E5M2, E4M3)
+    for a_dtype in pairs:
+        a, sa, b, sb, counts = _problem(kind, device, a_dtype)
+        try:
+            if kind == ROWS:
+                got = _by_rows(a, sa, b, sb, _offsets(counts, device), counts, torch.bfloat16, False).float()
+            else:
+                padding = token_padding(counts, torch.tensor(counts, device=device))
+                got = _by_features(a, sa, b, sb, padding, torch.bfloat16, False, on_torch).float()
+        except Exception as e:  # any failure (PyTorch's, Triton's compile or resources): per expert
+            warnings.warn(f"lowprec: {name} fails on {device} ({str(e).splitlines()[0]}); those expert GEMMs run "
+                          "one by one", stacklevel=4)
+            return False
+        want = _reference(kind, a, sa, b, sb, counts)
+        rel = ((got - want).norm() / want.norm()).item()
+        if not rel <= TOLERANCE:
+            warnings.warn(f"lowprec: {name} differs from the per-expert FP8 GEMMs on {device} by {rel:.2e} of the "
+                          f"output (more than {TOLERANCE:.2e}); those expert GEMMs run one by one", stacklevel=4)
+            return False
     return True
 
 
@@ -203,24 +222,26 @@ def _triton_runs(device: torch.device) -> bool:
     return capability(device).triton
 
 
-def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int) -> bool:
+def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int, fast_accum: bool = True) -> bool:
     """Whether the experts' GEMMs of ``kind`` (:data:`ROWS` or :data:`FEATURES`) run as one grouped GEMM
     here (see [Note: one grouped GEMM for the experts]): CUDA of compute capability 9.0 or newer, FP8
-    operands (E4M3 pairs on PyTorch's kernel; with an E5M2 operand on lowprec's Triton one, where Triton
-    runs), the non-token dimensions ``dims`` multiples of 16, and the device's first-use check of that
-    kernel and kind passed."""
+    operands (E4M3 pairs on PyTorch's kernel; with an E5M2 operand, or an E4M3 weight gradient without
+    ``fast_accum``, on lowprec's Triton one, where Triton runs), the non-token dimensions ``dims`` multiples of
+    16, and the device's first-use check of that kernel and kind passed."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or any(d % 16 for d in dims):
         return False
     pair = (a_fmt.torch_dtype, b_fmt.torch_dtype)
     if pair not in ((E4M3, E4M3), (E5M2, E4M3)):  # the recipes' pairs: E4M3, or E5M2 gradients times E4M3
         return False
-    on_torch = pair == (E4M3, E4M3)
-    if torch.cuda.get_device_capability(device) < (9, 0) or not on_torch and not _triton_runs(device):
+    triton_runs = _triton_runs(device)
+    # E4M3 weight gradients without fast accumulation run on Triton where it runs (see _features_on_torch)
+    on_torch = pair == (E4M3, E4M3) and (kind == ROWS or fast_accum or not triton_runs)
+    if torch.cuda.get_device_capability(device) < (9, 0) or not on_torch and not triton_runs:
         return False
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     key = (device, kind if on_torch else f"{kind} triton")
     if key not in _CHECKED:
-        _CHECKED[key] = _self_check(kind, device, E4M3 if on_torch else E5M2)
+        _CHECKED[key] = _self_check(kind, device, on_torch)
     return _CHECKED[key]
 
 
@@ -250,7 +271,8 @@ def grouped_by_features_laid_out(a_t: torch.Tensor, a_scales: torch.Tensor, b_t:
     return _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum)
 
 
-KERNELS = (("torch._scaled_grouped_mm", "e4m3 x e4m3", E4M3), ("lowprec Triton", "e5m2 x e4m3", E5M2))
+KERNELS = (("torch._scaled_grouped_mm", "e4m3 x e4m3", E4M3),
+           ("lowprec Triton", "e5m2 x e4m3; e4m3 x e4m3 weight gradients without fast accumulation", E5M2))
 """The grouped kernels, the operand pair each takes, and the first operand's dtype that picks it."""
 
 

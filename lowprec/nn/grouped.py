@@ -288,8 +288,10 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
     """``(E, out, in)``: every expert's weight gradient over its own tokens (zero for an expert without)."""
     out_f, in_f = w_shape
     device, counts = g.expert.device, g.counts
-    if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f):
-        e, fast = len(counts), plan.wgrad.fast_accum
+    fast = plan.wgrad.fast_accum
+    if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f,
+                                                                fast_accum=fast):
+        e = len(counts)
         a, sa, b, sb = qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e)
         if qdy_t.kind is GC.Side.COLUMN:  # both laid out as the grouped GEMM reads them (one kind per plan)
             return GG.grouped_by_features_laid_out(a, sa, b, sb, g.padded().ends, dtype, fast)

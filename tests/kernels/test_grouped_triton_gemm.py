@@ -43,12 +43,13 @@ def test_rows_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts, k
     assert torch.equal(TG.grouped_rows(a, sa, b, sb, counts, torch.bfloat16), want.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("a_dtype", [E5M2, E4M3])
 @pytest.mark.parametrize("counts", COUNTS)
-def test_features_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts):
-    """The weight gradient's kind from the features-major, padded layout; an expert without tokens gives
-    zeros."""
+def test_features_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts, a_dtype):
+    """The weight gradient's kind from the features-major, padded layout (E5M2 gradients, and E4M3 ones
+    without fast accumulation); an expert without tokens gives zeros."""
     t, e, m, n = sum(counts), len(counts), 80, 144
-    a, b = _ints(t, m, seed=5, dtype=E5M2), _ints(t, n, seed=6, dtype=E4M3)
+    a, b = _ints(t, m, seed=5, dtype=a_dtype), _ints(t, n, seed=6, dtype=E4M3)
     sa, sb = _pow2(e * m, 7), _pow2(e * n, 8)
     padding = GG.token_padding(counts, torch.tensor(counts))
     got = TG.grouped_features(GG.features_padded(a, padding), sa, GG.features_padded(b, padding), sb, padding.ends,
@@ -99,7 +100,7 @@ def test_fp8_current_takes_the_triton_gemms_for_its_gradients(monkeypatch):
     real_rows, real_features = TG.grouped_rows, TG.grouped_features
     monkeypatch.setattr(TG, "grouped_rows", lambda *a: calls.append("rows") or real_rows(*a))
     monkeypatch.setattr(TG, "grouped_features", lambda *a: calls.append("features") or real_features(*a))
-    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: a_fmt.name == "e5m2")
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: a_fmt.name == "e5m2")
     monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
     g, _, x, dy = make("fp8-current", LAYER_COUNTS)
     fast = grouped_step(g, x, dy, LAYER_COUNTS)
@@ -109,6 +110,33 @@ def test_fp8_current_takes_the_triton_gemms_for_its_gradients(monkeypatch):
     looped = grouped_step(g, x, dy, LAYER_COUNTS)
     for name, a, b in zip(("y", "dx", "dweight", "dbias"), fast, looped):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
+
+
+def test_e4m3_weight_gradients_without_fast_accumulation_take_the_triton_kernel_where_triton_runs(monkeypatch):
+    """PyTorch's kernel keeps the E4M3 pairs of the forward's and input gradient's kind, and the weight
+    gradient's with fast accumulation; a weight gradient without it takes lowprec's Triton kernel where Triton
+    runs (told so here: the interpreter), with the per-expert values; the first-use check covers that pair."""
+    counts = (20, 0, 45)
+    t, e, m, n = sum(counts), len(counts), 48, 32
+    a, b = _ints(t, m, seed=11, dtype=E4M3), _ints(t, n, seed=12, dtype=E4M3)
+    sa, sb = _pow2(e * m, 13), _pow2(e * n, 14)
+    padding = GG.token_padding(counts, torch.tensor(counts))
+    at, bt = GG.features_padded(a, padding), GG.features_padded(b, padding)
+    assert GG._features_on_torch(at, bt, False)  # the CPU runs no Triton of its own
+    monkeypatch.setattr(GG, "_triton_runs", lambda device: True)
+    assert GG._features_on_torch(at, bt, True) and not GG._features_on_torch(at, bt, False)
+    assert not GG._features_on_torch(at.view(E5M2), bt, True)
+    got = GG.grouped_by_features(a, sa, b, sb, padding, torch.float32, False)
+    assert torch.equal(got, GG._reference(GG.FEATURES, a, sa, b, sb, counts))
+    seen, real = [], TG.grouped_features
+    monkeypatch.setattr(TG, "grouped_features", lambda *args: seen.append(args[0].dtype) or real(*args))
+    assert GG._self_check(GG.FEATURES, torch.device("cpu"), False)
+    assert seen == [E5M2, E4M3]  # the Triton kernel's check covers both pairs it takes
+    monkeypatch.setattr(TG, "grouped_features", lambda *args: seen.append(args[0].dtype) or real(*args) * 1.01)
+    seen.clear()
+    with pytest.warns(UserWarning, match="differs from the per-expert"):
+        assert not GG._self_check(GG.FEATURES, torch.device("cpu"), False)
+    assert seen == [E5M2]  # stopped at the first pair that failed
 
 
 @pytest.mark.parametrize("kind", [GG.ROWS, GG.FEATURES])
@@ -123,19 +151,19 @@ def test_the_first_use_check_passes_the_triton_kernels_and_fails_a_wrong_or_fail
     cpu = torch.device("cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert GG._self_check(kind, cpu, E5M2)
+        assert GG._self_check(kind, cpu, False)
     name = "grouped_rows" if kind == GG.ROWS else "grouped_features"
     real = getattr(TG, name)
     monkeypatch.setattr(TG, name, lambda *a, **k: real(*a, **k) * 1.01)
     with pytest.warns(UserWarning, match="lowprec's grouped Triton GEMM .* differs"):
-        assert not GG._self_check(kind, cpu, E5M2)
+        assert not GG._self_check(kind, cpu, False)
 
     def broken(*a, **k):
         raise OutOfResources(232448, 101376, "shared memory")
 
     monkeypatch.setattr(TG, name, broken)
     with pytest.warns(UserWarning, match="lowprec's grouped Triton GEMM .* fails"):
-        assert not GG._self_check(kind, cpu, E5M2)
+        assert not GG._self_check(kind, cpu, False)
 
 
 def test_rowwise_features_major_casts_through_the_triton_features_kernel(monkeypatch):
@@ -151,7 +179,7 @@ def test_rowwise_features_major_casts_through_the_triton_features_kernel(monkeyp
     real = TG.grouped_features
     monkeypatch.setattr(TG, "grouped_features", lambda *a: calls.append(a[0].shape) or real(*a))
     monkeypatch.setattr(GG, "_on_torch", lambda a, b: False)
-    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: kind == GG.FEATURES)
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: kind == GG.FEATURES)
     monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
     monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)  # the Triton casts
     g, _, x, dy = make("fp8-rowwise", LAYER_COUNTS)

@@ -141,7 +141,7 @@ def test_mx_experts_take_one_grouped_gemm_of_rows_folded_to_row_scales(monkeypat
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).tolist()
         return GG._reference(GG.ROWS, a, a_scales, b, b_scales, counts).to(out_dtype)
 
-    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: kind == GG.ROWS)
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: kind == GG.ROWS)
     monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
     monkeypatch.setattr(GG, "grouped_by_rows", by_rows)
     try:
@@ -186,7 +186,7 @@ def test_the_weight_gradient_takes_one_grouped_gemm_of_the_laid_out_tokens(monke
         return exact(GG.features_padded(a, padding), sa, GG.features_padded(b, padding), sb,
                      padding.ends).to(out_dtype)
 
-    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims: kind == GG.FEATURES)
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: kind == GG.FEATURES)
     monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
     monkeypatch.setattr(GG, "grouped_by_features_laid_out", laid_out)
     monkeypatch.setattr(GG, "grouped_by_features", by_features)
