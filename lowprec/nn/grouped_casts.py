@@ -248,26 +248,49 @@ def _amax_by(values: torch.Tensor, g: Groups) -> torch.Tensor:
     return torch.where(nan > 0, torch.nan, amax)
 
 
-def expert_amax(x2: torch.Tensor, g: Groups, fmt: F.Format, per_feature: bool) -> torch.Tensor:
-    """Each expert's amax of the token rows ``x2`` (T, K): per feature ``(E, K)``, or of the whole expert
-    ``(E,)``; 0 for an expert without rows, NaN where one of its values is NaN. On a device where the
-    route runs ``fmt``'s row-wise cast on Triton, one pass over ``x2`` (``triton_grouped.amax_by_group``);
-    elsewhere a segmented reduction. Both are exact, so they agree bit for bit."""
-    spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
-    if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
+def _on_triton(fmt: F.Format, device: torch.device) -> bool:
+    """Whether the route runs ``fmt``'s row-wise cast on Triton on ``device`` (the batched casts' kernels)."""
+    return grouped_rows_backend(CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST), device) is Backend.TRITON
+
+
+def _scales(amax: torch.Tensor, fmt: F.Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax, its scales)``: every NaN of ``amax`` made torch.nan, and ``amax_scale(amax, fmt)``; on Triton
+    one pass (``triton_grouped.amax_scales``), the same bits."""
+    if amax.numel() and _on_triton(fmt, amax.device):
+        from lowprec.kernels import triton_grouped  # Triton: imported where it runs
+
+        return triton_grouped.amax_scales(amax, fmt)
+    return torch.where(amax.isnan(), torch.nan, amax), amax_scale(amax, fmt)
+
+
+def expert_scales(x2: torch.Tensor, g: Groups, fmt: F.Format, per_feature: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert's amax of the token rows ``x2`` (T, K), per feature ``(E, K)`` or of the whole expert
+    ``(E,)`` (0 for an expert without rows, NaN where one of its values is NaN), and the scales ``fmt``'s cast
+    takes from them. Where the route runs ``fmt``'s row-wise cast on Triton, one pass over ``x2``
+    (``triton_grouped.amax_by_group``) and one over the amaxes; elsewhere a segmented reduction. Both are
+    exact, so they agree bit for bit."""
+    if x2.numel() and _on_triton(fmt, x2.device):
         from lowprec.kernels import triton_grouped  # Triton: imported where it runs
 
         amax = triton_grouped.amax_by_group(x2.detach(), g.expert, len(g.counts))  # (E, K)
-        amax = amax if per_feature else amax.amax(dim=1)
-        return torch.where(amax.isnan(), torch.nan, amax)  # one NaN, whatever the input's payload
+        return _scales(amax if per_feature else amax.amax(dim=1), fmt)
     values = x2.detach().abs().float()
-    return _amax_by(values if per_feature else values.amax(dim=1), g)
+    amax = _amax_by(values if per_feature else values.amax(dim=1), g)
+    return amax, amax_scale(amax, fmt)
 
 
-def _per_tensor(x2: torch.Tensor, amax: torch.Tensor, per_row, fmt: F.Format, flip: bool) -> ExpertCast:
+def expert_amax(x2: torch.Tensor, g: Groups, fmt: F.Format, per_feature: bool) -> torch.Tensor:
+    """The amaxes of :func:`expert_scales`."""
+    return expert_scales(x2, g, fmt, per_feature)[0]
+
+
+def _per_tensor(x2: torch.Tensor, amax: torch.Tensor, scales: torch.Tensor | None, per_row, fmt: F.Format,
+                flip: bool) -> ExpertCast:
     """``x2``'s rows, each divided by its expert's scale (``per_row`` spreads an ``(E,)`` vector over the
-    rows); see [Note: batched per-expert casts]."""
-    scales = amax_scale(amax, fmt)  # (E,) as a per-tensor cast computes it from its amax
+    rows; ``scales``: ``fmt``'s scales of ``amax``, or None to work them out); see [Note: batched per-expert
+    casts]."""
+    if scales is None:
+        scales = _scales(amax, fmt)[1]  # (E,) as a per-tensor cast computes it from its amax
     spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
     if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
         from lowprec.kernels import triton_quant  # Triton: imported where it runs
@@ -288,8 +311,7 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     expert's tokens; codes laid out features-major, each expert's tokens from a 16-aligned column on, zero
     codes between (``kernels.grouped_gemm.features_padded``: the weight gradient's grouped GEMM reads
     them as they are)."""
-    amax = expert_amax(x2, g, fmt, True)  # (E, K)
-    scales = amax_scale(amax, fmt)
+    amax, scales = expert_scales(x2, g, fmt, True)  # (E, K)
     padding = g.padded()
     spec = CastSpec.of(fmt, rowwise(), F.Rounding.NEAREST)
     if x2.numel() and grouped_rows_backend(spec, x2.device) is Backend.TRITON:
@@ -336,13 +358,14 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
         return (_mx(x2, fk, op.cast_k.granularity) if fk is not None else None,
                 _mx_tokens(x2, g, ft, op.cast_t.granularity) if ft is not None else None)
     expert = g.expert
-    amax = expert_amax(x2, g, fk if fk is not None else ft, False)  # (E,)
-    k = _per_tensor(x2, amax, lambda v: v[expert], fk, False) if fk is not None else None
+    first = fk if fk is not None else ft
+    amax, scales = expert_scales(x2, g, first, False)  # (E,)
+    k = _per_tensor(x2, amax, scales, lambda v: v[expert], fk, False) if fk is not None else None
     if ft is None:
         return k, None
     if ft == fk:  # the same codes, transposed per expert
         return k, ExpertCast(k.data, k.scales, k.fmt, k.dtype, Side.TENSOR, True)
-    return k, _per_tensor(x2, amax, lambda v: v[expert], ft, True)
+    return k, _per_tensor(x2, amax, scales if ft == first else None, lambda v: v[expert], ft, True)
 
 
 def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
@@ -384,7 +407,7 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
             c = out_casts[0]
             out_casts.append(ExpertCast(c.data, c.scales, c.fmt, c.dtype, Side.TENSOR, True))
         else:
-            c = _per_tensor(flat, amax, spread, fmt, flip)
+            c = _per_tensor(flat, amax, None, spread, fmt, flip)
             out_casts.append(ExpertCast(c.data.view(e, out, k), c.scales, fmt, weight.dtype, Side.TENSOR, flip))
     return out_casts[0], out_casts[1]
 

@@ -115,17 +115,39 @@ def test_each_experts_feature_amax_in_one_pass(dtype, counts, k, poison):
 
 
 @pytest.mark.parametrize("per_feature", [True, False])
-def test_the_expert_amaxes_agree_on_both_backends(monkeypatch, per_feature):
-    """``grouped_casts.expert_amax`` through the Triton kernel equals its segmented reduction bit for bit,
-    per feature and per expert, NaN included."""
-    x, _ = _rows(torch.bfloat16, math.nan)
+@pytest.mark.parametrize("poison", [math.nan, math.inf, None])
+def test_the_expert_amaxes_and_scales_agree_on_both_backends(monkeypatch, per_feature, poison):
+    """``grouped_casts.expert_scales`` through the Triton kernels equals its segmented reduction and
+    ``amax_scale`` bit for bit, per feature and per expert, NaN and infinity included."""
+    x, _ = _rows(torch.bfloat16, poison)
     g, fmt = GC.groups(COUNTS), F.get("e4m3")
-    reference = GC.expert_amax(x, g, fmt, per_feature)
+    reference = GC.expert_scales(x, g, fmt, per_feature)
     monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)
-    fast = GC.expert_amax(x, g, fmt, per_feature)
-    assert fast.shape == ((len(COUNTS), 96) if per_feature else (len(COUNTS),))
-    assert torch.equal(bits(fast), bits(reference))
-    assert fast.isnan().any()  # expert 2 holds the NaN
+    fast = GC.expert_scales(x, g, fmt, per_feature)
+    assert fast[0].shape == fast[1].shape == ((len(COUNTS), 96) if per_feature else (len(COUNTS),))
+    for got, want in zip(fast, reference):
+        assert torch.equal(bits(got), bits(want))
+    if poison is not None:
+        assert fast[1].isnan().any()  # expert 2's scale
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m1", "e3m2"])
+def test_scales_from_amaxes_in_one_pass_equal_the_reference_bit_for_bit(fmt):
+    """``triton_grouped.amax_scales``: each amax with one NaN (any payload, either sign, becomes torch.nan's),
+    and ``amax_scale``'s scale from it: zeros of both signs, FP32 subnormals, values around the format's
+    maximum, FP32's largest, infinities, negative amaxes (scaled by 1, as the reference), random magnitudes."""
+    from lowprec.kernels import triton_grouped
+
+    f = F.get(fmt)
+    special = torch.tensor([0.0, -0.0, 1e-45, 1e-40, 2.0 ** -126, 1e-30, 0.5, 1.0, f.max / 2, f.max, f.max * 1.5,
+                            3.0e38, torch.finfo(torch.float32).max, math.inf, -math.inf, math.nan, -1.0, -1e-40])
+    payloads = torch.tensor([0x7FC00001, -0x00400000, 0x7F800001], dtype=torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(7)
+    amax = torch.cat([special, payloads, torch.rand(2000, generator=g) * torch.logspace(-44, 38, 2000)])
+    got_amax, got_scale = triton_grouped.amax_scales(amax.view(43, 47), f)  # any shape: kept
+    assert got_amax.shape == got_scale.shape == (43, 47)
+    assert torch.equal(bits(got_amax.reshape(-1)), bits(torch.where(amax.isnan(), torch.nan, amax)))
+    assert torch.equal(bits(got_scale.reshape(-1)), bits(amax_scale(amax, f)))
 
 
 @pytest.mark.parametrize(("recipe", "kernel"), [("fp8-current", "rows_by_amax"), ("fp8-rowwise", "columns_by_group")])
