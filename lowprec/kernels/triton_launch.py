@@ -40,21 +40,15 @@ _REFUSED: list[str] = []
 """The error that turned the cache off, once one has."""
 
 
-def _int_class(v: int) -> tuple:
-    """What Triton's binder derives from an int: whether it is 1 (then a constant), whether 16 divides it
-    (an alignment it compiles for), and its type (i32, i64 or u64 by range). Ints alike in these bind
-    to one compiled kernel, so a size that changes at every call (the routed tokens of experts) still
-    hits the cache."""
-    kind = "i32" if -2 ** 31 <= v < 2 ** 31 else "u64" if v >= 2 ** 63 else "i64"
-    return int, v == 1, v % 16 == 0, kind
-
-
 def _key_of(args: tuple) -> tuple:
-    """What Triton's binder reads from each argument: a tensor's dtype and 16-byte alignment; an int's
-    class (:func:`_int_class`); anything else by type and value (True, 1 and 1.0 are equal in Python and
-    bound differently by Triton)."""
+    """What Triton's binder reads from each argument: a tensor's dtype and 16-byte alignment; for an int,
+    whether it is 1 (then a constant), whether 16 divides it (an alignment it compiles for) and its range
+    (``a >> 31`` is 0 or -1 exactly for an i32; beyond, the high bits tell i64 from u64), so a size that
+    changes at every call (the routed tokens of experts) still finds its compiled kernel; anything else
+    by type and value (True, 1 and 1.0 are equal in Python and bound differently by Triton). Inline: it
+    runs for every argument of every launch."""
     return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                 else _int_class(a) if type(a) is int else (type(a), a) for a in args)
+                 else (a == 1, a % 16 == 0, a >> 31) if type(a) is int else (type(a), a) for a in args)
 
 
 def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tuple) -> None:
