@@ -76,8 +76,9 @@ class Policy:
     share_inputs: tuple[tuple[str, ...], ...] = (
         ("wq", "wk", "wv"), ("q_proj", "k_proj", "v_proj"), ("query", "key", "value"),
         ("w1", "w3"), ("gate_proj", "up_proj"))
-    """Groups of sibling linears (leaf names under one parent) that read the same input: each group
-    casts it once per forward and shares the casts (deterministic, current-scaled casts only)."""
+    """Groups of sibling linears or expert projections (leaf names under one parent) that read the same
+    input: each group casts it once per forward and shares the casts (deterministic, current-scaled casts
+    only; experts' projections for the same routing only)."""
     saved_activations: SavedActivations | None = None
     """How ``lowprec.nn.RMSNorm`` and ``lowprec.nn.SwiGLU`` modules keep their inputs for backward: None
     in the model's dtype, or FP8 (``lowprec.nn.fp8_activations("1x128")``); ``convert`` also swaps a
@@ -227,7 +228,7 @@ def policy_small(policy: Policy, module: nn.Linear) -> bool:
 
 
 def share_groups(policy: Policy, names: list[str]) -> list[tuple[str, ...]]:
-    """The groups of ``names`` (converted linears) that share their input's casts: siblings under one
+    """The groups of ``names`` (converted linears and expert projections) that share their input's casts: siblings under one
     parent whose leaf names form one of ``policy.share_inputs``, two or more present."""
     by_parent: dict[str, dict[str, str]] = {}
     for name in names:
