@@ -228,8 +228,8 @@ def policy_small(policy: Policy, module: nn.Linear) -> bool:
 
 
 def share_groups(policy: Policy, names: list[str]) -> list[tuple[str, ...]]:
-    """The groups of ``names`` (converted linears and expert projections) that share their input's casts: siblings under one
-    parent whose leaf names form one of ``policy.share_inputs``, two or more present."""
+    """The groups of ``names`` (converted linears and expert projections) that share their input's casts:
+    siblings under one parent whose leaf names form one of ``policy.share_inputs``, two or more present."""
     by_parent: dict[str, dict[str, str]] = {}
     for name in names:
         parent, _, leaf = name.rpartition(".")
