@@ -9,7 +9,7 @@ the compiled kernel up. For the cast kernel, with 27 runtime arguments and 32 co
 pace. Launched through the cache, the cast kernel took 21 us where the ordinary launch took 45.
 
 :func:`run` keeps the compiled kernel Triton returned at the first launch of a *site key*: the
-constants' identity (the caller's own key: a cast's plan) with what the binder derives from the
+caller's own key (a cast's plan) and the constants' values, with what the binder derives from the
 arguments themselves (a tensor's dtype and whether its address is a multiple of 16; for an int, whether
 it is 1, whether 16 divides it and whether it fits 32 bits), so two launches with one key are launches
 Triton would bind alike. Later launches with that key go straight to the compiled kernel's launcher
@@ -53,13 +53,16 @@ def _key_of(args: tuple) -> tuple:
 
 def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tuple) -> None:
     """``kernel[grid](*args, **constexprs)`` on the current CUDA device. ``args``: the kernel's runtime
-    parameters in order (tensors, ints); ``constexprs``: its constants and launch options, which
-    ``site`` (hashable) must identify for the launch's caller. Launches that ``site``, the device and
-    the arguments' own specialisation already met go straight to the compiled kernel."""
+    parameters in order (tensors, ints); ``constexprs``: its constants and launch options (hashable
+    values, given in the same order at every launch of a site); ``site``: the caller's key. Launches that
+    ``site``, those constants, the device and the arguments' own specialisation already met go straight to
+    the compiled kernel."""
     if _REFUSED or DISABLED:
         kernel[grid](*args, **constexprs)
         return
-    key = (id(kernel), site, torch.cuda.current_device(), _key_of(args))
+    # the constants' values too: a caller's site need not name those it derives from sizes (a tile's
+    # evenness), which ints of one class no longer tell apart
+    key = (id(kernel), site, torch.cuda.current_device(), tuple(constexprs.values()), _key_of(args))
     hit = _CACHE.get(key)
     if hit is not None:
         compiled, tail, tried = hit

@@ -95,6 +95,17 @@ def test_ints_triton_binds_alike_share_the_compiled_kernel_whatever_the_grid(fir
     assert k.log[1][1] == (9, 2, 1) and k.log[1][2][1] == then
 
 
+def test_constants_derived_from_sizes_are_never_confused():
+    """Two launches of one site whose sizes fall in one int class but whose caller derived another constant
+    from them (a tile's evenness) launch the kernel compiled for each constant."""
+    k, x = _Kernel(), torch.zeros(64)
+    triton_launch.run(k, (4,), (x, 64), {"A": 1}, site=0)  # 64 rows: whole tiles of 64
+    triton_launch.run(k, (4,), (x, 80), {"A": 0}, site=0)  # 80 rows: a partial tile, same int class
+    triton_launch.run(k, (4,), (x, 128), {"A": 1}, site=0)
+    assert [e[0] for e in k.log] == ["bound", "bound", "direct"]
+    assert k.log[1][3] == {"A": 0} and k.log[2][2][2] == 1
+
+
 @pytest.mark.parametrize("change", ["site", "int", "dtype", "alignment", "device"])
 def test_a_launch_triton_would_bind_differently_is_bound_again(change, monkeypatch):
     k, x = _Kernel(), torch.zeros(64)
