@@ -78,10 +78,8 @@ def fold_triton(q: QuantizedTensor, tgt: F.Format, h: int, min_shift: int, nan_e
                       T_EXP=tgt.exp_bits, T_MAN=tgt.man_bits, T_SPECIAL=SPECIALS[tgt.special], H=h,
                       MIN_D=min_shift, NAN_E=nan_exponent, BC=bc, BM=rows_per_program, BKB=bkb, BK=bkb * bc)
         grid = (triton.cdiv(m, rows_per_program),)
-        if q.data.device.type == "cuda":
-            launch.run(fold_kernel, grid, args, consts, ("fold", q.fmt.name, bc, rows_per_program))
-        else:
-            fold_kernel[grid](*args, **consts)
+        launch.launch(fold_kernel, grid, args, consts, ("fold", q.fmt.name, bc, rows_per_program),
+                      q.data.device.type == "cuda")
     scale = torch.ldexp(torch.ones(m, 1, dtype=torch.float32, device=q.data.device), r[:, None])
     return QuantizedTensor(codes.view(tgt.torch_dtype), scale, tgt, rowwise(), q.shape, q.dtype)
 

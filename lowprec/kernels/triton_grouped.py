@@ -104,10 +104,7 @@ def amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch
     grid = (triton.cdiv(m, AM), triton.cdiv(k, AK))
     meta = dict(BM=AM, BK=AK, EVEN=int(m % AM == 0 and k % AK == 0), num_warps=4)
     args = (x2, x2.stride(0), x2.stride(1), m, k, group.contiguous(), out)
-    if x2.is_cuda:
-        launch.run(group_amax_kernel, grid, args, meta, ("group amax",))
-    else:
-        group_amax_kernel[grid](*args, **meta)
+    launch.launch(group_amax_kernel, grid, args, meta, ("group amax",), x2.is_cuda)
     return out.view(torch.float32)
 
 
@@ -138,10 +135,7 @@ def amax_scales(amax: torch.Tensor, fmt: F.Format) -> tuple[torch.Tensor, torch.
     grid = (triton.cdiv(n, block),)
     args = (src.view(torch.int32), out_amax.view(torch.int32), out_scale, n)
     meta = dict(BLOCK=block, FMAX=fmt.max, EMAX=fmt.emax, RULE=RULE_AMAX, num_warps=4)
-    if src.is_cuda:
-        launch.run(scales_kernel, grid, args, meta, ("amax scales", fmt.name))
-    else:
-        scales_kernel[grid](*args, **meta)
+    launch.launch(scales_kernel, grid, args, meta, ("amax scales", fmt.name), src.is_cuda)
     return out_amax, out_scale
 
 
@@ -158,10 +152,7 @@ def _padded(x2: torch.Tensor, sources: torch.Tensor | None, total: int, out: tor
     moved = sources is not None
     meta = dict(BP=bp, BK=bk, MOVED=int(moved), num_warps=4, **cast)
     args = (x2, x2.stride(0), x2.stride(1), m, k, sources if moved else out, group, bits, total, out)
-    if x2.is_cuda:
-        launch.run(padded_kernel, grid, args, meta, key + (moved,))
-    else:
-        padded_kernel[grid](*args, **meta)
+    launch.launch(padded_kernel, grid, args, meta, key + (moved,), x2.is_cuda)
 
 
 _COPY = dict(CAST=0, EXP=0, MAN=0, SPECIAL=0, FMAX=0.0, EMAX=0, RULE=0, HW=0)

@@ -145,15 +145,6 @@ def _launch_options(device: torch.device, stages: int = STAGES) -> dict:
     return dict(num_warps=WARPS, num_stages=stages) if device.type == "cuda" else {}
 
 
-def _launch(kernel, grid, args: tuple, meta: dict, site: tuple) -> None:
-    """Through the launch cache on a GPU ([Note: launching a Triton kernel cheaply]), the ordinary launch
-    elsewhere (the interpreter)."""
-    if args[0].is_cuda:
-        launch.run(kernel, grid, args, meta, site)
-    else:
-        kernel[grid](*args, **meta)
-
-
 def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
                  counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``(T, N)``: every expert's rows of ``a`` (float8 ``(T, K)``, ``a_scales`` ``(T,)``; rows grouped by
@@ -171,7 +162,7 @@ def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_sca
             n, k)
     meta = dict(OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
                 **_launch_options(a.device))
-    _launch(rows_kernel, grid, args, meta, ("grouped rows", bf16, k % BK == 0, fast_accum))
+    launch.launch(rows_kernel, grid, args, meta, ("grouped rows", bf16, k % BK == 0, fast_accum), a.is_cuda)
     return out if bf16 else out.to(out_dtype)
 
 
@@ -188,7 +179,7 @@ def grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tenso
     args = (a_t.contiguous(), a_scales.float().contiguous(), b_t.contiguous(), b_scales.float().contiguous(),
             ends.to(torch.int32).contiguous(), raw, m, n, p)
     meta = dict(OUT_BF16=bf16, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a_t.device, FEATURE_STAGES))
-    _launch(features_kernel, grid, args, meta, ("grouped features", bf16))
+    launch.launch(features_kernel, grid, args, meta, ("grouped features", bf16), a_t.is_cuda)
     return out if bf16 else out.to(out_dtype)
 
 

@@ -89,6 +89,15 @@ def run(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tupl
     _CACHE[key] = [compiled, tail, False]
 
 
+def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: tuple, gpu: bool) -> None:
+    """:func:`run` where ``gpu`` (the arguments are on a CUDA device); elsewhere (Triton's interpreter on
+    the CPU) the ordinary launch."""
+    if gpu:
+        run(kernel, grid, args, constexprs, site)
+    else:
+        kernel[grid](*args, **constexprs)
+
+
 def _refuse(e: Exception) -> None:
     """Stop using the cache (this Triton's compiled-kernel launcher does not take what Triton's own launch
     passes it), and say so once: launches stay correct, at the ordinary host cost."""

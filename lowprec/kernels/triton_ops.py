@@ -76,10 +76,7 @@ def _launch(kernel, grid, args: tuple, kw: dict, x: torch.Tensor, plan: tuple[in
     GPU's instructions); on a GPU through :func:`lowprec.kernels.triton_launch.run`, whose launches of
     one plan skip Triton's argument binding after the first."""
     meta = {**kw, "HW": x.is_cuda} if hw else kw
-    if x.is_cuda:
-        launch.run(kernel, grid, args, meta, plan)
-    else:
-        kernel[grid](*args, **meta)
+    launch.launch(kernel, grid, args, meta, plan, x.is_cuda)
 
 
 def _outputs(x: torch.Tensor, out: _Out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

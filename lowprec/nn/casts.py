@@ -202,21 +202,27 @@ class CastState:
         return self.cache_depth > 0 and not torch.compiler.is_compiling()
 
 
-def input_casts(x: torch.Tensor, x2: torch.Tensor, op: OperandPlan, need_t: bool, state: CastState,
-                record: bool) -> tuple[Operand, Operand | None]:
-    """:func:`cast_operand` of a layer's input ``x`` (``x2``: its 2-D view), taken from the group's
-    share when another layer cast the same unchanged tensor the same way (see :class:`InputShare`).
-    Under ``torch.compile`` the compiler removes repeated casts itself; inference tensors have no
-    version counter to key on."""
-    share = state.share
+def shared_casts(x: torch.Tensor, op: OperandPlan, share: InputShare | None, how: tuple, make):
+    """``make()``, the casts of a layer's input ``x``, or those its group's share holds when another layer
+    cast the same unchanged tensor the same way (``op`` and ``how``: what else decides them; see
+    :class:`InputShare`). Under ``torch.compile`` the compiler removes repeated casts itself; inference
+    tensors have no version counter to key on."""
     if share is None or not op.shareable or torch.compiler.is_compiling() or x.is_inference():
-        return cast_operand(x2, op, True, need_t, state.delayed, record, state.group)
-    key = (x._version, x.shape, x.stride(), x.dtype, x.device, op, need_t)
+        return make()
+    key = (x._version, x.shape, x.stride(), x.dtype, x.device, op, *how)
     casts = share.get(x, key)
     if casts is None:
-        casts = cast_operand(x2, op, True, need_t, state.delayed, record, state.group)
+        casts = make()
         share.put(x, key, casts)
     return casts
+
+
+def input_casts(x: torch.Tensor, x2: torch.Tensor, op: OperandPlan, need_t: bool, state: CastState,
+                record: bool) -> tuple[Operand, Operand | None]:
+    """:func:`cast_operand` of a layer's input ``x`` (``x2``: its 2-D view), shared as :func:`shared_casts`
+    says."""
+    return shared_casts(x, op, state.share, (need_t,),
+                        lambda: cast_operand(x2, op, True, need_t, state.delayed, record, state.group))
 
 
 def weight_operand(weight: QuantizedWeight, transposed: bool = False) -> QuantizedTensor:

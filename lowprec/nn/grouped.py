@@ -57,7 +57,7 @@ from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels.fold import fold, target
 from lowprec.kernels.gemm import GemmPath, folded_runs
 from lowprec.nn import grouped_casts as GC
-from lowprec.nn.casts import CastState, cast_operand
+from lowprec.nn.casts import CastState, cast_operand, shared_casts
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
 from lowprec.nn.probe import probe
@@ -205,15 +205,8 @@ def _input_casts(x: torch.Tensor, g: GC.Groups, op, need_wgrad: bool, state: Cas
     """:func:`~lowprec.nn.grouped_casts.cast_rows` of the rows ``x`` along K (and transposed where the weight
     gradient needs them), taken from the layer's input share when a sibling projection (the experts' gate
     and up) cast the same unchanged rows for the same groups the same way (see ``lowprec.nn.casts.InputShare``)."""
-    share = state.share if state is not None else None
-    if share is None or not op.shareable or torch.compiler.is_compiling() or x.is_inference():
-        return GC.cast_rows(x, g, op, True, need_wgrad)
-    key = (x._version, x.shape, x.stride(), x.dtype, x.device, op, need_wgrad, g)
-    casts = share.get(x, key)
-    if casts is None:
-        casts = GC.cast_rows(x, g, op, True, need_wgrad)
-        share.put(x, key, casts)
-    return casts
+    return shared_casts(x, op, state.share if state is not None else None, (need_wgrad, g),
+                        lambda: GC.cast_rows(x, g, op, True, need_wgrad))
 
 
 def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad: bool, need_wgrad: bool,

@@ -10,10 +10,11 @@ expert, per operand, per GEMM: on a GPU, for 32 or 64 small experts, the launche
 set the time. The casts here give the same bits in a fixed number of kernels whatever the number of
 experts:
 
-- **per tensor**: each expert's amax (:func:`expert_amax`: on a GPU one Triton pass over the rows,
+- **per tensor**: each expert's amax (:func:`expert_scales`: on a GPU one Triton pass over the rows,
   ``kernels.triton_grouped.amax_by_group``, elsewhere a segmented reduction; a maximum is exact in any
   order, and NaN is kept), its scale by the function a per-tensor cast uses
-  (``lowprec.quant.scales.amax_scale``), and every row divided by its expert's scale in one pass: on a GPU
+  (``lowprec.quant.scales.amax_scale``; on a GPU the cast kernels' own helper in one pass,
+  ``kernels.triton_grouped.amax_scales``), and every row divided by its expert's scale in one pass: on a GPU
   the row-wise cast's Triton kernel given each row's expert amax instead of its own
   (``kernels.triton_quant.rows_by_amax``), elsewhere ``quantize`` given each row's expert scale
   (``kernels.route.grouped_rows_backend`` chooses). An operand's transposed side is the same codes
@@ -21,7 +22,7 @@ experts:
 - **per row**: the rows of the input and of the output gradient are independent of the experts, so one
   row-wise cast of all of them (``kernels.quantize``) is every expert's; the weights' rows likewise, and
   ``weight[e].T``'s from one transposed copy of the weights; the tokens' transposed sides take the amax of
-  each (expert, feature) pair (:func:`expert_amax` again) and one pass dividing by those scales (on a
+  each (expert, feature) pair (:func:`expert_scales` again) and one pass dividing by those scales (on a
   GPU ``kernels.triton_grouped.columns_by_group``, elsewhere ``quantize`` given a scale per element);
 - **MX**: blocks run along K within a row, so one MX cast of all token rows (of all weights' rows, of one
   transposed copy of the weights) is every expert's; the tokens' transposed side (along the tokens) puts
@@ -277,11 +278,6 @@ def expert_scales(x2: torch.Tensor, g: Groups, fmt: F.Format, per_feature: bool)
     values = x2.detach().abs().float()
     amax = _amax_by(values if per_feature else values.amax(dim=1), g)
     return amax, amax_scale(amax, fmt)
-
-
-def expert_amax(x2: torch.Tensor, g: Groups, fmt: F.Format, per_feature: bool) -> torch.Tensor:
-    """The amaxes of :func:`expert_scales`."""
-    return expert_scales(x2, g, fmt, per_feature)[0]
 
 
 def _per_tensor(x2: torch.Tensor, amax: torch.Tensor, scales: torch.Tensor | None, per_row, fmt: F.Format,
