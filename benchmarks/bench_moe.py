@@ -15,7 +15,11 @@ Variants (all on the same routed rows, grouped by expert, with random unbalanced
 - ``<recipe> grouped``: batched casts, the GEMMs in ``torch._scaled_grouped_mm`` where it takes them (E4M3
   operands: fp8-current's forward, fp8-rowwise's three GEMMs), fp8-current's E5M2 gradient GEMMs in
   lowprec's grouped Triton GEMMs (``kernels.triton_grouped_gemm``): what ``GroupedLinear`` runs;
-- ``<recipe> triton``: as ``grouped``, every grouped GEMM on the Triton kernels (E4M3 pairs too).
+- ``<recipe> triton``: as ``grouped``, every grouped GEMM on the Triton kernels (E4M3 pairs too);
+- ``<recipe> on device``: as ``grouped``, the counts left on the device (what a compiled graph runs, here
+  eager: no host read, the padding sized for any routing);
+- ``bf16 compiled``, ``<recipe> compiled``: the experts under ``torch.compile`` (in the graph: BF16's
+  grouped GEMM, and the FP8 recipes' path on the device).
 
 Checks first: each variant's output, input gradient and ``w2`` weight gradient against its recipe's loop
 (relative error), and the loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the
@@ -42,8 +46,20 @@ def _counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[int, 
     return tuple(torch.bincount(chosen, minlength=experts).tolist())
 
 
+def _on_device(self, x, offsets):
+    """``RoutedExperts.forward`` with every projection on the counts as the device holds them, eagerly (where
+    the device runs that path; elsewhere, as in a dry run on a CPU, the counts read)."""
+    def run(lin, h):
+        way = lin._on_device(h)
+        return lin._on_offsets(h, offsets, way) if way is not None else lin(h, offsets)
+
+    return run(self.w2, self.act(run(self.w1, x), run(self.w3, x)))
+
+
 def _variant(name: str):
     """Patch lowprec for one way of running the experts (``grouped``, the default way, needs no patch)."""
+    if name.endswith("on device"):
+        return mock.patch.object(RoutedExperts, "forward", _on_device)
     mode = name.split()[-1]
     patches = {"loop": (grouped_casts, "batches", lambda plan: False),
                "batched": (grouped_gemm, "runs_grouped", lambda *a, **k: False),
@@ -72,21 +88,23 @@ def main() -> None:
     x = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16) * 1e-2
     recipes = ("fp8-current", "fp8-rowwise")
-    modes = ("loop", "batched", "grouped", "triton")
-    variants = ["bf16 loop", "bf16 grouped_mm", *(f"{r} {m}" for r in recipes for m in modes)]
+    modes = ("loop", "batched", "grouped", "triton", "on device", "compiled")
+    variants = ["bf16 loop", "bf16 grouped_mm", "bf16 compiled", *(f"{r} {m}" for r in recipes for m in modes)]
     outs, times = {}, {}
     for name in variants:
         recipe = name.split()[0] if name.startswith("fp8") else None
         for lin in (base.w1, base.w3, base.w2):
             lin.set_recipe(recipe)
+        torch._dynamo.reset()
+        forward = torch.compile(base) if name.endswith("compiled") else base
         with _variant(name):
             xg = x.clone().requires_grad_()
 
-            def step(xg=xg):
+            def step(xg=xg, forward=forward):
                 xg.grad = None
                 for p in base.parameters():
                     p.grad = None
-                y = base(xg, offsets)
+                y = forward(xg, offsets)
                 y.backward(dy)
                 return y
 

@@ -59,12 +59,12 @@ def _on_torch(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == E4M3 and b.dtype == E4M3
 
 
-def _by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum: bool) -> torch.Tensor:
+def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> torch.Tensor:
     """``(T, N)``: rows of expert ``e`` times ``b[e].T``; ``a_scales`` ``(T,)``, ``b_scales`` ``(E, N)``."""
     if not _on_torch(a, b):
         from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
 
-        return triton_grouped_gemm.grouped_rows(a, a_scales, b, b_scales, counts, out_dtype, fast_accum)
+        return triton_grouped_gemm.grouped_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum)
     return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_scales, b_scales.contiguous(), offs=offsets,
                                     out_dtype=out_dtype, use_fast_accum=fast_accum)
 
@@ -82,23 +82,34 @@ class Padding(NamedTuple):
     """``(total,)`` int32: each padded row's row, -1 for the zero rows between experts (None with ``dest``)."""
 
 
-def token_padding(counts: tuple[int, ...], lengths: torch.Tensor, multiple: int = 16) -> Padding:
+def token_padding(counts: tuple[int, ...] | None, lengths: torch.Tensor, multiple: int = 16,
+                  rows: int | None = None) -> Padding:
     """Each expert's rows followed by zero rows up to a multiple of ``multiple`` (16: the grouped GEMM's K
     groups must start at 16-aligned columns, and zero codes add nothing to a product; an MX block along the
     tokens: no block holds two experts). Computed on the rows' device from ``counts`` (host) and
-    ``lengths`` (the same on the device)."""
+    ``lengths`` (the same on the device). ``counts`` None: nothing read on the host, the ``rows`` routed
+    rows padded to :func:`padded_bound` (zero rows after the last expert's), a size that does not depend on
+    the routing."""
     padded = (lengths + multiple - 1) // multiple * multiple  # (E,)
     ends = padded.cumsum(0)
-    starts = padded_starts(counts, multiple)
-    total = starts[-1] + -(-counts[-1] // multiple) * multiple if counts else 0
-    if total == sum(counts):
-        return Padding(None, total, ends.to(torch.int32), None)
+    if counts is not None:
+        rows = sum(counts)
+        total = padded_starts(counts, multiple)[-1] + -(-counts[-1] // multiple) * multiple if counts else 0
+        if total == rows:
+            return Padding(None, total, ends.to(torch.int32), None)
+    else:
+        total = padded_bound(rows, lengths.shape[0], multiple)
     shift = (ends - padded) - (lengths.cumsum(0) - lengths)  # (E,) where each expert's rows move
-    rows = sum(counts)
     dest = torch.repeat_interleave(shift, lengths, output_size=rows) + torch.arange(rows, device=lengths.device)
     sources = torch.full((total,), -1, dtype=torch.int32, device=lengths.device)
     sources[dest] = torch.arange(rows, dtype=torch.int32, device=lengths.device)
     return Padding(dest, total, ends.to(torch.int32), sources)
+
+
+def padded_bound(rows: int, n_experts: int, multiple: int = 16) -> int:
+    """The most padded rows ``rows`` routed rows can take among ``n_experts`` (each expert's padding is under
+    ``multiple``), a multiple of ``multiple``."""
+    return -(-(rows + n_experts * (multiple - 1)) // multiple) * multiple
 
 
 def padded_starts(counts: tuple[int, ...], multiple: int = 16) -> tuple[int, ...]:
@@ -192,30 +203,36 @@ def _name(kind: str, on_torch: bool) -> str:
 
 def _self_check(kind: str, device: torch.device, on_torch: bool) -> bool:
     """The first-use check of one kind on one kernel: PyTorch's with an E4M3 pair; lowprec's Triton one with
-    each pair it takes (E5M2 gradients; E4M3 weight gradients without fast accumulation)."""
+    each pair it takes (E5M2 gradients; E4M3 weight gradients without fast accumulation). The weight
+    gradient's kind is checked on both paddings: to the counts read on the host, and to the bound of any
+    routing (zero columns after the last expert's, as when the counts stay on the device)."""
     name = _name(kind, on_torch)
     pairs = (E4M3,) if on_torch else (E5M2,) if kind == ROWS else (E5M2, E4M3)
     for a_dtype in pairs:
         a, sa, b, sb, counts = _problem(kind, device, a_dtype)
-        try:
-            if kind == ROWS:
-                got = _by_rows(a, sa, b, sb, _offsets(counts, device), counts, torch.bfloat16, False).float()
-            else:
-                padding = token_padding(counts, torch.tensor(counts, device=device))
-                got = _by_features(a, sa, b, sb, padding, torch.bfloat16, False, on_torch).float()
-        except Exception as e:  # any failure (PyTorch's, Triton's compile or resources): per expert
-            warnings.warn(f"lowprec: {name} fails on {device} ({str(e).splitlines()[0]}); those expert GEMMs run "
-                          "one by one", stacklevel=4)
-            return False
         want = _reference(kind, a, sa, b, sb, counts)
-        rel = ((got - want).norm() / want.norm()).item()
-        if not rel <= TOLERANCE:
-            warnings.warn(f"lowprec: {name} differs from the per-expert FP8 GEMMs on {device} by {rel:.2e} of the "
-                          f"output (more than {TOLERANCE:.2e}); those expert GEMMs run one by one", stacklevel=4)
-            return False
+        lengths = torch.tensor(counts, device=device)
+        for read in ((True,) if kind == ROWS else (True, False)):
+            try:
+                if kind == ROWS:
+                    got = _by_rows(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False).float()
+                else:
+                    padding = token_padding(counts if read else None, lengths, rows=sum(counts))
+                    got = _by_features(a, sa, b, sb, padding, torch.bfloat16, False, on_torch).float()
+            except Exception as e:  # any failure (PyTorch's, Triton's compile or resources): per expert
+                warnings.warn(f"lowprec: {name} fails on {device} ({str(e).splitlines()[0]}); those expert GEMMs "
+                              "run one by one", stacklevel=4)
+                return False
+            rel = ((got - want).norm() / want.norm()).item()
+            if not rel <= TOLERANCE:
+                warnings.warn(f"lowprec: {name} differs from the per-expert FP8 GEMMs on {device} by {rel:.2e} of "
+                              f"the output (more than {TOLERANCE:.2e}); those expert GEMMs run one by one",
+                              stacklevel=4)
+                return False
     return True
 
 
+@torch._dynamo.assume_constant_result
 def _triton_runs(device: torch.device) -> bool:
     from lowprec.kernels.capability import capability
 
@@ -228,9 +245,17 @@ def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int, fast
     operands (E4M3 pairs on PyTorch's kernel; with an E5M2 operand, or an E4M3 weight gradient without
     ``fast_accum``, on lowprec's Triton one, where Triton runs), the non-token dimensions ``dims`` multiples of
     16, and the device's first-use check of that kernel and kind passed."""
+    return _runs(kind, torch.device(device), a_fmt.torch_dtype, b_fmt.torch_dtype, dims, fast_accum)
+
+
+@torch._dynamo.assume_constant_result
+def _runs(kind: str, device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, dims: tuple[int, ...],
+          fast_accum: bool) -> bool:
+    """:func:`runs_grouped` of constants: while torch.compile traces, the first-use check runs eagerly then
+    and its outcome enters the graph as a constant."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or any(d % 16 for d in dims):
         return False
-    pair = (a_fmt.torch_dtype, b_fmt.torch_dtype)
+    pair = (a_dtype, b_dtype)
     if pair not in ((E4M3, E4M3), (E5M2, E4M3)):  # the recipes' pairs: E4M3, or E5M2 gradients times E4M3
         return False
     triton_runs = _triton_runs(device)
@@ -246,12 +271,11 @@ def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int, fast
 
 
 def grouped_by_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                    offsets: torch.Tensor, counts: tuple[int, ...], out_dtype: torch.dtype,
-                    fast_accum: bool) -> torch.Tensor:
+                    offsets: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """``(T, N)``: every expert's rows of ``a`` (FP8 ``(T, K)``, ``a_scales`` ``(T,)`` per row; ``offsets``
-    int32, cumulative, ``counts`` the same on the host) times its ``b[e].T`` (FP8 ``(E, N, K)``,
+    int32, cumulative, on the device: no count is read on the host) times its ``b[e].T`` (FP8 ``(E, N, K)``,
     ``b_scales`` ``(E, N)`` per row of ``b[e]``), in one grouped GEMM."""
-    return _by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum)
+    return _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum)
 
 
 def grouped_by_features(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -312,5 +336,5 @@ def grouped_status() -> dict[str, bool]:
 
 
 __all__ = ["FEATURES", "KERNELS", "ROWS", "Padding", "check_kernels", "features_padded", "grouped_by_features",
-           "grouped_by_features_laid_out", "grouped_by_rows", "grouped_status", "kernel_states", "padded_starts",
-           "runs_grouped", "token_padding"]
+           "grouped_by_features_laid_out", "grouped_by_rows", "grouped_status", "kernel_states", "padded_bound",
+           "padded_starts", "runs_grouped", "token_padding"]

@@ -43,3 +43,12 @@ an opaque operator that forward needs, so backward takes this output (or what fo
 rather than recompute ``x`` from the graph's inputs, which forward may have written meanwhile (a
 delayed-scaling history: see [Note: delayed scaling under torch.compile] in ``lowprec.nn.delayed``).
 Compiled code only; one small tensor per use."""
+
+
+def as_operators() -> bool:
+    """Whether the kernels run as their ``torch.library`` operators rather than by direct calls: in a
+    compiled graph, and under a Python dispatch mode (selective checkpointing's, a FLOP counter's, fake
+    tensors'). A mode intercepts every ATen operator of a direct call (a cast's few allocations), each
+    through Python, but an operator once, its implementation running below the mode: on one H200, eager 1B
+    fp8-current under selective checkpointing went from 0.53x to 0.82x BF16's speed (3B: 0.78x to 1.12x)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0

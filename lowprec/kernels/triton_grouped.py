@@ -31,6 +31,7 @@ import triton.language as tl
 
 from lowprec import formats as F
 from lowprec.kernels import triton_launch as launch
+from lowprec.kernels.ops import as_operators, define
 from lowprec.kernels.triton_numerics import RULE_AMAX, abs_bits, scale_from_amax, to_codes
 from lowprec.kernels.triton_plan import SPECIALS
 from lowprec.kernels.triton_tiles import divide, divisor_of, hw_fp8, load_tile, to_f32
@@ -92,10 +93,8 @@ def group_amax_kernel(x_ptr, sxm, sxk, M, K, group_ptr, out_ptr, BM: tl.constexp
         tl.atomic_max(out_ptr + g * K + offs_k, m, mask=offs_k < K)
 
 
-def amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """``(n_groups, K)`` float32: the maximum of ``|x2[t, k]|`` over the rows ``t`` of each group (0 for a
-    group without rows, NaN where one of its values is NaN); ``x2`` ``(M, K)`` float32, bfloat16 or
-    float16 with its rows grouped, ``group`` ``(M,)`` each row's group."""
+def _amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """The pass of :func:`amax_by_group`."""
     m, k = x2.shape
     out = torch.zeros((n_groups, k), dtype=torch.int32, device=x2.device)
     if not x2.numel():
@@ -122,10 +121,8 @@ def scales_kernel(amax_ptr, amax_out, scale_out, N, BLOCK: tl.constexpr, FMAX: t
     tl.store(scale_out + offs, s, mask=live)
 
 
-def amax_scales(amax: torch.Tensor, fmt: F.Format) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(amax with every NaN torch.nan's, amax_scale(amax, fmt))`` of a float32 ``amax`` (each expert's,
-    or each expert and feature's), in one pass in place of the reference's seven small ones: the scale from
-    the amax by the cast kernels' own helper, bit for bit the reference's."""
+def _amax_scales(amax: torch.Tensor, fmt: F.Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pass of :func:`amax_scales`."""
     src = amax.detach().float().contiguous()
     out_amax, out_scale = torch.empty_like(src), torch.empty_like(src)
     n = src.numel()
@@ -158,12 +155,9 @@ def _padded(x2: torch.Tensor, sources: torch.Tensor | None, total: int, out: tor
 _COPY = dict(CAST=0, EXP=0, MAN=0, SPECIAL=0, FMAX=0.0, EMAX=0, RULE=0, HW=0)
 
 
-def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format,
+def _columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format,
                      sources: torch.Tensor | None, total: int) -> torch.Tensor:
-    """Codes ``(K, total)`` in ``fmt``'s storage dtype, features-major: ``x2[t, k]`` (float32, bfloat16 or
-    float16) scaled by ``amax_scale(amax[group[t], k])`` at ``[k, p]`` where ``sources[p] == t`` (``sources``
-    None: ``p == t``), zero codes where ``sources[p]`` is -1; ``group`` ``(M,)`` int64, ``amax`` ``(G, K)``
-    float32 (NaN for a group whose feature holds one)."""
+    """The pass of :func:`columns_by_group`."""
     m, k = x2.shape
     out = torch.empty((k, total), dtype=torch.uint8, device=x2.device)  # every element written
     if not out.numel():
@@ -176,15 +170,84 @@ def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, 
     return out.view(fmt.storage_dtype)
 
 
-def features_padded(rows: torch.Tensor, sources: torch.Tensor | None, total: int) -> torch.Tensor:
-    """``(K, total)``: token rows ``(T, K)`` (codes or values, their bits as they are) transposed, column
-    ``p`` holding row ``sources[p]`` (``sources`` None: row ``p``), zeros where ``sources[p]`` is -1."""
+def _features_padded(rows: torch.Tensor, sources: torch.Tensor | None, total: int) -> torch.Tensor:
+    """The pass of :func:`features_padded`."""
     m, k = rows.shape
     out = torch.empty((k, total), dtype=rows.dtype, device=rows.device)
     if out.numel():
         raw = _bits(rows)
         _padded(raw, sources, total, _bits(out), raw, raw, _COPY, ("features padded", rows.element_size()))
     return out
+
+
+
+
+# [Note: how kernels become operators] in lowprec.kernels.ops: compiled graphs (and Python dispatch modes)
+# call these passes as operators, eager code calls them directly. A format travels by its name.
+
+
+def _amax_by_group_fake(x2, group, n_groups):
+    return x2.new_empty((n_groups, x2.shape[1]), dtype=torch.float32)
+
+
+def _amax_scales_op(amax, fmt):
+    return _amax_scales(amax, F.get(fmt))
+
+
+def _amax_scales_fake(amax, fmt):
+    return torch.empty_like(amax, dtype=torch.float32), torch.empty_like(amax, dtype=torch.float32)
+
+
+def _columns_op(x2, group, amax, fmt, sources, total):
+    return _columns_by_group(x2, group, amax, F.get(fmt), sources, total)
+
+
+def _columns_fake(x2, group, amax, fmt, sources, total):
+    return x2.new_empty((x2.shape[1], total), dtype=F.get(fmt).storage_dtype)
+
+
+def _features_fake(rows, sources, total):
+    return rows.new_empty((rows.shape[1], total))
+
+
+_GROUP_AMAX = define("group_amax(Tensor x, Tensor group, int n_groups) -> Tensor", _amax_by_group,
+                     _amax_by_group_fake)
+_AMAX_SCALES = define("amax_scales(Tensor amax, str fmt) -> (Tensor, Tensor)", _amax_scales_op, _amax_scales_fake)
+_COLUMNS = define("columns_by_group(Tensor x, Tensor group, Tensor amax, str fmt, Tensor? sources, int total) "
+                  "-> Tensor", _columns_op, _columns_fake)
+_FEATURES = define("features_padded(Tensor rows, Tensor? sources, int total) -> Tensor", _features_padded,
+                   _features_fake)
+
+
+def amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """``(n_groups, K)`` float32: the maximum of ``|x2[t, k]|`` over the rows ``t`` of each group (0 for a
+    group without rows, NaN where one of its values is NaN); ``x2`` ``(M, K)`` float32, bfloat16 or
+    float16 with its rows grouped, ``group`` ``(M,)`` each row's group."""
+    return (_GROUP_AMAX if as_operators() else _amax_by_group)(x2, group, n_groups)
+
+
+def amax_scales(amax: torch.Tensor, fmt: F.Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax with every NaN torch.nan's, amax_scale(amax, fmt))`` of a float32 ``amax`` (each expert's,
+    or each expert and feature's), in one pass in place of the reference's seven small ones: the scale from
+    the amax by the cast kernels' own helper, bit for bit the reference's."""
+    return _AMAX_SCALES(amax, fmt.name) if as_operators() else _amax_scales(amax, fmt)
+
+
+def columns_by_group(x2: torch.Tensor, group: torch.Tensor, amax: torch.Tensor, fmt: F.Format,
+                     sources: torch.Tensor | None, total: int) -> torch.Tensor:
+    """Codes ``(K, total)`` in ``fmt``'s storage dtype, features-major: ``x2[t, k]`` (float32, bfloat16 or
+    float16) scaled by ``amax_scale(amax[group[t], k])`` at ``[k, p]`` where ``sources[p] == t`` (``sources``
+    None: ``p == t``), zero codes where ``sources[p]`` is -1; ``group`` ``(M,)`` int64, ``amax`` ``(G, K)``
+    float32 (NaN for a group whose feature holds one)."""
+    if as_operators():
+        return _COLUMNS(x2, group, amax, fmt.name, sources, total)
+    return _columns_by_group(x2, group, amax, fmt, sources, total)
+
+
+def features_padded(rows: torch.Tensor, sources: torch.Tensor | None, total: int) -> torch.Tensor:
+    """``(K, total)``: token rows ``(T, K)`` (codes or values, their bits as they are) transposed, column
+    ``p`` holding row ``sources[p]`` (``sources`` None: row ``p``), zeros where ``sources[p]`` is -1."""
+    return (_FEATURES if as_operators() else _features_padded)(rows, sources, total)
 
 
 __all__ = ["amax_by_group", "amax_scales", "columns_by_group", "features_padded"]

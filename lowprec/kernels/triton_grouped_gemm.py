@@ -7,9 +7,12 @@ The two kinds of ``kernels.grouped_gemm`` ([Note: one grouped GEMM for the exper
 operands and scales:
 
 * :data:`~lowprec.kernels.grouped_gemm.ROWS` (:func:`grouped_rows`): token rows ``a`` ``(T, K)`` times each
-  expert's ``b[e]`` ``(N, K)``. The host, which holds the counts, lists the tiles of rows: each
-  ``BLOCK_M`` rows of one expert is a tile (``(expert, first row, end)``), so no tile mixes experts and
-  nothing is padded. Each program runs one tile against one block of ``b[e]``'s rows;
+  expert's ``b[e]`` ``(N, K)``. Each ``BLOCK_M`` rows of one expert is a tile, so no tile mixes experts and
+  nothing is padded; a program finds its tile (expert, first row, end) from the cumulative offsets on the
+  device (:func:`_find_tile`: the experts' tile counts, their running sum, and the first expert whose sum
+  passes the program's index), so the host needs no count and the grid is sized by the rows alone: at most
+  ``cdiv(T, BLOCK_M) + E - 1`` tiles, the programs past the last tile returning at once. Each program runs
+  one tile against one block of ``b[e]``'s rows;
 * :data:`~lowprec.kernels.grouped_gemm.FEATURES` (:func:`grouped_features`): each expert's features over
   its own tokens, from the features-major layout of ``grouped_gemm.features_padded`` (``(M, P)`` and ``(N,
   P)``, each expert's tokens from a 16-aligned column on, zero codes between): a program runs one
@@ -32,15 +35,13 @@ device's first use as it checks PyTorch's.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from lowprec.kernels import triton_launch as launch
+from lowprec.kernels.ops import as_operators, define
 from lowprec.kernels.triton_block_mx import store_tile
-from lowprec.kernels.triton_launch import host_table
 
 BM, BN, BK = 128, 128, 128
 """Tiles: 128 rows of one expert, 128 columns, 128 along K (four K steps of the FP8 MMA per load)."""
@@ -58,16 +59,32 @@ def _k_tile(ptr, rows, k, row_stride, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, tiles_ptr, out_ptr, N, K, OUT_BF16: tl.constexpr,
-                EVEN_K: tl.constexpr, FAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+def _find_tile(ends_ptr, tile, E, EP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(expert, first row, end)`` of the ``tile``-th tile of ``BLOCK_M`` rows of one expert, experts in order
+    (``expert`` is ``E`` past the last tile); ``ends`` the ``E`` cumulative offsets, ``EP`` a power of two
+    at least ``E``."""
+    idx = tl.arange(0, EP)
+    live = idx < E
+    end = tl.load(ends_ptr + idx, mask=live, other=0)
+    start = tl.load(ends_ptr + idx - 1, mask=live & (idx > 0), other=0)
+    n_tiles = tl.where(live, (end - start + BLOCK_M - 1) // BLOCK_M, 0)
+    through = tl.cumsum(n_tiles, 0)  # tiles of the experts up to each one
+    e = tl.sum((through <= tile).to(tl.int32), 0)  # experts whose tiles all come before this one
+    mine = idx == e
+    first = tl.sum(tl.where(mine, start + (tile - (through - n_tiles)) * BLOCK_M, 0), 0)
+    return e, first, tl.sum(tl.where(mine, end, 0), 0)
+
+
+@triton.jit
+def rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, N, K, E, OUT_BF16: tl.constexpr,
+                EVEN_K: tl.constexpr, FAST: tl.constexpr, EP: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One tile of rows of one expert times one block of its weight's rows: ``out[r, n] = sa[r] * sb[e, n] *
     sum_k a[r, k] b[e, n, k]``."""
-    tile = tl.program_id(0)
+    e, first, end = _find_tile(ends_ptr, tl.program_id(0), E, EP, BLOCK_M)
+    if e >= E:  # past the last tile (the grid is sized by the rows alone)
+        return
     pid_n = tl.program_id(1)
-    e = tl.load(tiles_ptr + tile * 3)
-    first = tl.load(tiles_ptr + tile * 3 + 1)
-    end = tl.load(tiles_ptr + tile * 3 + 2)
     offs_m = first + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_a = tl.minimum(offs_m, end - 1)  # rows past the tile's end read its last: never stored
@@ -116,25 +133,6 @@ def features_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, M, N, P, OU
     store_tile(out_ptr + e.to(tl.int64) * M * N, acc, offs_m, offs_n, M, N, OUT_BF16)
 
 
-@functools.lru_cache(maxsize=256)
-def _tiles(counts: tuple[int, ...], block_m: int) -> list[int]:
-    """``(expert, first row, end)`` of every tile of ``block_m`` rows, flattened (host)."""
-    out, start = [], 0
-    for e, n in enumerate(counts):
-        for first in range(start, start + n, block_m):
-            out += [e, first, start + n]
-        start += n
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _tile_table(counts: tuple[int, ...], block_m: int, pinned: bool) -> torch.Tensor:
-    """:func:`_tiles` as an int32 tensor on the host, pinned for a GPU (made once per routing: the layers of
-    a block share it; building it from the list took 0.1 ms a call on the H200's host)."""
-    table = torch.tensor(_tiles(counts, block_m), dtype=torch.int32)
-    return table.pin_memory() if pinned else table
-
-
 def _output(shape: tuple[int, ...], out_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(shape, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
@@ -145,32 +143,26 @@ def _launch_options(device: torch.device, stages: int = STAGES) -> dict:
     return dict(num_warps=WARPS, num_stages=stages) if device.type == "cuda" else {}
 
 
-def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                 counts: tuple[int, ...], out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    """``(T, N)``: every expert's rows of ``a`` (float8 ``(T, K)``, ``a_scales`` ``(T,)``; rows grouped by
-    ``counts``) times its ``b[e].T`` (float8 ``(E, N, K)``, ``b_scales`` ``(E, N)``); ``fast_accum``: all of K
-    accumulated inside the tensor core, as a recipe's forward asks of cuBLAS."""
+def _grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                 ends: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """The launch of :func:`grouped_rows`."""
     t, k = a.shape
-    n = b.shape[1]
+    e, n = b.shape[:2]
     out, raw, bf16 = _output((t, n), out_dtype, a.device)
-    tiles = _tiles(tuple(counts), BM)
-    if not tiles or n == 0:
+    if t == 0 or n == 0:
         return out.to(out_dtype)
-    table = host_table(_tile_table(tuple(counts), BM, a.is_cuda), a.device)  # read only: shared while in flight
-    grid = (len(tiles) // 3, triton.cdiv(n, BN))
-    args = (a.contiguous(), a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(), table, raw,
-            n, k)
-    meta = dict(OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-                **_launch_options(a.device))
+    grid = (triton.cdiv(t, BM) + e - 1, triton.cdiv(n, BN))  # every expert's tiles, and a few that return
+    args = (a.contiguous(), a_scales.float().contiguous(), b.contiguous(), b_scales.float().contiguous(),
+            ends.to(torch.int32).contiguous(), raw, n, k, e)
+    meta = dict(OUT_BF16=bf16, EVEN_K=k % BK == 0, FAST=fast_accum, EP=max(16, triton.next_power_of_2(e)),
+                BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a.device))
     launch.launch(rows_kernel, grid, args, meta, ("grouped rows", bf16, k % BK == 0, fast_accum), a.is_cuda)
     return out if bf16 else out.to(out_dtype)
 
 
-def grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
+def _grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
                      ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``(E, M, N)``: for every expert, its columns of ``a_t`` (float8 ``(M, P)``) times those of ``b_t``
-    (float8 ``(N, P)``) transposed, scaled by ``a_scales`` ``(E * M,)`` and ``b_scales`` ``(E * N,)``;
-    ``ends`` the padded offsets (int32, each a multiple of 16: ``grouped_gemm.token_padding``)."""
+    """The launch of :func:`grouped_features`."""
     (m, p), n, e = a_t.shape, b_t.shape[0], ends.shape[0]
     out, raw, bf16 = _output((e, m, n), out_dtype, a_t.device)
     if out.numel() == 0:
@@ -181,6 +173,42 @@ def grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tenso
     meta = dict(OUT_BF16=bf16, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, **_launch_options(a_t.device, FEATURE_STAGES))
     launch.launch(features_kernel, grid, args, meta, ("grouped features", bf16), a_t.is_cuda)
     return out if bf16 else out.to(out_dtype)
+
+
+
+
+# [Note: how kernels become operators] in lowprec.kernels.ops: compiled graphs call these GEMMs as operators
+
+
+def _rows_fake(a, a_scales, b, b_scales, ends, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _features_fake(a_t, a_scales, b_t, b_scales, ends, out_dtype):
+    return a_t.new_empty((ends.shape[0], a_t.shape[0], b_t.shape[0]), dtype=out_dtype)
+
+
+_ROWS = define("grouped_rows(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor ends, ScalarType out_dtype, "
+               "bool fast_accum) -> Tensor", _grouped_rows, _rows_fake)
+_FEATURES = define("grouped_features(Tensor a_t, Tensor a_scales, Tensor b_t, Tensor b_scales, Tensor ends, "
+                   "ScalarType out_dtype) -> Tensor", _grouped_features, _features_fake)
+
+
+def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                 ends: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """``(T, N)``: every expert's rows of ``a`` (float8 ``(T, K)``, ``a_scales`` ``(T,)``; rows grouped by
+    ``ends``, the ``E`` cumulative offsets on the device, read there) times its ``b[e].T`` (float8
+    ``(E, N, K)``, ``b_scales`` ``(E, N)``); ``fast_accum``: all of K accumulated inside the tensor core, as a
+    recipe's forward asks of cuBLAS."""
+    return (_ROWS if as_operators() else _grouped_rows)(a, a_scales, b, b_scales, ends, out_dtype, fast_accum)
+
+
+def grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
+                     ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(E, M, N)``: for every expert, its columns of ``a_t`` (float8 ``(M, P)``) times those of ``b_t``
+    (float8 ``(N, P)``) transposed, scaled by ``a_scales`` ``(E * M,)`` and ``b_scales`` ``(E * N,)``;
+    ``ends`` the padded offsets (int32, each a multiple of 16: ``grouped_gemm.token_padding``)."""
+    return (_FEATURES if as_operators() else _grouped_features)(a_t, a_scales, b_t, b_scales, ends, out_dtype)
 
 
 __all__ = ["grouped_features", "grouped_rows"]

@@ -21,6 +21,7 @@ from lowprec._checks import describe, fail
 from lowprec.kernels import triton_ops as ops
 from lowprec.kernels import triton_tiles as T
 from lowprec.kernels.fold_rule import target as fold_target
+from lowprec.kernels.ops import as_operators
 from lowprec.kernels.route import CastSpec
 from lowprec.kernels.triton_plan import Launch, Template, launch
 from lowprec.quant import Granularity, QuantizedTensor, hadamard_matrix, rowwise
@@ -107,15 +108,6 @@ def _amaxes(x2, launch: Launch, hmat, compiling: bool, opaque: bool):
     if opaque:
         return ops.tile_amax(x2, list(launch.ints), hmat)
     return ops.amax(x2, launch.ints, hmat)
-
-
-def as_operators() -> bool:
-    """Whether the kernels run as their ``torch.library`` operators rather than by direct calls: in a
-    compiled graph, and under a Python dispatch mode (selective checkpointing's, a FLOP counter's, fake
-    tensors'). A mode intercepts every ATen operator of a direct call (a cast's few allocations), each
-    through Python, but an operator once, its implementation running below the mode: on one H200, eager 1B
-    fp8-current under selective checkpointing went from 0.53x to 0.82x BF16's speed (3B: 0.78x to 1.12x)."""
-    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def _run(x2, launch: Launch, hmat, given, rand_a, rand_b, generator, after=None):

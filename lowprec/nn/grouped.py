@@ -225,7 +225,7 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
         if y is None and _row_scaled(plan.fprop, qx, qw) and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt,
                                                                              k, n):
             y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(),
-                                   g.offsets, counts, out_dtype, plan.fprop.fast_accum)
+                                   g.offsets, out_dtype, plan.fprop.fast_accum)
         if y is not None:
             return (y + bias[expert].to(out_dtype) if bias is not None else y), qx_t, qw_t
         ys = []
@@ -253,7 +253,7 @@ def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) ->
         return None
     fa, fb = fold(a.mx_all()), fold(b.mx_all())
     return GG.grouped_by_rows(fa.data, fa.scale.view(-1), fb.data.view(e, n, kp), fb.scale.view(e, n), g.offsets,
-                              g.counts, dtype, gp.fast_accum)
+                              dtype, gp.fast_accum)
 
 
 def _pack(c: GC.ExpertCast | None):
@@ -273,7 +273,7 @@ def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> 
         return dx
     if _row_scaled(plan.dgrad, qdy, qw_t) and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
         return GG.grouped_by_rows(qdy.data, qdy.token_scales(g.expert), qw_t.weight_codes(), qw_t.weight_scales(),
-                                  g.offsets, g.counts, dtype, plan.dgrad.fast_accum)
+                                  g.offsets, dtype, plan.dgrad.fast_accum)
     return torch.cat([gemm(qdy.expert(e, rows), qw_t.expert(e), plan.dgrad, dtype) for e, rows in _slices(g.counts)])
 
 
@@ -284,7 +284,7 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
     fast = plan.wgrad.fast_accum
     if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f,
                                                                 fast_accum=fast):
-        e = len(counts)
+        e = g.n_experts
         a, sa, b, sb = qdy_t.data, qdy_t.feature_scales(e), qx_t.data, qx_t.feature_scales(e)
         if qdy_t.kind is GC.Side.COLUMN:  # both laid out as the grouped GEMM reads them (one kind per plan)
             return GG.grouped_by_features_laid_out(a, sa, b, sb, g.padded().ends, dtype, fast)
@@ -329,6 +329,23 @@ class BatchedFunction(torch.autograd.Function):
             if b_dtype is not None and need_bias:  # each expert's sum, as the loop sums it
                 db = torch.stack([dy[rows].sum(0).to(b_dtype) for _, rows in _rows_of(g.counts)])  # (E, out)
         return dx, dw, db, None, None, None
+
+
+def _static_plan(plan: LayerPlan, device: torch.device, w_shape: tuple[int, ...]) -> bool:
+    """Whether FP8 experts under ``plan`` run with their counts on the device alone (a compiled graph holds
+    them): casts batched per tensor or per row (``grouped_casts``: amaxes, scales and the padded layout are
+    device work, the padding sized for any routing), and every GEMM of a linear grouped on ``device``
+    (``kernels.grouped_gemm.runs_grouped``: cuBLAS's or lowprec's grouped kernels, which take the offsets on
+    the device); elsewhere the experts read their counts (the per-expert loops need them)."""
+    if GC.batched_kind(plan) not in (GC.TENSOR, GC.ROW):
+        return False
+    _, out_f, in_f = w_shape
+    gemms = ((GG.ROWS, plan.fprop, plan.input.cast_k, plan.weight.cast_k, (in_f, out_f)),
+             (GG.ROWS, plan.dgrad, plan.grad_output.cast_k, plan.weight.cast_t, (out_f, in_f)),
+             (GG.FEATURES, plan.wgrad, plan.grad_output.cast_t, plan.input.cast_t, (out_f, in_f)))
+    return all(gp.path is GemmPath.CUBLAS
+               and GG.runs_grouped(kind, device, a.fmt, b.fmt, *dims, fast_accum=gp.fast_accum)
+               for kind, gp, a, b, dims in gemms)
 
 
 GROUPED_BF16_DEVICES = ("cuda",)
@@ -402,6 +419,9 @@ class GroupedLinear(nn.Module):
     def set_recipe(self, recipe: str | R.Recipe | None) -> None:
         """Bind ``recipe`` (None: high precision); delayed scaling is refused (see [Note: grouped expert GEMMs])."""
         self.recipe: R.Recipe | None = _no_delay(R.get(recipe) if recipe is not None else None, "recipe")
+        self._plans: tuple[LayerPlan | None, LayerPlan | None] = (None, None)
+        """The training and evaluation plans last made eagerly (see :meth:`plan`)."""
+        self.plan(), self.plan(nearest=True)
 
     def plan(self, recipe: R.Recipe | None = None, nearest: bool = False) -> LayerPlan | None:
         """The plan of one expert's shape (in, out) for ``recipe`` (default: the bound one) on the weight's
@@ -409,7 +429,15 @@ class GroupedLinear(nn.Module):
         recipe = recipe if recipe is not None else self.recipe
         if recipe is None:
             return None
-        return layer_plan(recipe, self.weight.device, self.in_features, self.out_features, nearest=nearest)
+        memo = self._plans[int(nearest)]
+        # compiled code compares by value: dynamo does not keep a frozen dataclass's identity
+        same = memo is not None and (memo.recipe == recipe if torch.compiler.is_compiling() else memo.recipe is recipe)
+        if same and memo.device == self.weight.device:
+            return memo
+        plan = layer_plan(recipe, self.weight.device, self.in_features, self.out_features, nearest=nearest)
+        if not torch.compiler.is_compiling():  # kept for compiled calls, which read it (tracing none)
+            self._plans = (plan, self._plans[1]) if not nearest else (self._plans[0], plan)
+        return plan
 
     def local_experts(self) -> range:
         """The experts this process holds: all of them, or under expert parallelism its shard's (see
@@ -422,29 +450,34 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
         if torch.compiler.is_compiling() and isinstance(offsets, torch.Tensor):
-            dtype = self._offsets_dtype(x)
-            if dtype is not None:
-                return self._on_offsets(x, offsets, dtype)
+            way = self._on_device(x)
+            if way is not None:
+                return self._on_offsets(x, offsets, way)
         return self._counted(x, offsets)
 
     def takes_offsets(self, x: torch.Tensor) -> bool:
         """Whether a compiled call runs on the offsets as the device holds them, with no count read on the
-        host: high-precision BF16 experts as one ``torch._grouped_mm`` (see [Note: experts under
-        torch.compile] in ``lowprec.nn.routing``). A decision on the recipe, shapes and dtypes alone."""
-        return self._offsets_dtype(x) is not None
+        host (see [Note: experts under torch.compile] in ``lowprec.nn.routing``): high-precision BF16 experts
+        as one ``torch._grouped_mm``, and FP8 experts whose casts are batched per tensor or per row on a
+        device that runs all three of their GEMMs grouped (:func:`_static_plan`). A decision on the recipe,
+        shapes, dtypes and the device alone."""
+        return self._on_device(x) is not None
 
-    def _offsets_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+    def _on_device(self, x: torch.Tensor) -> torch.dtype | LayerPlan | None:
+        """:meth:`takes_offsets`'s way: BF16 (the grouped BF16 GEMM), the FP8 plan, or None."""
         recipe = _no_delay(resolve(self.recipe), "autocast recipe")
-        if recipe is not None and recipe.hp_dtype is None:  # FP8 or FP4 GEMMs, or a reason to keep them
-            return None
         plan = self.plan(recipe, nearest=not (self.training and torch.is_grad_enabled())) if recipe is not None \
             else None
-        if plan is not None and (plan.scaled or plan.hp_reason is not None):  # a reason: said eagerly, once
-            return None
         weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
+        if plan is not None and plan.scaled and plan.hp_reason is None:  # FP8 or FP4 GEMMs
+            return plan if self.bias is None and x.shape[0] and _static_plan(plan, x.device, weight.shape) else None
+        if recipe is not None and recipe.hp_dtype is None:  # a reason to keep them: said eagerly, once
+            return None
+        if plan is not None and (plan.scaled or plan.hp_reason is not None):
+            return None
         return _bf16_dtype(x, weight, self.bias, plan.hp_dtype if plan is not None else None)
 
-    def _on_offsets(self, x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _on_offsets(self, x: torch.Tensor, offsets: torch.Tensor, way: torch.dtype | LayerPlan) -> torch.Tensor:
         """:meth:`takes_offsets`'s path: the offsets are checked on the device (an assertion there), not read."""
         n = len(self.local_experts())
         self._check_x(x)
@@ -456,7 +489,13 @@ class GroupedLinear(nn.Module):
         torch._assert_async((ends[-1] == x.shape[0]) & (torch.diff(ends, prepend=ends.new_zeros(1)) >= 0).all(),
                             "offsets: expected non-decreasing cumulative token counts ending at x's rows")
         weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
-        return _grouped_bf16(x, weight, None, offsets, dtype)
+        if isinstance(way, torch.dtype):
+            return _grouped_bf16(x, weight, None, offsets, way)
+        g = GC.Groups.of(None, offsets.to(x.device), x.shape[0])  # the counts stay on the device
+        g.padded()  # worked out here, outside the autograd function, which only reads it
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return BatchedFunction.apply(x, weight, None, g, way, self.state)
+        return _batched_forward(x, weight, None, g, way, False, False, self.state)[0]
 
     @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def _counted(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:

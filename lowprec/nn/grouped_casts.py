@@ -203,12 +203,12 @@ class ExpertCast:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Groups:
-    """Token rows grouped by expert, on the host and on the rows' device (made once per forward from the
-    offsets the layer is given, so that nothing waits for the device again). Equal only to itself: the
-    layers that read the same rows share their casts for the same groups object."""
+    """Token rows grouped by expert, on the rows' device and, where they were read, on the host (made once
+    per forward from the offsets the layer is given, so that nothing waits for the device again). Equal only
+    to itself: the layers that read the same rows share their casts for the same groups object."""
 
-    counts: tuple[int, ...]
-    """Each expert's rows (host)."""
+    counts: tuple[int, ...] | None
+    """Each expert's rows (host); None where they were not read (:meth:`on_device`)."""
     lengths: torch.Tensor
     """``(E,)`` int64: the same on the device."""
     offsets: torch.Tensor
@@ -217,19 +217,27 @@ class Groups:
     """``(T,)`` int64: each row's expert."""
     _padded: list = field(default_factory=list, init=False, repr=False, compare=False)
 
+    @property
+    def n_experts(self) -> int:
+        return self.lengths.shape[0]
+
     def padded(self) -> GG.Padding:
-        """The tokens padded per expert to multiples of 16 (``kernels.grouped_gemm.token_padding``), worked
-        out once for the layers that share these groups."""
+        """The tokens padded per expert to multiples of 16 (``kernels.grouped_gemm.token_padding``; to the
+        bound of any routing where the counts were not read), worked out once for the layers that share
+        these groups."""
         if not self._padded:
-            self._padded.append(GG.token_padding(self.counts, self.lengths))
+            self._padded.append(GG.token_padding(self.counts, self.lengths, rows=self.expert.shape[0]))
         return self._padded[0]
 
     @staticmethod
-    def of(counts: tuple[int, ...], offsets: torch.Tensor) -> Groups:
+    def of(counts: tuple[int, ...] | None, offsets: torch.Tensor, rows: int | None = None) -> Groups:
+        """Groups of ``offsets`` (cumulative, on the device) whose ``counts`` the host read, or (``counts``
+        None) of ``rows`` rows whose counts stay on the device."""
         ends = offsets.to(torch.int64)
         lengths = torch.diff(ends, prepend=ends.new_zeros(1))
-        expert = torch.repeat_interleave(torch.arange(len(counts), device=offsets.device), lengths,
-                                         output_size=sum(counts))
+        rows = sum(counts) if counts is not None else rows
+        expert = torch.repeat_interleave(torch.arange(lengths.shape[0], device=offsets.device), lengths,
+                                         output_size=rows)
         return Groups(counts, lengths, offsets.to(torch.int32), expert)
 
 
@@ -273,7 +281,7 @@ def expert_scales(x2: torch.Tensor, g: Groups, fmt: F.Format, per_feature: bool)
     if x2.numel() and _on_triton(fmt, x2.device):
         from lowprec.kernels import triton_grouped  # Triton: imported where it runs
 
-        amax = triton_grouped.amax_by_group(x2.detach(), g.expert, len(g.counts))  # (E, K)
+        amax = triton_grouped.amax_by_group(x2.detach(), g.expert, g.n_experts)  # (E, K)
         return _scales(amax if per_feature else amax.amax(dim=1), fmt)
     values = x2.detach().abs().float()
     amax = _amax_by(values if per_feature else values.amax(dim=1), g)
@@ -317,7 +325,8 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     else:
         codes = quantize(x2, fmt, blockwise(1, 1), scale=scales[g.expert]).data  # each element by its scale
         data = GG.features_padded(codes, padding)
-    return ExpertCast(data, scales, fmt, x2.dtype, Side.COLUMN, starts=GG.padded_starts(g.counts))
+    starts = GG.padded_starts(g.counts) if g.counts is not None else ()  # the per-expert loop's
+    return ExpertCast(data, scales, fmt, x2.dtype, Side.COLUMN, starts=starts)
 
 
 def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:

@@ -25,6 +25,11 @@ def _pow2(n: int, seed: int) -> torch.Tensor:
     return 2.0 ** torch.randint(-6, 7, (n,), generator=g).float()
 
 
+def _ends(counts) -> torch.Tensor:
+    """The cumulative offsets, int32, as the kernel reads them on the device."""
+    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
 def _rows_problem(counts, k: int, n: int, a_dtype):
     t, e = sum(counts), len(counts)
     return (_ints(t, k, seed=1, dtype=a_dtype), _pow2(t, 2), _ints(e, n, k, seed=3, dtype=E4M3),
@@ -38,9 +43,9 @@ def _rows_problem(counts, k: int, n: int, a_dtype):
 def test_rows_equal_each_experts_gemm_bit_for_bit_where_sums_are_exact(counts, k, a_dtype, fast):
     a, sa, b, sb = _rows_problem(counts, k, 144, a_dtype)  # N not a multiple of the tile either
     want = GG._reference(GG.ROWS, a, sa, b, sb, counts)
-    got = TG.grouped_rows(a, sa, b, sb, counts, torch.float32, fast)
+    got = TG.grouped_rows(a, sa, b, sb, _ends(counts), torch.float32, fast)
     assert got.shape == (sum(counts), 144) and torch.equal(got, want)
-    assert torch.equal(TG.grouped_rows(a, sa, b, sb, counts, torch.bfloat16), want.to(torch.bfloat16))
+    assert torch.equal(TG.grouped_rows(a, sa, b, sb, _ends(counts), torch.bfloat16), want.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("a_dtype", [E5M2, E4M3])
@@ -68,7 +73,7 @@ def test_random_values_agree_within_fp32_summation():
     b = (torch.randn(4, 64, 256, generator=g) * 8).to(E4M3)
     sa, sb = torch.rand(135, generator=g) + 0.5, torch.rand(4, 64, generator=g) + 0.5
     want = GG._reference(GG.ROWS, a, sa, b, sb, counts)
-    got = TG.grouped_rows(a, sa, b, sb, counts, torch.float32)
+    got = TG.grouped_rows(a, sa, b, sb, _ends(counts), torch.float32)
     bound = 256 * 2.0 ** -23 * (a.float().abs() @ b.float().abs().transpose(1, 2).reshape(-1, 256).t()).max()
     assert (got - want).abs().max() <= bound * sa.max() * sb.max()
 
@@ -79,7 +84,7 @@ def test_the_self_check_problem_passes_through_the_dispatch():
     for kind in (GG.ROWS, GG.FEATURES):
         a, sa, b, sb, counts = GG._problem(kind, torch.device("cpu"), E5M2)
         if kind == GG.ROWS:
-            got = GG._by_rows(a, sa, b, sb, GG._offsets(counts, "cpu"), counts, torch.float32, False)
+            got = GG._by_rows(a, sa, b, sb, GG._offsets(counts, "cpu"), torch.float32, False)
         else:
             got = GG._by_features(a, sa, b, sb, GG.token_padding(counts, torch.tensor(counts)), torch.float32,
                                     False)
@@ -131,7 +136,7 @@ def test_e4m3_weight_gradients_without_fast_accumulation_take_the_triton_kernel_
     seen, real = [], TG.grouped_features
     monkeypatch.setattr(TG, "grouped_features", lambda *args: seen.append(args[0].dtype) or real(*args))
     assert GG._self_check(GG.FEATURES, torch.device("cpu"), False)
-    assert seen == [E5M2, E4M3]  # the Triton kernel's check covers both pairs it takes
+    assert seen == [E5M2, E5M2, E4M3, E4M3]  # both pairs it takes, each padded both ways
     monkeypatch.setattr(TG, "grouped_features", lambda *args: seen.append(args[0].dtype) or real(*args) * 1.01)
     seen.clear()
     with pytest.warns(UserWarning, match="differs from the per-expert"):

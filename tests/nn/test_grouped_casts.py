@@ -136,7 +136,7 @@ def test_mx_experts_take_one_grouped_gemm_of_rows_folded_to_row_scales(monkeypat
     layer_plan.cache_clear()
     calls = []
 
-    def by_rows(a, a_scales, b, b_scales, offsets, counts, out_dtype, fast_accum):
+    def by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum):
         calls.append((a.dtype, tuple(b.shape)))
         counts = torch.diff(offsets.long(), prepend=offsets.new_zeros(1).long()).tolist()
         return GG._reference(GG.ROWS, a, a_scales, b, b_scales, counts).to(out_dtype)
