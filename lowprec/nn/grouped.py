@@ -27,9 +27,10 @@ How the experts run (the values above hold on every path):
   (:func:`_grouped_bf16`).
 
 The host reads ``offsets`` once per forward (the loops and the grouped GEMMs' padding need the counts),
-or once for several layers given the ``Groups`` :func:`route` made; so under ``torch.compile`` the forward
-runs outside the graph, but for BF16 experts on ``torch._grouped_mm``, which need only the offsets on the
-device (see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
+or once for several layers given the ``Groups`` :func:`route` made; under ``torch.compile`` such a layer
+runs outside the graph. Layers that need no count run in it, on the offsets as the device holds them: BF16
+experts on ``torch._grouped_mm``, and per-tensor or per-row FP8 experts where every GEMM runs grouped
+(:func:`_static_plan`; see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
 
 Under expert parallelism (``lowprec.distributed.expert_parallel``) ``weight`` (and ``bias``) are DTensors
 split by experts (``Shard(0)``) over the expert-parallel group: this process computes with its local

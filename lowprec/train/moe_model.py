@@ -10,7 +10,8 @@ probabilities renormalised to sum to one. No token is dropped (no capacity limit
 the offsets are the cumulative counts (``lowprec.nn.routing.expert_counts``, of a fixed shape), and the
 routed experts are three ``lowprec.nn.GroupedLinear``s (``w1`` gate, ``w3`` up, ``w2`` down: a SwiGLU each,
 the names of the dense feed-forward), which ``convert`` binds to the recipe; under ``torch.compile`` they
-run outside the graph (see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
+run in the graph where they need no count on the host (BF16, and fp8-current or fp8-rowwise on an sm90 GPU),
+outside it otherwise (see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
 Each pair's output is put back in token order by a gather (no scatter-add, so the combine is deterministic
 on any device), multiplied by its weight and summed over the token's ``top_k`` experts. The shared experts
 are one dense SwiGLU of ``n_shared`` experts' width, added to every token.
