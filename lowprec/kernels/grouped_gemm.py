@@ -24,8 +24,13 @@ for the forward and input gradient's kind, PyTorch's kernel is as fast or faster
 device it checks itself against the per-expert GEMMs computed from the exact values (FP8 products in
 FP32) on a small problem of unbalanced experts (one of them without tokens, several tiles of each
 dimension); if they disagree beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns
-once and those GEMMs stay expert by expert on that device. ``lowprec.nn.GroupedLinear`` asks
-:func:`runs_grouped` for each of its three GEMMs.
+once and those GEMMs stay expert by expert on that device (the weight gradient's kind is checked on both
+paddings :func:`token_padding` makes). ``lowprec.nn.GroupedLinear`` asks :func:`runs_grouped` for each of
+its three GEMMs; under ``torch.compile`` the answer, check included, is a constant of the graph.
+
+Both kernels take the experts' bounds as offsets on the device, so a caller that never reads the counts
+(a compiled graph's experts) passes the rows padded for any routing (:func:`padded_bound`): the columns
+after the last expert's hold zeros, which no expert reads.
 """
 from __future__ import annotations
 
