@@ -180,8 +180,6 @@ def _features_padded(rows: torch.Tensor, sources: torch.Tensor | None, total: in
     return out
 
 
-
-
 # [Note: how kernels become operators] in lowprec.kernels.ops: compiled graphs (and Python dispatch modes)
 # call these passes as operators, eager code calls them directly. A format travels by its name.
 
