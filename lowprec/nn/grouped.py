@@ -60,7 +60,7 @@ from lowprec.kernels.gemm import GemmPath, folded_runs
 from lowprec.nn import grouped_casts as GC
 from lowprec.nn.casts import CastState, cast_operand, shared_casts
 from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
-from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan
+from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan, memo_serves
 from lowprec.nn.probe import probe
 from lowprec.nn.routing import outside_graphs
 from lowprec.ranks import is_dtensor
@@ -431,9 +431,7 @@ class GroupedLinear(nn.Module):
         if recipe is None:
             return None
         memo = self._plans[int(nearest)]
-        # compiled code compares by value: dynamo does not keep a frozen dataclass's identity
-        same = memo is not None and (memo.recipe == recipe if torch.compiler.is_compiling() else memo.recipe is recipe)
-        if same and memo.device == self.weight.device:
+        if memo_serves(memo, recipe, self.weight.device):
             return memo
         plan = layer_plan(recipe, self.weight.device, self.in_features, self.out_features, nearest=nearest)
         if not torch.compiler.is_compiling():  # kept for compiled calls, which read it (tracing none)

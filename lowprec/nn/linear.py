@@ -17,7 +17,7 @@ from lowprec.nn.delayed import DelayedState
 from lowprec.nn.delayed_bank import DelayedBanks
 from lowprec.nn.fp8_weight import stored_codes
 from lowprec.nn.function import LinearFunction, fprop, output_dtype
-from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan
+from lowprec.nn.plan import LayerPlan, fallback_reason, layer_plan, memo_serves
 from lowprec.nn.record import record_amaxes
 from lowprec.nn.stored_codes import StoredCodes
 from lowprec.ranks import local
@@ -107,9 +107,7 @@ class Linear(nn.Linear):
         i = 1 if nearest else 0
         memo = self._plans[i]
         storage = self._codes.granularity if self._codes is not None else None
-        # compiled code compares by value: dynamo does not keep a frozen dataclass's identity
-        same = memo is not None and (memo.recipe == recipe if torch.compiler.is_compiling() else memo.recipe is recipe)
-        if same and memo.device == self.weight.device and memo.weight_storage == storage:
+        if memo_serves(memo, recipe, self.weight.device) and memo.weight_storage == storage:
             return memo
         plan = layer_plan(recipe, self.weight.device, self.in_features, self.out_features, self.policy_reason,
                           self.min_features, nearest, storage, self.recast_input)

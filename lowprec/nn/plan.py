@@ -312,6 +312,15 @@ def recasts_weight_t(recipe: R.Recipe, nearest: bool = False) -> bool:
     return b is not None and not b.stochastic and (not b.delayed or (a is not None and a.scaled_like(b)))
 
 
+def memo_serves(memo: LayerPlan | None, recipe: R.Recipe, device: torch.device) -> bool:
+    """Whether a layer's memoized plan ``memo`` is the plan of ``recipe`` on ``device`` (a layer keeps its
+    last eager plans so that compiled calls read them rather than trace :func:`layer_plan`). Compiled code
+    compares the recipe by value: Dynamo does not keep a frozen dataclass's identity."""
+    if memo is None or memo.device != device:
+        return False
+    return memo.recipe == recipe if torch.compiler.is_compiling() else memo.recipe is recipe
+
+
 @functools.lru_cache(maxsize=1024)
 def layer_plan(recipe: R.Recipe, device: torch.device, in_features: int, out_features: int,
                policy_reason: str | None = None, min_features: int | None = None,
