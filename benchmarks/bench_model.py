@@ -12,7 +12,8 @@ cross-entropy, backward, the optimizer step. Two ways to hold the parameters:
 the same for every variant so they compare alike. Variants: ``bf16`` (the plain model),
 ``lowprec:<recipe>`` (``lowprec.convert`` with the default policy), ``torchao:<recipe>``
 (``convert_to_float8_training``, when torchao is importable). The LM head stays BF16 in all.
-``torch.compile`` compiles the model; the optimizer step runs eagerly, as in most training scripts.
+``torch.compile`` compiles the model (mode ``cudagraphs``: ``mode="reduce-overhead"``, forward and backward
+replayed as CUDA graphs); the optimizer step runs eagerly, as in most training scripts.
 ``--recompute`` checkpoints every block of every variant (``lowprec.train.recompute.recompute_blocks``),
 one group per mode.
 
@@ -50,7 +51,7 @@ from lowprec.plan.models import reference_spec
 from lowprec.train.model import build_model
 from lowprec.train.recompute import Recompute, recompute_blocks, recompute_mode
 
-MODES = ("compiled", "eager")
+MODES = ("compiled", "eager", "cudagraphs")
 PARAMS = ("fp32-autocast", "bf16-master")
 CONVERT_ON = ("device", "cpu")
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -155,16 +156,19 @@ def gib(n: int) -> float:
 
 
 def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tensor,
-              states: str | None = None) -> tuple[Callable, object]:
+              states: str | None = None, graphs: bool = False) -> tuple[Callable, object]:
     """The training step as a user writes it, and its optimizer (AdamW; ``states``: lowprec's AdamW with
-    moments in ``bf16``, ``fp8`` or ``int8``)."""
-    forward = torch.compile(model) if compiled else model
+    moments in ``bf16``, ``fp8`` or ``int8``); ``graphs``: compiled with CUDA graphs."""
+    forward = (torch.compile(model, mode="reduce-overhead") if graphs
+               else torch.compile(model) if compiled else model)
+    begin = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
     x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T) inputs, next tokens as targets
     fused = {"fused": True}  # fused AdamW exists on CUDA and on CPU: the dry run takes the same path
     if params == "fp32-autocast":
         opt = torch.optim.AdamW(model.parameters(), **ADAMW, **fused)
 
         def step() -> torch.Tensor:
+            begin()  # the last step's graph outputs are dead from here
             opt.zero_grad(set_to_none=True)
             with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 logits = forward(x)  # (B, T, vocab)
@@ -177,6 +181,7 @@ def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tenso
         opt = lowprec.optim.Optimizer(model.parameters(), inner[0], master_weights=True, **ADAMW, **inner[1])
 
         def step() -> torch.Tensor:
+            begin()
             opt.zero_grad()
             logits = forward(x)  # (B, T, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
@@ -188,9 +193,9 @@ def make_step(model: nn.Module, params: str, compiled: bool, tokens: torch.Tenso
 
 
 def measure(model: nn.Module, size: Size, params: str, compiled: bool, tokens: torch.Tensor, args,
-            states: str | None = None) -> dict:
+            states: str | None = None, graphs: bool = False) -> dict:
     """First step, warmup, then ``args.steps`` timed steps of ``model``."""
-    step, opt = make_step(model, params, compiled, tokens, states)
+    step, opt = make_step(model, params, compiled, tokens, states, graphs)
     counters = torch._dynamo.utils.counters
     counters.clear()
     sync(DEVICE)
@@ -206,9 +211,11 @@ def measure(model: nn.Module, size: Size, params: str, compiled: bool, tokens: t
         torch.cuda.reset_peak_memory_stats()
     seconds, loss = timed(step, args.steps, DEVICE)
     row = {"tokens_per_s": size.tokens / statistics.median(seconds), "step_ms": [s * 1e3 for s in seconds],
-           "peak_gib": gib(torch.cuda.max_memory_allocated()) if DEVICE == "cuda" else None,
+           # a replayed CUDA graph allocates nothing: its pool would be missing from the peak
+           "peak_gib": gib(torch.cuda.max_memory_allocated()) if DEVICE == "cuda" and not graphs else None,
            "first_step_s": first_s, "warmup_s": warmup_s, "graph_breaks": sum(counters["graph_break"].values()),
-           "graphs": counters["stats"]["unique_graphs"], "loss_first": first_loss, "loss_last": loss.item(),
+           "graphs": counters["stats"]["unique_graphs"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+           "loss_first": first_loss, "loss_last": loss.item(),
            "skipped_steps": getattr(opt, "skipped_steps", 0)}
     if DEVICE == "cuda":
         row["mfu"] = size.tokens * size.flops_per_token() / statistics.median(seconds) / args.peak_flops
@@ -240,7 +247,8 @@ def _variant(base: nn.Module, size: Size, name: str, where: str, params: str, mo
     dtype = torch.float32 if params == "fp32-autocast" else torch.bfloat16
     model, what, setup_s = place(base, name, dtype, where, recompute)
     model_gib = gib(torch.cuda.memory_allocated()) if DEVICE == "cuda" else None  # parameters, buffers, batch
-    row = measure(model, size, params, mode == "compiled", tokens, args, None if states == "fp32" else states)
+    row = measure(model, size, params, mode != "eager", tokens, args, None if states == "fp32" else states,
+                  graphs=mode == "cudagraphs")
     checkpointed = sum(recompute_mode(b) is not Recompute.NONE for b in transformer_blocks(model))
     return {"convert_on": where, "conversion": what, "setup_s": setup_s, "model_gib": model_gib,
             "checkpointed_blocks": checkpointed, **row}

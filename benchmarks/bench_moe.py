@@ -5,6 +5,7 @@ lowprec can run them, in one process.
 cd benchmarks
 python3 bench_moe.py --out results                         # one GPU: moe-1b's experts, 16k tokens, top 4
 python3 bench_moe.py --tokens 256 --experts 4 --dim 128 --width 128 --out results   # dry run, any machine
+python3 bench_moe.py --variants "bf16 grouped_mm,bf16 cudagraphs,fp8-current loop,fp8-current cudagraphs"
 ```
 
 Variants (all on the same routed rows, grouped by expert, with random unbalanced counts):
@@ -19,7 +20,9 @@ Variants (all on the same routed rows, grouped by expert, with random unbalanced
 - ``<recipe> on device``: as ``grouped``, the counts left on the device (what a compiled graph runs, here
   eager: no host read, the padding sized for any routing);
 - ``bf16 compiled``, ``<recipe> compiled``: the experts under ``torch.compile`` (in the graph: BF16's
-  grouped GEMM, and the FP8 recipes' path on the device).
+  grouped GEMM, and the FP8 recipes' path on the device);
+- ``bf16 cudagraphs``, ``<recipe> cudagraphs``: the same under ``torch.compile(mode="reduce-overhead")``,
+  each call replayed as CUDA graphs (the host's launches recorded once).
 
 Checks first: each variant's output, input gradient and ``w2`` weight gradient against its recipe's loop
 (relative error), and the loops' against BF16's (SQNR). Then the milliseconds of forward + backward of the
@@ -77,6 +80,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variants", default=None, help="comma-separated names of the table (default: all); "
+                    "'bf16 grouped_mm' and each recipe's loop always run, as the references")
     args = ap.parse_args()
     dev = C.DEVICE
     counts = _counts(args.tokens, args.experts, args.top_k)
@@ -88,19 +93,30 @@ def main() -> None:
     x = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16) * 1e-2
     recipes = ("fp8-current", "fp8-rowwise")
-    modes = ("loop", "batched", "grouped", "triton", "on device", "compiled")
-    variants = ["bf16 loop", "bf16 grouped_mm", "bf16 compiled", *(f"{r} {m}" for r in recipes for m in modes)]
+    modes = ("loop", "batched", "grouped", "triton", "on device", "compiled", "cudagraphs")
+    variants = ["bf16 loop", "bf16 grouped_mm", "bf16 compiled", "bf16 cudagraphs",
+                *(f"{r} {m}" for r in recipes for m in modes)]
+    if args.variants:
+        wanted = set(args.variants.split(",")) | {"bf16 grouped_mm", *(f"{r} loop" for r in recipes)}
+        unknown = wanted - set(variants)
+        if unknown:
+            ap.error(f"--variants: expected names among {', '.join(variants)}, got {', '.join(sorted(unknown))}")
+        variants = [v for v in variants if v in wanted]
     outs, times = {}, {}
     for name in variants:
         recipe = name.split()[0] if name.startswith("fp8") else None
         for lin in (base.w1, base.w3, base.w2):
             lin.set_recipe(recipe)
         torch._dynamo.reset()
-        forward = torch.compile(base) if name.endswith("compiled") else base
+        graphs = name.endswith("cudagraphs")
+        forward = (torch.compile(base, mode="reduce-overhead") if graphs
+                   else torch.compile(base) if name.endswith("compiled") else base)
         with _variant(name):
             xg = x.clone().requires_grad_()
 
-            def step(xg=xg, forward=forward):
+            def step(xg=xg, forward=forward, graphs=graphs):
+                if graphs:  # the last call's outputs are dead: its graphs' memory may be written again
+                    torch.compiler.cudagraph_mark_step_begin()
                 xg.grad = None
                 for p in base.parameters():
                     p.grad = None
@@ -115,6 +131,8 @@ def main() -> None:
     for r in recipes:
         ref = outs[f"{r} loop"]
         for mode in modes[1:]:
+            if f"{r} {mode}" not in outs:
+                continue
             checks.append([f"{r} {mode}", *(f"{((a - b).norm() / b.norm()).item():.2e}"
                                              for a, b in zip(outs[f"{r} {mode}"], ref))])
         checks.append([f"{r} loop vs bf16 (SQNR dB)", *(f"{C.sqnr(b, a):.1f}"

@@ -15,8 +15,8 @@ from lowprec.train.model import PRESETS, Transformer, build_model
 from tests.helpers import load_benchmark
 
 ROW_FIELDS = {"convert_on", "conversion", "checkpointed_blocks", "setup_s", "model_gib", "tokens_per_s", "step_ms",
-              "peak_gib", "first_step_s", "warmup_s", "graph_breaks", "graphs", "loss_first", "loss_last",
-              "skipped_steps", "planned_gib"}
+              "peak_gib", "first_step_s", "warmup_s", "graph_breaks", "graphs", "cudagraph_skips", "loss_first",
+              "loss_last", "skipped_steps", "planned_gib"}
 
 
 @pytest.fixture(name="bench", scope="module")
@@ -146,3 +146,22 @@ def test_recompute_runs_a_group_per_mode_with_the_planner_beside(bench, tmp_path
     planned = [bench.planned_gib(size, "bf16", "bf16-master", mode, "h200") for mode in groups]
     assert planned[0] > planned[1] > planned[2]
     assert bench.planned_gib(size, "torchao:tensorwise", "bf16-master", "none", "h200") is None
+
+
+@pytest.mark.parametrize("params", ["fp32-autocast", "bf16-master"])
+def test_cudagraphs_mode_compiles_for_replay_and_starts_each_step(bench, params, monkeypatch):
+    """``--modes cudagraphs``: the model compiled with ``mode="reduce-overhead"`` and every step a new CUDA-graph
+    generation, before it touches the gradients (a replay writes over the last step's outputs)."""
+    calls = []
+    model = build_model(PRESETS["tiny"], seed=0).to(torch.float32 if params == "fp32-autocast" else torch.bfloat16)
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: calls.append(("compile", kw)) or m)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append(("begin",)))
+    tokens = torch.randint(PRESETS["tiny"].vocab_size, (2, 9))
+    step, _ = bench.make_step(model, params, True, tokens, graphs=True)
+    assert calls == [("compile", {"mode": "reduce-overhead"})]
+    for _ in range(2):
+        assert torch.isfinite(step())
+    assert calls[1:] == [("begin",), ("begin",)]
+    calls.clear()
+    bench.make_step(model, params, True, tokens)[0]()
+    assert calls == [("compile", {})]  # compiled without graphs: no generation to start

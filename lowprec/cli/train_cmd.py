@@ -122,6 +122,10 @@ def _options(d: Defaults) -> list[Callable]:
                           "stay in high precision. Default: the default policy."),
         click.option("--compile", "compiled", is_flag=True,
                      help="torch.compile the model's forward and backward (inductor)."),
+        click.option("--cuda-graphs", is_flag=True,
+                     help="With --compile: replay the compiled forward and backward as CUDA graphs "
+                          "(mode reduce-overhead), for steps whose host work sets the pace, such as FP8 experts. "
+                          "One process, a CUDA device, --grad-accum 1."),
         click.option("--telemetry-every", type=int, default=d.telemetry_every,
                      show_default=d.telemetry_every is not None,
                      help="Every N steps, record each converted layer's operand figures (amax, scale, underflow, "
@@ -209,7 +213,8 @@ def config_from_options(recipe: str, opts: dict[str, Any], device: str | None = 
         grad_comm=opts["grad_comm"], fp8_all_gather=opts["fp8_all_gather"], ep=opts["ep"],
         tp=opts["tp"],
         policy=_policy_option(opts["policy_file"]),
-        compile="inductor" if opts["compiled"] else None, fp8_weights=opts["fp8_weights"],
+        compile="inductor" if opts["compiled"] else None, cuda_graphs=opts["cuda_graphs"],
+        fp8_weights=opts["fp8_weights"],
         optim_states=opts["optim_states"], master_weights=opts["master_weights"],
         fp8_activations=opts["fp8_activations"], on_spike=opts["on_spike"], control=_control_option(opts),
         recompute=opts["recompute"], **extra)

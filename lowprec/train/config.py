@@ -109,6 +109,13 @@ class TrainConfig:
     compile: str | None = None
     """A ``torch.compile`` backend (``inductor``; ``aot_eager`` in tests) for the training and validation
     forward and backward, or None for eager. The optimizer step stays eager."""
+    cuda_graphs: bool = False
+    """Compile with ``mode="reduce-overhead"``: inductor records the compiled forward and backward as CUDA
+    graphs and replays them, so the host no longer issues each kernel. It pays where the host, not the GPU,
+    sets the step's pace: the FP8 experts of a mixture of experts (BENCHMARKS.md). Needs ``compile``
+    ``inductor`` on a CUDA device, one process without tensor or expert parallelism, and ``grad_accum`` 1
+    (a replay writes over the last one's outputs, which an accumulated gradient would still hold). A
+    compiled graph inductor does not record is named in a warning (see :mod:`lowprec.train.graphs`)."""
     telemetry_every: int = 500
     """Sample the converted layers' operand figures (amax, scale, underflow, saturation, SQNR) every this many
     steps into ``telemetry.csv`` (0: never); see ``lowprec.telemetry``. It changes no number of the run."""
@@ -166,6 +173,7 @@ class TrainConfig:
         check_positive_int("ep", self.ep)
         if self.ep > 1 and self.parallel == "none":
             fail("ep", "1 with parallel 'none' (experts are split over the ranks of a ddp or fsdp2 run)", self.ep)
+        self._check_cuda_graphs()
         self._check_tp()
         self._check_fp8_weights()
         self._check_optimizer()
@@ -173,6 +181,20 @@ class TrainConfig:
             torch.device(self.device)
         except RuntimeError:
             fail("device", "a torch device such as 'cpu' or 'cuda:0'", repr(self.device))
+
+    def _check_cuda_graphs(self) -> None:
+        if not isinstance(self.cuda_graphs, bool):
+            fail("cuda_graphs", "a bool", describe(self.cuda_graphs), TypeError)
+        if not self.cuda_graphs:
+            return
+        needs = (("compile", self.compile == "inductor", "'inductor'", repr(self.compile)),
+                 ("device", str(self.device).startswith("cuda"), "a CUDA device", repr(self.device)),
+                 ("parallel", self.parallel == "none", "'none'", repr(self.parallel)),
+                 ("grad_accum", self.grad_accum == 1, "1", self.grad_accum))
+        for name, ok, expected, got in needs:
+            if not ok:
+                fail(name, f"{expected} with cuda_graphs (CUDA graphs replay inductor's graphs, one process "
+                     "without gradient accumulation)", got)
 
     def _check_tp(self) -> None:
         check_positive_int("tp", self.tp)
@@ -232,6 +254,7 @@ class TrainConfig:
 RESUME_MUST_MATCH = tuple(f.name for f in fields(TrainConfig)
                           if f.name not in ("steps", "save_every", "keep", "device", "tensorboard", "progress",
                                             "parallel", "grad_comm", "fp8_all_gather", "ep", "tp", "compile",
+                                            "cuda_graphs",
                                             "telemetry_every", "recompute"))
 """Settings that change the numbers: a resumed run must use the checkpoint's. ``steps`` may grow; the
 parallelism and number of ranks may change (the global batch does not; experts split by ``ep`` and linears

@@ -57,7 +57,7 @@ from lowprec.nn.delayed import amax_outliers
 from lowprec.optim import AdamWLP, Optimizer
 from lowprec.telemetry import Telemetry
 from lowprec.telemetry.sample import warn_nothing_to_sample
-from lowprec.train import step_control
+from lowprec.train import graphs, step_control
 from lowprec.train.checkpoint import latest_checkpoint
 from lowprec.train.config import TrainConfig
 from lowprec.train.data import TokenData
@@ -136,6 +136,7 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
                                            cfg.seq_len, rank=run.ranks.data_rank,
                                            world_size=run.ranks.data_world)  # (M, B/W, T)
     start = time.perf_counter()
+    graphs.begin_step(cfg.cuda_graphs)
     loss_sum = torch.zeros((), device=run.device)
     # backward inside the region too: the override must hold while the backward GEMMs pick their casts
     # micro-batches of one step share each weight's casts; a single batch casts at its forward
@@ -172,11 +173,14 @@ def _train_step(run: RunState, step: int) -> dict[str, Any]:
     # the controller judges the recipe's casts: the BF16 start's figures say nothing about them
     judged = sampled.records if sampled is not None and step > cfg.hp_start_steps else None
     step_control.after_step(run, step, row, switches, records=judged)
+    if cfg.cuda_graphs:
+        run.graph_skips = graphs.warn_unrecorded(run.graph_skips)
     return row
 
 
 def _validate(run: RunState) -> float:
     """The validation loss over all ranks' rows (each rank evaluates its own)."""
+    graphs.begin_step(run.cfg.cuda_graphs)
     local = evaluate(run.forward, run.val, run.device)
     if not run.ranks.distributed:
         return local
@@ -334,7 +338,7 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     apply_grad_comm(model, parallel, cfg.grad_comm)
     torch.manual_seed(cfg.seed)
     # compiled after wrapping (DDP's hooks stay outside the graph), sharing the wrapped model's parameters
-    forward = torch.compile(model, backend=cfg.compile) if cfg.compile is not None else model
+    forward = graphs.compiled(model, cfg.compile, cfg.cuda_graphs)
     run = RunState(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
                    val=val, ranks=ranks, forward=forward)
     run.control = step_control.make_controller(run)

@@ -74,6 +74,9 @@ class RunState:
     """Added to the step to draw its batch: moved past the data of rolled-back steps (``on_spike``)."""
     rollbacks: int = 0
     pending_switches: list = field(default_factory=list)
+    graph_skips: int = 0
+    """Compiled graphs inductor had run without CUDA graphs when the last step ended (``cfg.cuda_graphs``:
+    a new one is warned about; see ``lowprec.train.graphs``)."""
 
     def __post_init__(self) -> None:
         if self.forward is None:
