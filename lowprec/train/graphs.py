@@ -11,7 +11,7 @@ step's graphs is kept past it: the loss is read within the step, the gradients a
 optimizer before the next forward.
 
 Inductor skips recording a graph it cannot replay (a CPU tensor among its inputs, an input written in
-place that is not a parameter or buffer, a dynamic shape it has not seen) and runs it as an ordinary
+place that is not a parameter or buffer, an operator marked unsafe to record) and runs it as an ordinary
 compiled graph. Skips are counted by inductor; :func:`warn_unrecorded` turns a new count into a warning
 that names how many, so a run asked for CUDA graphs is never silently without them.
 """
@@ -47,10 +47,12 @@ def skipped() -> int:
 
 
 def warn_unrecorded(seen: int) -> int:
-    """Warn where inductor has skipped recording graphs since the count ``seen``; the count now."""
+    """Warn where inductor has skipped recording graphs since the count ``seen`` (:func:`skipped` when the
+    run began: the count is the process's, which an earlier run of ``compare`` may have raised); the count
+    now."""
     now = skipped()
     if now > seen:
         warnings.warn(f"lowprec: cuda_graphs: {now - seen} compiled graph(s) run without CUDA graphs (inductor "
-                      "did not record them: a CPU tensor or an input written in place among their inputs, or a "
-                      "new shape); those steps keep the host's per-kernel launches", stacklevel=2)
+                      "did not record them: a CPU tensor or an input written in place among their inputs, or an "
+                      "operator unsafe to record); those steps keep the host's per-kernel launches", stacklevel=2)
     return now

@@ -340,6 +340,6 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     # compiled after wrapping (DDP's hooks stay outside the graph), sharing the wrapped model's parameters
     forward = graphs.compiled(model, cfg.compile, cfg.cuda_graphs)
     run = RunState(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
-                   val=val, ranks=ranks, forward=forward)
+                   val=val, ranks=ranks, forward=forward, graph_skips=graphs.skipped())
     run.control = step_control.make_controller(run)
     return run, conversion
