@@ -98,6 +98,31 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, constexprs: dict, site: t
         kernel[grid](*args, **constexprs)
 
 
+def _torch_workspace(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def device_workspace() -> None:
+    """Let a kernel that makes tensor-memory-accelerator descriptors on the device launch from this thread:
+    Triton asks the allocator ``triton.set_allocator`` set, per thread (a context variable), for their
+    global scratch at each launch, and by default has none (the launch fails). Where this thread has none,
+    it gets one from PyTorch's caching allocator on the current stream (so a launch recorded into a CUDA
+    graph takes its scratch from the graph's pool); an allocator already set is kept."""
+    if _workspace_set():
+        return
+    import triton
+
+    triton.set_allocator(_torch_workspace)
+
+
+def _workspace_set() -> bool:
+    try:
+        from triton.runtime import _allocation
+    except ImportError:  # a Triton without the module: set one every time
+        return False
+    return not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+
+
 def _refuse(e: Exception) -> None:
     """Stop using the cache (this Triton's compiled-kernel launcher does not take what Triton's own launch
     passes it), and say so once: launches stay correct, at the ordinary host cost."""

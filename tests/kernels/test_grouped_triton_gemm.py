@@ -198,3 +198,22 @@ def test_rowwise_features_major_casts_through_the_triton_features_kernel(monkeyp
     looped = grouped_step(g, x, dy, LAYER_COUNTS)
     for name, a, b in zip(("y", "dx", "dweight", "dbias"), fast, looped):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
+
+
+def test_operands_the_descriptors_cannot_read_are_named_or_copied_aligned():
+    """Rows of codes must be a multiple of 16 bytes (a descriptor's stride); a view starting off a 16-byte
+    boundary is copied to an aligned one, with the same codes."""
+    with pytest.raises(ValueError, match=r"a must have rows of a multiple of 16 codes.*got 24"):
+        TG._operand(torch.zeros(4, 24, dtype=E4M3), "a", 24)
+    base = _ints(5 * 32 + 1, seed=9, dtype=E4M3)
+    view = base[1:].view(5, 32)  # one byte past an aligned start
+    got = TG._operand(view, "a", 32)
+    assert got.data_ptr() % 16 == 0 and torch.equal(got.view(torch.uint8), view.view(torch.uint8))
+
+
+def test_a_launch_has_fewer_programs_than_tiles_so_each_walks_several():
+    """The persistent kernels' strided walk is what the interpreter runs too: three programs, never more
+    than the tiles."""
+    cpu = torch.device("cpu")
+    assert TG._programs(cpu, 1, 100) == TG.INTERPRETED_PROGRAMS == 3
+    assert TG._programs(cpu, 3, 2) == 2 and TG._programs(cpu, 3, 0) == 1

@@ -175,3 +175,52 @@ def test_the_casts_launch_through_the_cache_on_a_gpu_only(cuda, monkeypatch):
         assert seen == [("cache", {"A": 5, "HW": True}, (9, 9)), ("cache", {"A": 5}, (9, 9))] and not k.log
     else:
         assert not seen and [e[3] for e in k.log] == [{"A": 5, "HW": False}, {"A": 5}]
+
+
+def _in_a_thread(fn):
+    """``fn()`` on a new thread (Triton's allocator is a context variable: a thread starts without one, as
+    autograd's backward thread does), its result or exception returned."""
+    import threading
+
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:
+            out["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def test_device_workspace_gives_a_thread_without_an_allocator_one_from_torch():
+    from triton.runtime import _allocation
+
+    def run():
+        before = _allocation._allocator.get()
+        triton_launch.device_workspace()
+        return before, _allocation._allocator.get()
+
+    before, after = _in_a_thread(run)
+    assert isinstance(before, _allocation.NullAllocator)
+    assert after is triton_launch._torch_workspace
+
+
+def test_device_workspace_keeps_an_allocator_already_set():
+    import triton
+    from triton.runtime import _allocation
+
+    def mine(size, alignment, stream):
+        return torch.empty(size, dtype=torch.int8)
+
+    def run():
+        triton.set_allocator(mine)
+        triton_launch.device_workspace()
+        return _allocation._allocator.get()
+
+    assert _in_a_thread(run) is mine
