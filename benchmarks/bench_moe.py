@@ -66,7 +66,7 @@ def _variant(name: str):
     mode = name.split()[-1]
     patches = {"loop": (grouped_casts, "batches", lambda plan: False),
                "batched": (grouped_gemm, "runs_grouped", lambda *a, **k: False),
-               "triton": (grouped_gemm, "_on_torch", lambda a, b: False)}
+               "triton": (grouped_gemm, "_on_torch", lambda a, b, fast_accum: False)}
     if name == "bf16 loop":
         return mock.patch.object(grouped, "_grouped_bf16", lambda *a, **k: None)
     return mock.patch.object(*patches[mode]) if mode in patches else contextlib.nullcontext()

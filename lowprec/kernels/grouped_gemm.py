@@ -17,10 +17,11 @@ It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels f
 operands E4M3 and the dimensions other than the tokens multiples of 16. PyTorch's kernel refuses E5M2, so
 a pair with an E5M2 operand (fp8-current's gradients: E5M2 times E4M3) runs as lowprec's own grouped
 Triton GEMMs of the same two kinds and scales instead ([Note: grouped FP8 GEMMs in Triton] in
-``lowprec.kernels.triton_grouped_gemm``), where Triton runs. So does an E4M3 weight gradient without fast
-accumulation (fp8-rowwise's): PyTorch's kernel promoting its sums ran it at 161 TFLOP/s on the H200, the
-Triton kernel at 363, equally close to the exact sums (BENCHMARKS.md, run 57); with fast accumulation, and
-for the forward and input gradient's kind, PyTorch's kernel is as fast or faster. The first time either runs a kind on a
+``lowprec.kernels.triton_grouped_gemm``), where Triton runs. So does an E4M3 pair without fast
+accumulation (fp8-rowwise's gradients): PyTorch's kernel promoting its sums ran weight gradients at 161
+TFLOP/s on the H200 and input gradients at 245-280, the Triton kernels at 363 and 476-603, equally close
+to the exact sums (BENCHMARKS.md, runs 57 and 70); with fast accumulation (the recipes' forward)
+PyTorch's kernel is faster (600-740 TFLOP/s against the Triton rows kernel's 505-670). The first time either runs a kind on a
 device it checks itself against the per-expert GEMMs computed from the exact values (FP8 products in
 FP32) on a small problem of unbalanced experts (one of them without tokens, several tiles of each
 dimension); if they disagree beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns
@@ -59,14 +60,19 @@ def _offsets(counts, device) -> torch.Tensor:
     return torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
 
 
-def _on_torch(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a pair runs on PyTorch's grouped kernel (two E4M3 operands) or on lowprec's Triton one."""
-    return a.dtype == E4M3 and b.dtype == E4M3
+def _on_torch(a: torch.Tensor, b: torch.Tensor, fast_accum: bool) -> bool:
+    """Whether a pair runs on PyTorch's grouped kernel or on lowprec's Triton one: an E4M3 pair with fast
+    accumulation, or where Triton does not run. Without fast accumulation PyTorch's kernel ran E4M3 weight
+    gradients at 161 TFLOP/s on the H200 and input gradients at 245-280, lowprec's Triton kernels (promoting
+    every 128) at 363 and 476-603, with the same error (BENCHMARKS.md, runs 57 and 70)."""
+    return a.dtype == E4M3 and b.dtype == E4M3 and (fast_accum or not _triton_runs(a.device))
 
 
-def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool) -> torch.Tensor:
-    """``(T, N)``: rows of expert ``e`` times ``b[e].T``; ``a_scales`` ``(T,)``, ``b_scales`` ``(E, N)``."""
-    if not _on_torch(a, b):
+def _by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum: bool,
+             on_torch: bool | None = None) -> torch.Tensor:
+    """``(T, N)``: rows of expert ``e`` times ``b[e].T``; ``a_scales`` ``(T,)``, ``b_scales`` ``(E, N)``;
+    ``on_torch``: the kernel (None: as :func:`_on_torch` says)."""
+    if not (_on_torch(a, b, fast_accum) if on_torch is None else on_torch):
         from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
 
         return triton_grouped_gemm.grouped_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum)
@@ -138,20 +144,13 @@ def features_padded(rows: torch.Tensor, padding: Padding) -> torch.Tensor:
     return out.view(rows.dtype)
 
 
-def _features_on_torch(a_t: torch.Tensor, b_t: torch.Tensor, fast_accum: bool) -> bool:
-    """Whether a weight gradient's pair runs on PyTorch's grouped kernel: an E4M3 pair with fast accumulation,
-    or where Triton does not run. Without fast accumulation PyTorch's kernel ran these at 161 TFLOP/s on the
-    H200, lowprec's Triton kernel (promoting every 128) at 363 with the same error (BENCHMARKS.md, run 57)."""
-    return _on_torch(a_t, b_t) and (fast_accum or not _triton_runs(a_t.device))
-
-
 def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool,
               on_torch: bool | None = None) -> torch.Tensor:
     """``(E, M, N)`` from features-major codes ``a_t`` ``(M, P)`` and ``b_t`` ``(N, P)``, each expert's
-    tokens at 16-aligned columns ending at ``ends``; ``on_torch``: the kernel (None: as
-    :func:`_features_on_torch` says)."""
+    tokens at 16-aligned columns ending at ``ends``; ``on_torch``: the kernel (None: as :func:`_on_torch`
+    says)."""
     if on_torch is None:
-        on_torch = _features_on_torch(a_t, b_t, fast_accum)
+        on_torch = _on_torch(a_t, b_t, fast_accum)
     if not on_torch:
         from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
 
@@ -208,11 +207,11 @@ def _name(kind: str, on_torch: bool) -> str:
 
 def _self_check(kind: str, device: torch.device, on_torch: bool) -> bool:
     """The first-use check of one kind on one kernel: PyTorch's with an E4M3 pair; lowprec's Triton one with
-    each pair it takes (E5M2 gradients; E4M3 weight gradients without fast accumulation). The weight
+    each pair it takes (E5M2 gradients; E4M3 gradients without fast accumulation). The weight
     gradient's kind is checked on both paddings: to the counts read on the host, and to the bound of any
     routing (zero columns after the last expert's, as when the counts stay on the device)."""
     name = _name(kind, on_torch)
-    pairs = (E4M3,) if on_torch else (E5M2,) if kind == ROWS else (E5M2, E4M3)
+    pairs = (E4M3,) if on_torch else (E5M2, E4M3)
     for a_dtype in pairs:
         a, sa, b, sb, counts = _problem(kind, device, a_dtype)
         want = _reference(kind, a, sa, b, sb, counts)
@@ -220,7 +219,8 @@ def _self_check(kind: str, device: torch.device, on_torch: bool) -> bool:
         for read in ((True,) if kind == ROWS else (True, False)):
             try:
                 if kind == ROWS:
-                    got = _by_rows(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False).float()
+                    got = _by_rows(a, sa, b, sb, _offsets(counts, device), torch.bfloat16, False,
+                                   on_torch).float()
                 else:
                     padding = token_padding(counts if read else None, lengths, rows=sum(counts))
                     got = _by_features(a, sa, b, sb, padding, torch.bfloat16, False, on_torch).float()
@@ -247,8 +247,8 @@ def _triton_runs(device: torch.device) -> bool:
 def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int, fast_accum: bool = True) -> bool:
     """Whether the experts' GEMMs of ``kind`` (:data:`ROWS` or :data:`FEATURES`) run as one grouped GEMM
     here (see [Note: one grouped GEMM for the experts]): CUDA of compute capability 9.0 or newer, FP8
-    operands (E4M3 pairs on PyTorch's kernel; with an E5M2 operand, or an E4M3 weight gradient without
-    ``fast_accum``, on lowprec's Triton one, where Triton runs), the non-token dimensions ``dims`` multiples of
+    operands (E4M3 pairs on PyTorch's kernel; with an E5M2 operand, or an E4M3 pair without ``fast_accum``,
+    on lowprec's Triton one, where Triton runs), the non-token dimensions ``dims`` multiples of
     16, and the device's first-use check of that kernel and kind passed."""
     return _runs(kind, torch.device(device), a_fmt.torch_dtype, b_fmt.torch_dtype, dims, fast_accum)
 
@@ -264,8 +264,8 @@ def _runs(kind: str, device: torch.device, a_dtype: torch.dtype, b_dtype: torch.
     if pair not in ((E4M3, E4M3), (E5M2, E4M3)):  # the recipes' pairs: E4M3, or E5M2 gradients times E4M3
         return False
     triton_runs = _triton_runs(device)
-    # E4M3 weight gradients without fast accumulation run on Triton where it runs (see _features_on_torch)
-    on_torch = pair == (E4M3, E4M3) and (kind == ROWS or fast_accum or not triton_runs)
+    # E4M3 pairs without fast accumulation run on Triton where it runs (see _on_torch)
+    on_torch = pair == (E4M3, E4M3) and (fast_accum or not triton_runs)
     if torch.cuda.get_device_capability(device) < (9, 0) or not on_torch and not triton_runs:
         return False
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
@@ -301,7 +301,7 @@ def grouped_by_features_laid_out(a_t: torch.Tensor, a_scales: torch.Tensor, b_t:
 
 
 KERNELS = (("torch._scaled_grouped_mm", "e4m3 x e4m3", E4M3),
-           ("lowprec Triton", "e5m2 x e4m3; e4m3 x e4m3 weight gradients without fast accumulation", E5M2))
+           ("lowprec Triton", "e5m2 x e4m3; e4m3 x e4m3 without fast accumulation", E5M2))
 """The grouped kernels, the operand pair each takes, and the first operand's dtype that picks it."""
 
 

@@ -1,6 +1,6 @@
 """Every expert's FP8 GEMM in one Triton launch, for the operand pairs PyTorch's grouped FP8 GEMM refuses
-(E5M2 gradients times E4M3: ``fp8-current``'s input and weight gradients) and for the weight gradients it
-runs slower (E4M3 without fast accumulation: ``fp8-rowwise``'s).
+(E5M2 gradients times E4M3: ``fp8-current``'s input and weight gradients) and for the gradients it runs
+slower (E4M3 without fast accumulation: ``fp8-rowwise``'s).
 
 [Note: grouped FP8 GEMMs in Triton]
 The two kinds of ``kernels.grouped_gemm`` ([Note: one grouped GEMM for the experts]), with the same

@@ -119,22 +119,31 @@ def test_fp8_current_takes_the_triton_gemms_for_its_gradients(monkeypatch):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
 
 
-def test_e4m3_weight_gradients_without_fast_accumulation_take_the_triton_kernel_where_triton_runs(monkeypatch):
-    """PyTorch's kernel keeps the E4M3 pairs of the forward's and input gradient's kind, and the weight
-    gradient's with fast accumulation; a weight gradient without it takes lowprec's Triton kernel where Triton
-    runs (told so here: the interpreter), with the per-expert values; the first-use check covers that pair."""
+def test_e4m3_pairs_without_fast_accumulation_take_the_triton_kernels_where_triton_runs(monkeypatch):
+    """PyTorch's kernel keeps the E4M3 pairs with fast accumulation (the forward); a pair without it (an input
+    or weight gradient) takes lowprec's Triton kernels where Triton runs (told so here: the interpreter),
+    with the per-expert values; the first-use check covers that pair for both kinds."""
     counts = (20, 0, 45)
     t, e, m, n = sum(counts), len(counts), 48, 32
     a, b = _ints(t, m, seed=11, dtype=E4M3), _ints(t, n, seed=12, dtype=E4M3)
     sa, sb = _pow2(e * m, 13), _pow2(e * n, 14)
     padding = GG.token_padding(counts, torch.tensor(counts))
     at, bt = GG.features_padded(a, padding), GG.features_padded(b, padding)
-    assert GG._features_on_torch(at, bt, False)  # the CPU runs no Triton of its own
+    assert GG._on_torch(at, bt, False)  # the CPU runs no Triton of its own
     monkeypatch.setattr(GG, "_triton_runs", lambda device: True)
-    assert GG._features_on_torch(at, bt, True) and not GG._features_on_torch(at, bt, False)
-    assert not GG._features_on_torch(at.view(E5M2), bt, True)
+    assert GG._on_torch(at, bt, True) and not GG._on_torch(at, bt, False)
+    assert not GG._on_torch(at.view(E5M2), bt, True)
     got = GG.grouped_by_features(a, sa, b, sb, padding, torch.float32, False)
     assert torch.equal(got, GG._reference(GG.FEATURES, a, sa, b, sb, counts))
+    ra, rsa, rb, rsb = _rows_problem(counts, 160, 48, E4M3)
+    rows = []
+    real_rows = TG.grouped_rows
+    monkeypatch.setattr(TG, "grouped_rows", lambda *args: rows.append(args[0].dtype) or real_rows(*args))
+    got = GG.grouped_by_rows(ra, rsa, rb, rsb, _ends(counts), torch.float32, False)
+    assert rows == [E4M3] and torch.equal(got, GG._reference(GG.ROWS, ra, rsa, rb, rsb, counts))
+    rows.clear()
+    assert GG._self_check(GG.ROWS, torch.device("cpu"), False)
+    assert rows == [E5M2, E4M3]  # both pairs it takes
     seen, real = [], TG.grouped_features
     monkeypatch.setattr(TG, "grouped_features", lambda *args: seen.append(args[0].dtype) or real(*args))
     assert GG._self_check(GG.FEATURES, torch.device("cpu"), False)
@@ -185,7 +194,7 @@ def test_rowwise_features_major_casts_through_the_triton_features_kernel(monkeyp
     calls = []
     real = TG.grouped_features
     monkeypatch.setattr(TG, "grouped_features", lambda *a: calls.append(a[0].shape) or real(*a))
-    monkeypatch.setattr(GG, "_on_torch", lambda a, b: False)
+    monkeypatch.setattr(GG, "_on_torch", lambda a, b, fast_accum: False)
     monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: kind == GG.FEATURES)
     monkeypatch.setattr(grouped, "_row_scaled", lambda gp, a, b: True)
     monkeypatch.setattr(GC, "grouped_rows_backend", lambda spec, device: Backend.TRITON)  # the Triton casts

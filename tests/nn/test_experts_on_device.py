@@ -33,7 +33,7 @@ def grouped_here(monkeypatch):
     C = sys.modules["lowprec.kernels.capability"]
     monkeypatch.setitem(C._KNOWN, torch.device("cpu"), C.Capability("cpu", "cpu", None, True, False, False, False))
     monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: True)
-    monkeypatch.setattr(GG, "_on_torch", lambda a, b: False)
+    monkeypatch.setattr(GG, "_on_torch", lambda a, b, fast_accum: False)
     layer_plan.cache_clear()
     yield
     layer_plan.cache_clear()
