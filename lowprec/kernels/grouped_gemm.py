@@ -22,9 +22,9 @@ accumulation (fp8-rowwise's gradients): PyTorch's kernel promoting its sums ran 
 TFLOP/s on the H200 and input gradients at 245-280, the Triton kernels at 363 and 476-603, equally close
 to the exact sums (BENCHMARKS.md, runs 57 and 70); with fast accumulation (the recipes' forward)
 PyTorch's kernel is faster (600-740 TFLOP/s against the Triton rows kernel's 505-670). The first time
-either runs a kind on a device it checks itself against the per-expert GEMMs computed from the exact values (FP8 products in
-FP32) on a small problem of unbalanced experts (one of them without tokens, several tiles of each
-dimension); if they disagree beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns
+either runs a kind on a device it checks itself against the per-expert GEMMs computed from the exact
+values (FP8 products in FP32) on a small problem of unbalanced experts (one of them without tokens,
+several tiles of each dimension); if they disagree beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns
 once and those GEMMs stay expert by expert on that device (the weight gradient's kind is checked on both
 paddings :func:`token_padding` makes). ``lowprec.nn.GroupedLinear`` asks :func:`runs_grouped` for each of
 its three GEMMs; under ``torch.compile`` the answer, check included, is a constant of the graph.
