@@ -13,21 +13,21 @@ expert's GEMM with the values of the per-expert GEMMs; the accumulation inside t
 epilogue (``acc * row scale * column scale``, against ``acc * (scale_a * scale_b)`` in cuBLAS's per-tensor
 GEMM) may differ in the last bits.
 
-It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels for them), with both
-operands E4M3 and the dimensions other than the tokens multiples of 16. PyTorch's kernel refuses E5M2, so
-a pair with an E5M2 operand (fp8-current's gradients: E5M2 times E4M3) runs as lowprec's own grouped
-Triton GEMMs of the same two kinds and scales instead ([Note: grouped FP8 GEMMs in Triton] in
-``lowprec.kernels.triton_grouped_gemm``), where Triton runs. So does an E4M3 pair without fast
-accumulation (fp8-rowwise's gradients): PyTorch's kernel promoting its sums ran weight gradients at 161
-TFLOP/s on the H200 and input gradients at 245-280, the Triton kernels at 363 and 476-603, equally close
-to the exact sums (BENCHMARKS.md, runs 57 and 70); with fast accumulation (the recipes' forward)
-PyTorch's kernel is faster (600-740 TFLOP/s against the Triton rows kernel's 505-670). The first time
-either runs a kind on a device it checks itself against the per-expert GEMMs computed from the exact
-values (FP8 products in FP32) on a small problem of unbalanced experts (one of them without tokens,
-several tiles of each dimension); if they disagree beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns
-once and those GEMMs stay expert by expert on that device (the weight gradient's kind is checked on both
-paddings :func:`token_padding` makes). ``lowprec.nn.GroupedLinear`` asks :func:`runs_grouped` for each of
-its three GEMMs; under ``torch.compile`` the answer, check included, is a constant of the graph.
+It runs on CUDA devices of compute capability 9.0 and newer (PyTorch's kernels for them), with both operands
+E4M3 and the dimensions other than the tokens multiples of 16. PyTorch's kernel refuses E5M2, so a pair with
+an E5M2 operand (fp8-current's gradients: E5M2 times E4M3) runs as lowprec's own grouped Triton GEMMs of the
+same two kinds and scales instead ([Note: grouped FP8 GEMMs in Triton] in
+``lowprec.kernels.triton_grouped_gemm``), where Triton runs. So does an E4M3 pair without fast accumulation
+(fp8-rowwise's gradients): PyTorch's kernel promoting its sums ran weight gradients at 161 TFLOP/s on the
+H200 and input gradients at 245-280, the Triton kernels at 363 and 476-603, equally close to the exact sums
+(BENCHMARKS.md, runs 57 and 70); with fast accumulation (the recipes' forward) PyTorch's kernel is faster
+(600-740 TFLOP/s against the Triton rows kernel's 505-670). The first time either runs a kind on a device it
+checks itself against the per-expert GEMMs computed from the exact values (FP8 products in FP32) on a small
+problem of unbalanced experts (one of them without tokens, several tiles of each dimension); if they
+disagree beyond the output's rounding (:data:`TOLERANCE`), or the call fails, it warns once and those GEMMs
+stay expert by expert on that device (the weight gradient's kind is checked on both paddings
+:func:`token_padding` makes). ``lowprec.nn.GroupedLinear`` asks :func:`runs_grouped` for each of its three
+GEMMs; under ``torch.compile`` the answer, check included, is a constant of the graph.
 
 Both kernels take the experts' bounds as offsets on the device, so a caller that never reads the counts
 (a compiled graph's experts) passes the rows padded for any routing (:func:`padded_bound`): the columns
