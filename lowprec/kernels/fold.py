@@ -64,27 +64,56 @@ def exponents(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale.isnan(), torch.full_like(e, NAN_EXPONENT), e)
 
 
-def row_exponents(e: torch.Tensor, h: int) -> torch.Tensor:
-    """``(M,)`` int32: each row's largest block exponent minus ``h`` (0 for a row of NaN blocks only)."""
-    top = e.amax(dim=1)
+def _less_headroom(top: torch.Tensor, h: int) -> torch.Tensor:
+    """A row's (or segment's) largest block exponent ``top`` less ``h``; 0 where it has no finite-scaled block
+    (NaN blocks only, or none)."""
     return torch.where(top == NAN_EXPONENT, torch.zeros_like(top), top - h)
 
 
-def fold_reference(q: QuantizedTensor) -> QuantizedTensor:
-    """``q`` (MX) as a row-wise FP8 operand: see [Note: folding MX blocks into rows]. Pure torch."""
-    _check(q)
-    tgt, h = target(q.fmt), headroom(q.fmt)
-    e = exponents(q.scale)  # (M, KB)
-    r = row_exponents(e, h)  # (M,)
-    shift = (e - r[:, None]).clamp(min=MIN_SHIFT)  # (M, KB); NaN blocks: far below, made NaN next
+def row_exponents(e: torch.Tensor, h: int) -> torch.Tensor:
+    """``(M,)`` int32: each row's largest block exponent minus ``h`` (0 for a row of NaN blocks only)."""
+    return _less_headroom(e.amax(dim=1), h)
+
+
+def _folded_codes(q: QuantizedTensor, e: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``q``'s elements times ``2^(e - r)`` per block (``r`` ``(M, KB)``: the exponent of the scale each block
+    is folded to), rounded onto the target's grid."""
+    shift = (e - r).clamp(min=MIN_SHIFT)  # (M, KB); NaN blocks: far below, made NaN next
     factor = torch.ldexp(torch.ones_like(q.scale), shift)
     factor = torch.where(q.scale.isnan(), torch.full_like(factor, math.nan), factor)
     m, kb = q.scale.shape
     v = q.values().view(m, kb, -1) * factor[:, :, None]  # exact: a power of two times a few bits, normal
     v = torch.where(v == 0, 0.0, v)  # every zero +0: a compiled negation may drop a -0's sign, so none is kept
-    codes = v.view(q.data.shape).to(tgt.torch_dtype)  # nearest-even onto the target's grid, never past its max
-    scale = torch.ldexp(torch.ones(m, 1, dtype=torch.float32, device=q.data.device), r[:, None])  # (M, 1)
-    return QuantizedTensor(codes, scale, tgt, rowwise(), q.shape, q.dtype)
+    return v.view(q.data.shape).to(target(q.fmt).torch_dtype)  # nearest-even onto the target's grid, never past its max
+
+
+def fold_reference(q: QuantizedTensor) -> QuantizedTensor:
+    """``q`` (MX) as a row-wise FP8 operand: see [Note: folding MX blocks into rows]. Pure torch."""
+    _check(q)
+    e = exponents(q.scale)  # (M, KB)
+    r = row_exponents(e, headroom(q.fmt))  # (M,)
+    scale = torch.ldexp(torch.ones(q.shape[0], 1, dtype=torch.float32, device=q.data.device), r[:, None])  # (M, 1)
+    return QuantizedTensor(_folded_codes(q, e, r[:, None]), scale, target(q.fmt), rowwise(), q.shape, q.dtype)
+
+
+def fold_segments(q: QuantizedTensor, segment: torch.Tensor, n_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` (MX) folded with a scale per row *and segment*: ``segment`` ``(KB,)`` int64 gives each block
+    column's segment (in ``[0, n_segments)``). Each row's blocks in one segment fold to one power of two,
+    as :func:`fold_reference` folds a row, so the codes of a segment's columns equal the fold of those
+    columns alone, bit for bit. What the experts' weight gradient needs: MX blocks along the tokens, each
+    expert's tokens a segment, one scale per (feature, expert). Returns the codes ``(M, K)`` in the target
+    format and the scales ``(M, n_segments)`` (float32 powers of two; 1 for a segment without a block or
+    with NaN blocks only). Pure torch."""
+    _check(q)
+    e = exponents(q.scale)  # (M, KB)
+    m, kb = e.shape
+    if segment.shape != (kb,):
+        fail("segment", f"one segment per block column, shape ({kb},)", tuple(segment.shape))
+    index = segment.to(device=e.device, dtype=torch.int64).expand(m, kb)
+    top = e.new_full((m, n_segments), NAN_EXPONENT).scatter_reduce(1, index, e, "amax")  # NaN blocks: lowest
+    r = _less_headroom(top, headroom(q.fmt))  # (M, S)
+    scales = torch.ldexp(torch.ones(m, n_segments, dtype=torch.float32, device=e.device), r)
+    return _folded_codes(q, e, r.gather(1, index)), scales
 
 
 def fold(q: QuantizedTensor, backend: str | Backend | None = None) -> QuantizedTensor:
@@ -109,4 +138,5 @@ CHECK = FirstUseCheck("MX GEMMs on folded FP8 operands", "MX GEMMs stay emulated
 """The folded GEMM's first-use check (see [Note: GEMM paths that check themselves])."""
 
 
-__all__ = ["CHECK", "ELEMENTS", "exponents", "fold", "fold_reference", "foldable", "headroom", "target"]
+__all__ = ["CHECK", "ELEMENTS", "exponents", "fold", "fold_reference", "fold_segments", "foldable", "headroom",
+           "target"]

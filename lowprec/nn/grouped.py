@@ -55,7 +55,7 @@ from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.autocast import resolve
 from lowprec.kernels import grouped_gemm as GG
-from lowprec.kernels.fold import fold, target
+from lowprec.kernels.fold import fold, fold_segments, target
 from lowprec.kernels.gemm import GemmPath, folded_runs
 from lowprec.nn import grouped_casts as GC
 from lowprec.nn.casts import CastState, cast_operand, shared_casts
@@ -257,6 +257,29 @@ def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) ->
                               dtype, gp.fast_accum)
 
 
+def _folded_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
+    """``(E, M, N)``: every expert's weight gradient from the MX token sides ``a`` ``(M, P)`` and ``b`` ``(N, P)``
+    (blocks along the tokens, each expert's from a whole block on), each folded with one scale per (feature,
+    expert) over that expert's blocks alone (``kernels.fold.fold_segments``: the codes of the expert's own
+    fold), as one grouped FP8 GEMM of the features kind; None where the plan's GEMM is not folded or the
+    device does not run the grouped one."""
+    if gp.path is not GemmPath.FOLDED or a.kind is not GC.Side.MX_TOKENS or b.kind is not GC.Side.MX_TOKENS:
+        return None
+    device = a.data.device
+    m, n = a.data.shape[0], b.data.shape[0]
+    if not GG.runs_grouped(GG.FEATURES, device, target(a.fmt), target(b.fmt), m, n, fast_accum=gp.fast_accum) \
+            or not folded_runs(device):
+        return None
+    bc = a.granularity.block_cols
+    padding = GG.token_padding(g.counts, g.lengths, bc)  # the layout both sides were cast in (``_mx_tokens``)
+    first = torch.arange(0, a.scales.shape[1] * bc, bc, device=device)  # each block column's first token
+    segment = torch.bucketize(first, padding.ends, right=True).clamp(max=g.n_experts - 1)  # its expert
+    fa, sa = fold_segments(a.mx_tokens_all(), segment, g.n_experts)
+    fb, sb = fold_segments(b.mx_tokens_all(), segment, g.n_experts)
+    return GG.grouped_by_features_laid_out(fa, sa.t().reshape(-1), fb, sb.t().reshape(-1), padding.ends, dtype,
+                                           gp.fast_accum)
+
+
 def _pack(c: GC.ExpertCast | None):
     if c is None:
         return (None, None), None
@@ -283,6 +306,9 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
     out_f, in_f = w_shape
     device, counts = g.expert.device, g.counts
     fast = plan.wgrad.fast_accum
+    dw = _folded_features(qdy_t, qx_t, g, plan.wgrad, dtype)
+    if dw is not None:
+        return dw
     if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f,
                                                                 fast_accum=fast):
         e = g.n_experts

@@ -181,6 +181,10 @@ class ExpertCast:
         return QuantizedTensor(codes, scale, self.fmt, self.granularity, torch.Size((codes.shape[0], self.width)),
                                self.dtype)
 
+    def mx_tokens_all(self) -> QuantizedTensor:
+        """An ``MX_TOKENS`` side as one operand: ``(K, P)``, every expert's tokens in their padded columns."""
+        return QuantizedTensor(self.data, self.scales, self.fmt, self.granularity, self.data.shape, self.dtype)
+
     def token_scales(self, expert: torch.Tensor) -> torch.Tensor:
         """``(T,)``: each token row's scale (a side cast along K)."""
         return self.scales[expert] if self.kind is Side.TENSOR else self.scales

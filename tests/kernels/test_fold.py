@@ -302,3 +302,49 @@ def test_a_one_row_operand_and_an_expert_slice_of_the_tokens_side_fold_and_multi
 def test_blocks_of_other_sizes_fold_by_the_reference():
     q = quantize(torch.randn(8, 96), "e4m3", mx(48))
     assert torch.equal(_bits(FD.fold(q, backend="triton")), _bits(FD.fold_reference(q)))
+
+
+def _columns(q: QuantizedTensor, blocks: slice) -> QuantizedTensor:
+    """The MX tensor of ``q``'s block columns ``blocks`` alone (what one expert's own cast would hold)."""
+    bc = q.granularity.block_cols
+    codes = q.data[:, blocks.start * bc:blocks.stop * bc].contiguous()
+    return QuantizedTensor(codes, q.scale[:, blocks].contiguous(), q.fmt, q.granularity, codes.shape, q.dtype)
+
+
+@pytest.mark.parametrize("name", MX_ELEMENTS)
+def test_folding_by_segments_equals_folding_each_segments_columns_alone(name):
+    """Each segment of block columns (an expert's tokens) folds to a scale of its own per row, bit for bit
+    the fold of its columns alone, by the rule on exact values: segments of one and of several blocks, one
+    without blocks (scale 1), blocks 20 binades apart, NaN blocks (a segment of NaN blocks only: scale 1)."""
+    fmt = F.get(name)
+    g = torch.Generator().manual_seed(4)
+    row = _row_of_every_code(fmt)
+    kb = 7
+    data = row.repeat(1, -(-32 * kb // row.numel()))[:, :32 * kb].repeat(5, 1)  # (5, 224)
+    data = data[:, torch.randperm(32 * kb, generator=g)]
+    exps = torch.randint(-20, 21, (5, kb), generator=g, dtype=torch.int32)
+    exps[0, 1:3] = 1000  # the whole of segment 1 NaN in row 0
+    exps[1, 4] = 1000  # one NaN block among others
+    q = _mx_tensor(fmt, data, exps)
+    segments = [slice(0, 1), slice(1, 3), slice(3, 3), slice(3, 7)]  # the third: no tokens
+    segment = torch.tensor([0, 1, 1, 3, 3, 3, 3])
+    codes, scales = FD.fold_segments(q, segment, 4)
+    assert codes.dtype == FD.target(fmt).torch_dtype and scales.shape == (5, 4)
+    for s, blocks in enumerate(segments):
+        bc = 32
+        if blocks.start == blocks.stop:
+            assert torch.equal(scales[:, s], torch.ones(5))
+            continue
+        alone = _columns(q, blocks)
+        want = FD.fold_reference(alone)
+        _assert_folded(alone, want)  # the rule, on exact values
+        got = codes[:, blocks.start * bc:blocks.stop * bc]
+        assert torch.equal(got.view(torch.uint8), want.data.view(torch.uint8)), s
+        assert torch.equal(scales[:, s:s + 1], want.scale), s
+    assert scales[0, 1] == 1.0  # NaN blocks only
+
+
+def test_folding_by_segments_names_a_segment_map_of_the_wrong_shape():
+    q = quantize(torch.randn(2, 64), F.get("e4m3"), mx(32))
+    with pytest.raises(ValueError, match=r"segment.*\(2,\).*\(3,\)"):
+        FD.fold_segments(q, torch.zeros(3, dtype=torch.int64), 2)

@@ -4,6 +4,7 @@ under such a recipe takes them, with the same outputs and gradients as the exper
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -212,3 +213,48 @@ def test_a_backward_for_the_bias_alone_casts_nothing(recipe):
     y.backward(dy)
     want = torch.stack([part.sum(0) for part in dy.split(COUNTS)])
     assert torch.allclose(g.bias.grad, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_mx_weight_gradients_take_one_grouped_gemm_of_the_tokens_folded_per_expert(monkeypatch, recipe):
+    """Where MX GEMMs run folded and the device runs grouped FP8 GEMMs of the features kind (told so here: the
+    CPU, with a grouped GEMM from exact products standing in), every expert's weight gradient is one grouped
+    GEMM of the token sides folded with a scale per (feature, expert), and equals the expert-by-expert folded
+    GEMMs (an expert without tokens: zeros)."""
+    import sys
+
+    from lowprec.kernels import grouped_gemm as GG
+    from lowprec.nn.plan import layer_plan
+
+    C = sys.modules["lowprec.kernels.capability"]
+    monkeypatch.setitem(C._KNOWN, torch.device("cpu"), C.Capability("cpu", "cpu", None, True, False, False, False))
+    layer_plan.cache_clear()
+    calls = []
+
+    def laid_out(a_t, sa, b_t, sb, ends, out_dtype, fast_accum):
+        calls.append((a_t.dtype, tuple(a_t.shape), tuple(b_t.shape), tuple(ends.tolist())))
+        m, n = a_t.shape[0], b_t.shape[0]
+        out, start = [], 0
+        for e, end in enumerate(ends.tolist()):
+            out.append((a_t[:, start:end].float() @ b_t[:, start:end].float().t()) * sa[e * m:(e + 1) * m, None]
+                       * sb[e * n:(e + 1) * n])
+            start = end
+        return torch.stack(out).to(out_dtype)
+
+    monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: kind == GG.FEATURES)
+    monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
+    monkeypatch.setattr(GG, "grouped_by_features_laid_out", laid_out)
+    try:
+        g, _, x, dy = make(recipe, COUNTS)
+        assert g.plan().wgrad.path.value == "folded"
+        batched = grouped_step(g, x, dy, COUNTS)
+        ends = tuple(itertools.accumulate(-(-n // 32) * 32 for n in COUNTS))  # whole MX blocks per expert
+        assert calls == [(torch.float8_e4m3fn, (256, ends[-1]), (128, ends[-1]), ends)]
+        g.weight.grad = g.bias.grad = None
+        monkeypatch.setattr(GC, "batches", lambda plan: False)
+        looped = grouped_step(g, x, dy, COUNTS)
+    finally:
+        layer_plan.cache_clear()
+    assert COUNTS.count(0) and torch.equal(batched[2][COUNTS.index(0)], torch.zeros_like(batched[2][0]))
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), batched, looped):
+        assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
