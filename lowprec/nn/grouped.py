@@ -16,9 +16,11 @@ How the experts run (the values above hold on every path):
   ``mxfp8``, ``mxfp4``): every operand's casts are made for all experts at once (see [Note: batched
   per-expert casts] in ``lowprec.nn.grouped_casts``; the same bits as expert by expert), and each GEMM
   whose operands are E4M3 runs as one ``torch._scaled_grouped_mm`` on a GPU that checks it on first use
-  (see [Note: one grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``); MX forward and
-  input-gradient GEMMs so too where MX GEMMs run folded, every row folded at once (``kernels.fold``); the
-  other GEMMs, and all of them on the CPU, per expert on views of the batched codes
+  (see [Note: one grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``, with lowprec's
+  grouped Triton GEMMs for the pairs that kernel refuses or runs slower); MX GEMMs so too where MX GEMMs
+  run folded: forward and input gradient with every row folded at once (``kernels.fold``), the weight
+  gradient with each feature's blocks folded per expert (``kernels.fold.fold_segments``: a scale per
+  expert and feature, as the grouped kernel of the features kind takes); the other GEMMs, and all of them on the CPU, per expert on views of the batched codes
   (:class:`BatchedFunction`). A sampled telemetry step takes the loop below, which reports every expert's
   operands;
 * every other recipe: the loop over the experts in :class:`GroupedFunction`, which calls the same plan,
