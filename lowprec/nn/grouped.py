@@ -20,9 +20,9 @@ How the experts run (the values above hold on every path):
   grouped Triton GEMMs for the pairs that kernel refuses or runs slower); MX GEMMs so too where MX GEMMs
   run folded: forward and input gradient with every row folded at once (``kernels.fold``), the weight
   gradient with each feature's blocks folded per expert (``kernels.fold.fold_segments``: a scale per
-  expert and feature, as the grouped kernel of the features kind takes); the other GEMMs, and all of them on the CPU, per expert on views of the batched codes
-  (:class:`BatchedFunction`). A sampled telemetry step takes the loop below, which reports every expert's
-  operands;
+  expert and feature, as the grouped kernel of the features kind takes); the other GEMMs, and all of them
+  on the CPU, per expert on views of the batched codes (:class:`BatchedFunction`). A sampled telemetry
+  step takes the loop below, which reports every expert's operands;
 * every other recipe: the loop over the experts in :class:`GroupedFunction`, which calls the same plan,
   casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``, ``gemm``) on each expert's rows;
 * no recipe, or BF16 GEMMs: one ``linear`` per expert, or on a GPU one ``torch._grouped_mm``
@@ -31,7 +31,7 @@ How the experts run (the values above hold on every path):
 The host reads ``offsets`` once per forward (the loops and the grouped GEMMs' padding need the counts),
 or once for several layers given the ``Groups`` :func:`route` made; under ``torch.compile`` such a layer
 runs outside the graph. Layers that need no count run in it, on the offsets as the device holds them: BF16
-experts on ``torch._grouped_mm``, and per-tensor or per-row FP8 experts where every GEMM runs grouped
+experts on ``torch._grouped_mm``, and per-tensor, per-row and MX experts where every GEMM runs grouped
 (:func:`_static_plan`; see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
 
 Under expert parallelism (``lowprec.distributed.expert_parallel``) ``weight`` (and ``bias``) are DTensors
@@ -273,7 +273,7 @@ def _folded_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype
             or not folded_runs(device):
         return None
     bc = a.granularity.block_cols
-    padding = GG.token_padding(g.counts, g.lengths, bc)  # the layout both sides were cast in (``_mx_tokens``)
+    padding = GC.mx_token_padding(g, bc)  # the layout both sides were cast in
     first = torch.arange(0, a.scales.shape[1] * bc, bc, device=device)  # each block column's first token
     segment = torch.bucketize(first, padding.ends, right=True).clamp(max=g.n_experts - 1)  # its expert
     fa, sa = fold_segments(a.mx_tokens_all(), segment, g.n_experts)
@@ -365,16 +365,24 @@ def _static_plan(plan: LayerPlan, device: torch.device, w_shape: tuple[int, ...]
     them): casts batched per tensor or per row (``grouped_casts``: amaxes, scales and the padded layout are
     device work, the padding sized for any routing), and every GEMM of a linear grouped on ``device``
     (``kernels.grouped_gemm.runs_grouped``: cuBLAS's or lowprec's grouped kernels, which take the offsets on
-    the device); elsewhere the experts read their counts (the per-expert loops need them)."""
-    if GC.batched_kind(plan) not in (GC.TENSOR, GC.ROW):
+    the device); MX experts so too where every GEMM runs folded and grouped (the folds are device work, the
+    token sides padded to whole blocks for any routing); elsewhere the experts read their counts (the
+    per-expert loops need them)."""
+    kind = GC.batched_kind(plan)
+    if kind not in (GC.TENSOR, GC.ROW, GC.MX):
+        return False
+    path = GemmPath.FOLDED if kind is GC.MX else GemmPath.CUBLAS
+    if kind is GC.MX and not folded_runs(device):
         return False
     _, out_f, in_f = w_shape
     gemms = ((GG.ROWS, plan.fprop, plan.input.cast_k, plan.weight.cast_k, (in_f, out_f)),
              (GG.ROWS, plan.dgrad, plan.grad_output.cast_k, plan.weight.cast_t, (out_f, in_f)),
              (GG.FEATURES, plan.wgrad, plan.grad_output.cast_t, plan.input.cast_t, (out_f, in_f)))
-    return all(gp.path is GemmPath.CUBLAS
-               and GG.runs_grouped(kind, device, a.fmt, b.fmt, *dims, fast_accum=gp.fast_accum)
-               for kind, gp, a, b, dims in gemms)
+    # an MX GEMM runs on its folded operands' formats (``kernels.fold.target``), its K padded to whole blocks
+    return all(gp.path is path
+               and GG.runs_grouped(kind_, device, target(a.fmt) if kind is GC.MX else a.fmt,
+                                   target(b.fmt) if kind is GC.MX else b.fmt, *dims, fast_accum=gp.fast_accum)
+               for kind_, gp, a, b, dims in gemms)
 
 
 GROUPED_BF16_DEVICES = ("cuda",)

@@ -339,14 +339,21 @@ def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
     return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX, granularity=gran, width=x2.shape[-1])
 
 
+def mx_token_padding(g: Groups, block: int) -> GG.Padding:
+    """Each expert's tokens from a whole MX block on (to the bound of any routing where the counts were not
+    read): the layout of an ``MX_TOKENS`` side."""
+    return GG.token_padding(g.counts, g.lengths, block, rows=g.expert.shape[0])
+
+
 def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) -> ExpertCast:
     """The token rows' transposed side in MX blocks along the tokens: each expert's tokens start a block (its
-    rows padded with zeros to whole blocks, as its own cast pads them), so no block holds two experts."""
+    rows padded with zeros to whole blocks, as its own cast pads them), so no block holds two experts (nor
+    the zero blocks after the last expert's, where the counts stay on the device)."""
     bc = gran.block_cols
-    xp = GG.features_padded(x2.detach(), GG.token_padding(g.counts, g.lengths, bc))
+    xp = GG.features_padded(x2.detach(), mx_token_padding(g, bc))
     q = routed_quantize(xp, fmt, gran)  # (K, P): blocks along the padded tokens
-    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran,
-                      starts=GG.padded_starts(g.counts, bc))
+    starts = GG.padded_starts(g.counts, bc) if g.counts is not None else ()  # per expert: read counts only
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran, starts=starts)
 
 
 def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | None, F.Format | None]:

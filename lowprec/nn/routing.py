@@ -9,12 +9,14 @@ torch's own warning (a ``moe-tiny`` step took 17 s on a CPU instead of 0.1). Two
 
 * experts that need no count run in the graph, on the offsets as the device holds them
   (``GroupedLinear.takes_offsets``), the offsets checked by a device assertion: high-precision BF16 experts
-  on a GPU (one ``torch._grouped_mm`` per projection), and FP8 experts whose casts are batched per tensor or
-  per row (``fp8-current``, ``fp8-rowwise``) on a device that runs all three of their GEMMs grouped (an sm90
-  GPU: ``torch._scaled_grouped_mm`` and lowprec's grouped Triton GEMMs, which find each expert's rows from the
-  offsets on the device). Their amaxes, scales and casts are device work, and the weight gradient's padded
-  layout is sized for any routing (``kernels.grouped_gemm.padded_bound``: the rows plus 15 per expert, zero
-  columns after the last expert's), so the graph's shapes do not depend on the routing and it compiles once;
+  on a GPU (one ``torch._grouped_mm`` per projection), and FP8 experts whose casts are batched per tensor,
+  per row or MX (``fp8-current``, ``fp8-rowwise``, ``mxfp8``, ``mxfp4``) on a device that runs all three of
+  their GEMMs grouped (an sm90 GPU: ``torch._scaled_grouped_mm`` and lowprec's grouped Triton GEMMs, which
+  find each expert's rows from the offsets on the device; MX GEMMs folded to row scales, the weight
+  gradient's folded per expert over the blocks its tokens fill). Their amaxes, scales, casts and folds are
+  device work, and the weight gradient's padded layout is sized for any routing
+  (``kernels.grouped_gemm.padded_bound``: the rows plus 15 per expert, 31 for MX blocks, zero columns after
+  the last expert's), so the graph's shapes do not depend on the routing and it compiles once;
   the compiler fuses the SwiGLU and the casts' neighbours around them and merges the gate's and up's casts of
   the same rows. They compute what the counted experts compute, bit for bit (``tests/nn/test_experts_on_device.py``);
 * the others (other recipes, biases, devices without those grouped GEMMs, the CPU, expert parallelism's

@@ -39,6 +39,17 @@ def grouped_here(monkeypatch):
     layer_plan.cache_clear()
 
 
+@pytest.fixture
+def mx_grouped_here(grouped_here, monkeypatch):
+    """As ``grouped_here``, and MX GEMMs taken as running folded on FP8 tensor cores (Ada, Hopper)."""
+    from lowprec.nn import grouped
+
+    monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
+    layer_plan.cache_clear()
+    yield
+    layer_plan.cache_clear()
+
+
 def _layer(recipe: str, bias: bool = False) -> GroupedLinear:
     torch.manual_seed(0)
     return GroupedLinear(len(COUNTS), 64, 96, bias=bias, recipe=recipe)
@@ -113,12 +124,13 @@ def test_the_reference_experts_compile_into_one_graph_with_gate_and_up_shared(gr
         assert torch.equal(a, b)
 
 
-def test_the_moe_model_trains_compiled_with_its_fp8_experts_in_the_graph(grouped_here):
+@pytest.mark.parametrize("recipe", ["fp8-rowwise", "mxfp8"])
+def test_the_moe_model_trains_compiled_with_its_fp8_experts_in_the_graph(recipe, mx_grouped_here):
     torch._dynamo.reset()
     counters.clear()
     cfg = preset("moe-tiny")
     model = build_model(cfg, seed=0)
-    lowprec.convert(model, "fp8-rowwise", lowprec.Policy(skip_small=False))
+    lowprec.convert(model, recipe, lowprec.Policy(skip_small=False))
     twin = copy.deepcopy(model)
     batches = [torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(s)) for s in range(3)]
     losses = []
@@ -174,3 +186,55 @@ def test_the_padding_bound_holds_every_routing_of_the_rows(counts):
     bound = GG.token_padding(None, lengths, rows=sum(counts))
     assert bound.total % 16 == 0 and int(bound.ends[-1]) <= bound.total
     assert GC.Groups.of(None, lengths.cumsum(0), sum(counts)).padded().total == bound.total
+
+
+MX_RECIPES = ("mxfp8", "mxfp4")
+
+
+@pytest.mark.parametrize("recipe", MX_RECIPES)
+def test_mx_experts_on_the_device_counts_equal_the_counted_layer_bit_for_bit(recipe, mx_grouped_here):
+    """MX experts whose three GEMMs run folded and grouped take the device's counts: the token sides padded to
+    whole blocks for any routing (zero blocks after the last expert's, which no expert reads), the weight
+    gradient's fold per expert over the blocks its tokens fill; the same bits as the counted layer."""
+    layer = _layer(recipe)
+    assert layer.plan().wgrad.path.value == "folded"
+    x, dy = randn(sum(COUNTS), 64, seed=1), randn(sum(COUNTS), 96, seed=2, scale=1e-2)
+    off = _offsets()
+    way = layer._on_device(x)
+    assert way is layer.plan() and layer.takes_offsets(x)
+    counted = _step(layer, x, dy, lambda m, a: m(a, off))
+    on_device = _step(layer, x, dy, lambda m, a: m._on_offsets(a, off, way))
+    for a, b in zip(on_device, counted, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe", MX_RECIPES)
+def test_a_compiled_call_holds_mx_experts_in_its_graph_for_every_routing(recipe, mx_grouped_here):
+    torch._dynamo.reset()
+    counters.clear()
+    layer = _layer(recipe)
+    f = torch.compile(lambda a, o: layer(a * 2, o), backend="aot_eager")
+    x = randn(24, 64, seed=3)
+    dy = randn(24, 96, seed=4, scale=1e-2)
+    graphs = None
+    for ends in ([6, 12, 18, 24], [0, 20, 20, 24], [24, 24, 24, 24]):  # empty experts too
+        off = torch.tensor(ends)
+        compiled = _step(layer, x, dy, lambda m, a, off=off: f(a, off))
+        eager = _step(layer, x, dy, lambda m, a, off=off: m(a * 2, off))
+        for a, b in zip(compiled, eager, strict=True):
+            assert torch.equal(a, b)
+        graphs = graphs or counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs  # compiled once
+    assert dict(counters["graph_break"]) == {}  # nothing left the graph: no count was read
+
+
+def test_mx_experts_read_their_counts_where_mx_gemms_do_not_run_folded(grouped_here, monkeypatch):
+    """Without the folded path (a device whose first-use check of it failed), MX experts keep the counted
+    path; with it, they take the device's counts."""
+    from lowprec.nn import grouped
+
+    monkeypatch.setattr(grouped, "folded_runs", lambda device: False)
+    x = randn(8, 64, seed=7)
+    assert not _layer("mxfp8").takes_offsets(x)
+    monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
+    assert _layer("mxfp8").takes_offsets(x)
