@@ -22,7 +22,8 @@ from lowprec.train.model import build_model, preset
 from lowprec.train.moe_model import RoutedExperts
 from tests.nn.common import randn
 
-RECIPES = ("fp8-current", "fp8-rowwise")
+RECIPES = ("fp8-current", "fp8-rowwise", "mxfp8", "mxfp4")
+"""Per tensor, per row and MX: the MX recipes' three GEMMs folded to row scales (``mx_grouped_here``)."""
 COUNTS = (5, 0, 40, 19)
 
 
@@ -68,7 +69,9 @@ def _offsets(counts=COUNTS) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_layer_on_the_device_counts_equals_the_counted_layer_bit_for_bit(recipe, grouped_here):
+def test_a_layer_on_the_device_counts_equals_the_counted_layer_bit_for_bit(recipe, mx_grouped_here):
+    """MX experts too: their token sides padded to whole blocks for any routing (zero blocks after the last
+    expert's, which no expert reads), the weight gradient folded per expert over the blocks its tokens fill."""
     layer = _layer(recipe)
     x, dy = randn(sum(COUNTS), 64, seed=1), randn(sum(COUNTS), 96, seed=2, scale=1e-2)
     off = _offsets()
@@ -81,7 +84,7 @@ def test_a_layer_on_the_device_counts_equals_the_counted_layer_bit_for_bit(recip
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_a_compiled_call_holds_the_experts_in_its_graph_for_every_routing(recipe, grouped_here):
+def test_a_compiled_call_holds_the_experts_in_its_graph_for_every_routing(recipe, mx_grouped_here):
     torch._dynamo.reset()
     counters.clear()
     layer = _layer(recipe)
@@ -187,45 +190,6 @@ def test_the_padding_bound_holds_every_routing_of_the_rows(counts):
     assert bound.total % 16 == 0 and int(bound.ends[-1]) <= bound.total
     assert GC.Groups.of(None, lengths.cumsum(0), sum(counts)).padded().total == bound.total
 
-
-MX_RECIPES = ("mxfp8", "mxfp4")
-
-
-@pytest.mark.parametrize("recipe", MX_RECIPES)
-def test_mx_experts_on_the_device_counts_equal_the_counted_layer_bit_for_bit(recipe, mx_grouped_here):
-    """MX experts whose three GEMMs run folded and grouped take the device's counts: the token sides padded to
-    whole blocks for any routing (zero blocks after the last expert's, which no expert reads), the weight
-    gradient's fold per expert over the blocks its tokens fill; the same bits as the counted layer."""
-    layer = _layer(recipe)
-    assert layer.plan().wgrad.path.value == "folded"
-    x, dy = randn(sum(COUNTS), 64, seed=1), randn(sum(COUNTS), 96, seed=2, scale=1e-2)
-    off = _offsets()
-    way = layer._on_device(x)
-    assert way is layer.plan() and layer.takes_offsets(x)
-    counted = _step(layer, x, dy, lambda m, a: m(a, off))
-    on_device = _step(layer, x, dy, lambda m, a: m._on_offsets(a, off, way))
-    for a, b in zip(on_device, counted, strict=True):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("recipe", MX_RECIPES)
-def test_a_compiled_call_holds_mx_experts_in_its_graph_for_every_routing(recipe, mx_grouped_here):
-    torch._dynamo.reset()
-    counters.clear()
-    layer = _layer(recipe)
-    f = torch.compile(lambda a, o: layer(a * 2, o), backend="aot_eager")
-    x = randn(24, 64, seed=3)
-    dy = randn(24, 96, seed=4, scale=1e-2)
-    graphs = None
-    for ends in ([6, 12, 18, 24], [0, 20, 20, 24], [24, 24, 24, 24]):  # empty experts too
-        off = torch.tensor(ends)
-        compiled = _step(layer, x, dy, lambda m, a, off=off: f(a, off))
-        eager = _step(layer, x, dy, lambda m, a, off=off: m(a * 2, off))
-        for a, b in zip(compiled, eager, strict=True):
-            assert torch.equal(a, b)
-        graphs = graphs or counters["stats"]["unique_graphs"]
-    assert counters["stats"]["unique_graphs"] == graphs  # compiled once
-    assert dict(counters["graph_break"]) == {}  # nothing left the graph: no count was read
 
 
 def test_mx_experts_read_their_counts_where_mx_gemms_do_not_run_folded(grouped_here, monkeypatch):

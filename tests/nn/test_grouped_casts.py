@@ -122,19 +122,28 @@ def test_inference_takes_the_batched_casts_too(monkeypatch):
     assert torch.equal(bits(batched), bits(looped))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
-def test_mx_experts_take_one_grouped_gemm_of_rows_folded_to_row_scales(monkeypatch, recipe):
-    """Where MX GEMMs run folded and the device runs grouped FP8 GEMMs (told so here: the CPU, with a
-    grouped GEMM from exact products standing in), the experts' forward and input gradient are one grouped
-    GEMM each on every row folded at once, and equal the expert-by-expert folded GEMMs."""
+@pytest.fixture
+def folded_cpu(monkeypatch):
+    """The CPU taken as a device with FP8 tensor cores whose MX GEMMs run folded to row scales."""
     import sys
 
-    from lowprec.kernels import grouped_gemm as GG
     from lowprec.nn.plan import layer_plan
 
     C = sys.modules["lowprec.kernels.capability"]
     monkeypatch.setitem(C._KNOWN, torch.device("cpu"), C.Capability("cpu", "cpu", None, True, False, False, False))
+    monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
     layer_plan.cache_clear()
+    yield
+    layer_plan.cache_clear()
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_mx_experts_take_one_grouped_gemm_of_rows_folded_to_row_scales(monkeypatch, recipe, folded_cpu):
+    """Where MX GEMMs run folded and the device runs grouped FP8 GEMMs (told so here: the CPU, with a
+    grouped GEMM from exact products standing in), the experts' forward and input gradient are one grouped
+    GEMM each on every row folded at once, and equal the expert-by-expert folded GEMMs."""
+    from lowprec.kernels import grouped_gemm as GG
+
     calls = []
 
     def by_rows(a, a_scales, b, b_scales, offsets, out_dtype, fast_accum):
@@ -143,18 +152,14 @@ def test_mx_experts_take_one_grouped_gemm_of_rows_folded_to_row_scales(monkeypat
         return GG._reference(GG.ROWS, a, a_scales, b, b_scales, counts).to(out_dtype)
 
     monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: kind == GG.ROWS)
-    monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
     monkeypatch.setattr(GG, "grouped_by_rows", by_rows)
-    try:
-        g, _, x, dy = make(recipe, COUNTS)
-        assert g.plan().fprop.path.value == "folded"
-        batched = grouped_step(g, x, dy, COUNTS)
-        assert calls == [(torch.float8_e4m3fn, (4, 256, 128)), (torch.float8_e4m3fn, (4, 128, 256))]
-        g.weight.grad = g.bias.grad = None
-        monkeypatch.setattr(GC, "batches", lambda plan: False)
-        looped = grouped_step(g, x, dy, COUNTS)
-    finally:
-        layer_plan.cache_clear()
+    g, _, x, dy = make(recipe, COUNTS)
+    assert g.plan().fprop.path.value == "folded"
+    batched = grouped_step(g, x, dy, COUNTS)
+    assert calls == [(torch.float8_e4m3fn, (4, 256, 128)), (torch.float8_e4m3fn, (4, 128, 256))]
+    g.weight.grad = g.bias.grad = None
+    monkeypatch.setattr(GC, "batches", lambda plan: False)
+    looped = grouped_step(g, x, dy, COUNTS)
     for name, a, b in zip(("y", "dx", "dweight", "dbias"), batched, looped):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
 
@@ -216,19 +221,13 @@ def test_a_backward_for_the_bias_alone_casts_nothing(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
-def test_mx_weight_gradients_take_one_grouped_gemm_of_the_tokens_folded_per_expert(monkeypatch, recipe):
+def test_mx_weight_gradients_take_one_grouped_gemm_of_the_tokens_folded_per_expert(monkeypatch, recipe, folded_cpu):
     """Where MX GEMMs run folded and the device runs grouped FP8 GEMMs of the features kind (told so here: the
     CPU, with a grouped GEMM from exact products standing in), every expert's weight gradient is one grouped
     GEMM of the token sides folded with a scale per (feature, expert), and equals the expert-by-expert folded
     GEMMs (an expert without tokens: zeros)."""
-    import sys
-
     from lowprec.kernels import grouped_gemm as GG
-    from lowprec.nn.plan import layer_plan
 
-    C = sys.modules["lowprec.kernels.capability"]
-    monkeypatch.setitem(C._KNOWN, torch.device("cpu"), C.Capability("cpu", "cpu", None, True, False, False, False))
-    layer_plan.cache_clear()
     calls = []
 
     def laid_out(a_t, sa, b_t, sb, ends, out_dtype, fast_accum):
@@ -242,19 +241,15 @@ def test_mx_weight_gradients_take_one_grouped_gemm_of_the_tokens_folded_per_expe
         return torch.stack(out).to(out_dtype)
 
     monkeypatch.setattr(GG, "runs_grouped", lambda kind, device, a_fmt, b_fmt, *dims, **kw: kind == GG.FEATURES)
-    monkeypatch.setattr(grouped, "folded_runs", lambda device: True)
     monkeypatch.setattr(GG, "grouped_by_features_laid_out", laid_out)
-    try:
-        g, _, x, dy = make(recipe, COUNTS)
-        assert g.plan().wgrad.path.value == "folded"
-        batched = grouped_step(g, x, dy, COUNTS)
-        ends = tuple(itertools.accumulate(-(-n // 32) * 32 for n in COUNTS))  # whole MX blocks per expert
-        assert calls == [(torch.float8_e4m3fn, (256, ends[-1]), (128, ends[-1]), ends)]
-        g.weight.grad = g.bias.grad = None
-        monkeypatch.setattr(GC, "batches", lambda plan: False)
-        looped = grouped_step(g, x, dy, COUNTS)
-    finally:
-        layer_plan.cache_clear()
+    g, _, x, dy = make(recipe, COUNTS)
+    assert g.plan().wgrad.path.value == "folded"
+    batched = grouped_step(g, x, dy, COUNTS)
+    ends = tuple(itertools.accumulate(-(-n // 32) * 32 for n in COUNTS))  # whole MX blocks per expert
+    assert calls == [(torch.float8_e4m3fn, (256, ends[-1]), (128, ends[-1]), ends)]
+    g.weight.grad = g.bias.grad = None
+    monkeypatch.setattr(GC, "batches", lambda plan: False)
+    looped = grouped_step(g, x, dy, COUNTS)
     assert COUNTS.count(0) and torch.equal(batched[2][COUNTS.index(0)], torch.zeros_like(batched[2][0]))
     for name, a, b in zip(("y", "dx", "dweight", "dbias"), batched, looped):
         assert ((a - b).abs().max() <= 1e-5 * b.abs().max()).item(), name
