@@ -1,21 +1,25 @@
-"""The routed experts of one ``moe-1b`` block, forward and backward: BF16 against fp8-current, each way
-lowprec can run them, in one process.
+"""The routed experts of one ``moe-1b`` block, forward and backward: BF16 against lowprec's batched recipes,
+each way lowprec can run them, in one process.
 
 ```
 cd benchmarks
 python3 bench_moe.py --out results                         # one GPU: moe-1b's experts, 16k tokens, top 4
 python3 bench_moe.py --tokens 256 --experts 4 --dim 128 --width 128 --out results   # dry run, any machine
 python3 bench_moe.py --variants "bf16 grouped_mm,bf16 cudagraphs,fp8-current loop,fp8-current cudagraphs"
+python3 bench_moe.py --recipes mxfp8,mxfp4 --variants "bf16 compiled,bf16 cudagraphs,mxfp8 grouped,mxfp8 cudagraphs"
 ```
 
-Variants (all on the same routed rows, grouped by expert, with random unbalanced counts):
+Variants (all on the same routed rows, grouped by expert, with random unbalanced counts; ``<recipe>`` each of
+``--recipes``, fp8-current and fp8-rowwise by default, mxfp8 and mxfp4 too, whose three GEMMs run folded to
+row scales where the device runs them so):
 - ``bf16 loop``: one BF16 ``linear`` per expert (what ``GroupedLinear`` without a recipe did before);
 - ``bf16 grouped_mm``: ``torch._grouped_mm`` (what it does now on a GPU; the baseline of the ratios);
 - ``<recipe> loop``: every expert's casts and GEMMs one by one (``lowprec.nn.grouped.GroupedFunction``);
 - ``<recipe> batched``: the casts of all experts batched, GEMMs per expert;
-- ``<recipe> grouped``: batched casts, the GEMMs in ``torch._scaled_grouped_mm`` where it takes them (E4M3
-  operands: fp8-current's forward, fp8-rowwise's three GEMMs), fp8-current's E5M2 gradient GEMMs in
-  lowprec's grouped Triton GEMMs (``kernels.triton_grouped_gemm``): what ``GroupedLinear`` runs;
+- ``<recipe> grouped``: batched casts, the GEMMs in ``torch._scaled_grouped_mm`` where it runs them best
+  (E4M3 pairs with fast accumulation: the forward), the gradients' (E5M2 pairs, E4M3 pairs without fast
+  accumulation) in lowprec's grouped Triton GEMMs (``kernels.triton_grouped_gemm``): what ``GroupedLinear``
+  runs;
 - ``<recipe> triton``: as ``grouped``, every grouped GEMM on the Triton kernels (E4M3 pairs too);
 - ``<recipe> on device``: as ``grouped``, the counts left on the device (what a compiled graph runs, here
   eager: no host read, the padding sized for any routing);
@@ -40,6 +44,10 @@ import torch
 from lowprec.kernels import grouped_gemm
 from lowprec.nn import InputShare, grouped, grouped_casts
 from lowprec.train.moe_model import RoutedExperts
+
+
+RECIPES = ("fp8-current", "fp8-rowwise", "mxfp8", "mxfp4")
+"""The recipes whose experts lowprec batches (per tensor, per row, MX): each runs every way of the table."""
 
 
 def _counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[int, ...]:
@@ -79,6 +87,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--recipes", default="fp8-current,fp8-rowwise",
+                    help=f"comma-separated recipes among {', '.join(RECIPES)}")
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", default=None, help="comma-separated names of the table (default: all); "
                     "'bf16 grouped_mm' and each recipe's loop always run, as the references")
@@ -92,7 +102,10 @@ def main() -> None:
     base.w1.state.share = base.w3.state.share = InputShare(("w1", "w3"))  # as convert groups them
     x = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16)
     dy = torch.randn(rows, args.dim, device=dev, dtype=torch.bfloat16) * 1e-2
-    recipes = ("fp8-current", "fp8-rowwise")
+    recipes = tuple(args.recipes.split(","))
+    unknown = set(recipes) - set(RECIPES)
+    if unknown:
+        ap.error(f"--recipes: expected names among {', '.join(RECIPES)}, got {', '.join(sorted(unknown))}")
     modes = ("loop", "batched", "grouped", "triton", "on device", "compiled", "cudagraphs")
     variants = ["bf16 loop", "bf16 grouped_mm", "bf16 compiled", "bf16 cudagraphs",
                 *(f"{r} {m}" for r in recipes for m in modes)]
@@ -104,7 +117,7 @@ def main() -> None:
         variants = [v for v in variants if v in wanted]
     outs, times = {}, {}
     for name in variants:
-        recipe = name.split()[0] if name.startswith("fp8") else None
+        recipe = name.split()[0] if name.split()[0] in RECIPES else None
         for lin in (base.w1, base.w3, base.w2):
             lin.set_recipe(recipe)
         torch._dynamo.reset()
