@@ -45,7 +45,6 @@ from lowprec.kernels import grouped_gemm
 from lowprec.nn import InputShare, grouped, grouped_casts
 from lowprec.train.moe_model import RoutedExperts
 
-
 RECIPES = ("fp8-current", "fp8-rowwise", "mxfp8", "mxfp4")
 """The recipes whose experts lowprec batches (per tensor, per row, MX): each runs every way of the table."""
 
