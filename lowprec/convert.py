@@ -90,7 +90,7 @@ def convert(model: nn.Module, recipe: str | R.Recipe, policy: Policy | None = No
                                         mha_children=mha, blocks=blocks)
     experts = convert_grouped(model, recipe, policy, blocks, report, device)
     if recipe.uses_delayed_scaling:  # one bank per device, folded once per forward of the model
-        bank_layers(model, list(converted.values()))
+        bank_layers(model, [*converted.values(), *experts.values()])
     layers = {**converted, **experts}  # experts' projections reading one input share its casts too
     for group in share_groups(policy, list(layers)):
         report.shared_inputs.append(group)

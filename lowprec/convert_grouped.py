@@ -7,9 +7,9 @@ exclude patterns, its ``keep_first_blocks`` / ``keep_last_blocks`` (by the block
 ``skip_small=True`` apply to it as to a linear. The head and router rules do not: experts are neither
 (a router is one [E, hidden] matrix, an ``nn.Linear`` the router rule keeps), and an expert projection
 may well be named ``gate``. The device's small-layer rule (``Policy.skip_small`` None) does not apply
-either: every expert runs the recipe whatever its size. A recipe the layer refuses (delayed scaling:
-it keeps no amax history per expert) leaves it in high precision with the reason in its row
-(``Kept.REFUSED``) and in one warning. The report has one row per ``GroupedLinear``,
+either: every expert runs the recipe whatever its size. Under delayed scaling each expert keeps an amax
+history of its own, a row of the model's banks beside the linears' (``lowprec.nn.delayed_bank``). The
+report has one row per ``GroupedLinear``,
 ``E experts x out x in``, with all its parameters, so the coverage counts them with the linears'.
 Hugging Face experts (fused 3-D parameters) are first replaced by a module that runs them through two
 ``GroupedLinear`` (``lowprec.convert_hf_moe``); those are converted as above, their rows named after the
@@ -18,7 +18,6 @@ kept in high precision.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import replace
 
 import torch
@@ -31,10 +30,7 @@ from lowprec.nn import GroupedLinear
 from lowprec.nn.plan import Kept, layer_plan
 from lowprec.policy import Policy, policy_keeps
 
-__all__ = ["REFUSED_DELAYED", "convert_grouped", "grouped_layers"]
-
-REFUSED_DELAYED = ("high precision: GroupedLinear refuses delayed scaling (it keeps no amax history per expert; "
-                   "fp8-current scales each expert by its own amax)")
+__all__ = ["convert_grouped", "grouped_layers"]
 
 
 def grouped_layers(model: nn.Module) -> list[tuple[str, nn.Module | nn.Parameter]]:
@@ -51,7 +47,6 @@ def convert_grouped(model: nn.Module, recipe: R.Recipe, policy: Policy, blocks: 
     theirs (see [Note: Hugging Face experts] in ``lowprec.convert_hf_moe``); returns them by row name."""
     experts_policy = replace(policy, keep_head=False, keep_routers=False)  # experts are neither
     out: dict[str, GroupedLinear] = {}
-    refused = []
     for name, g in _grouped(model, policy):
         if isinstance(g, LayerReport):  # a Hugging Face router: kept
             report.layers.append(g)
@@ -61,21 +56,12 @@ def convert_grouped(model: nn.Module, recipe: R.Recipe, policy: Policy, blocks: 
         if keep is not None:
             g.set_recipe(None)
             report.layers.append(_row(name, g, False, keep.reason, Kept.POLICY))
-        elif recipe.uses_delayed_scaling:
-            g.set_recipe(None)
-            report.layers.append(_row(name, g, False, REFUSED_DELAYED, Kept.REFUSED))
-            refused.append(name)
         else:
             g.set_recipe(recipe)
             out[name] = g
             plan = layer_plan(recipe, device, g.in_features, g.out_features)
             report.layers.append(_row(name, g, True, recipe.name) if plan.hp_reason is None else
                                  _row(name, g, False, f"high precision: {plan.hp_reason}", plan.hp_kind))
-    if refused:
-        names = ", ".join(refused[:5]) + (" ..." if len(refused) > 5 else "")
-        warnings.warn(f"lowprec: {len(refused)} GroupedLinear(s) run in high precision because they refuse "
-                      f"{recipe.name}'s delayed scaling (no amax history per expert): {names} (see the "
-                      "conversion report)", stacklevel=4)
     return out
 
 

@@ -50,6 +50,8 @@ import torch.nn as nn
 from lowprec._checks import describe, fail
 from lowprec.conversion_report import LayerReport
 from lowprec.nn import GroupedLinear
+from lowprec.nn.delayed import DelayedState
+from lowprec.nn.linear import OptionalExtraState, drop_empty_extra_state
 from lowprec.nn.plan import Kept
 from lowprec.nn.routing import expert_counts, outside_graphs
 from lowprec.policy import Policy
@@ -109,7 +111,7 @@ def hf_projections(m: nn.Module) -> tuple[Projection, Projection] | None:
     return first, down
 
 
-class HFGroupedExperts(nn.Module):
+class HFGroupedExperts(OptionalExtraState):
     """A Hugging Face experts module's parameters (the same objects, under the same names) and activation,
     run through two ``GroupedLinear``; see [Note: Hugging Face experts]."""
 
@@ -129,6 +131,7 @@ class HFGroupedExperts(nn.Module):
         self.projections = projections
         self._grouped = tuple(GroupedLinear(self.num_experts, p.in_features, p.out_features, bias=p.bias is not None,
                                             device="meta") for p in projections)
+        self.register_state_dict_post_hook(drop_empty_extra_state)  # Hugging Face's keys alone, unless delayed
         self.ep = None
         """Expert parallelism (``lowprec.distributed.expert_parallel.ExpertParallel``), or None: every expert
         here. Set by ``lowprec.train.moe_model.parallelize_experts``, which splits the parameters."""
@@ -137,6 +140,27 @@ class HFGroupedExperts(nn.Module):
     def parameter_names(self) -> tuple[str, ...]:
         """The experts' parameters on this module, stacked by expert along dim 0 in either layout."""
         return tuple(name for p in self.projections for name in (p.weight, p.bias) if name is not None)
+
+    def named_delayed_states(self) -> list[tuple[str, DelayedState]]:
+        """``(suffix, state)`` of each expert's delayed-scaling state in either projection, named after the
+        projection's weight (``.gate_up_proj#expert3``)."""
+        return [(f".{p.weight}{suffix}", state) for g, p in zip(self._grouped, self.projections)
+                for suffix, state in g.named_delayed_states()]
+
+    def get_extra_state(self):
+        # the two GroupedLinear are not submodules (their parameters are this module's): their experts'
+        # delayed-scaling histories travel here, as one (2, E, rows, roles) tensor
+        states = [g.get_extra_state() for g in self.grouped()]
+        return None if any(s is None for s in states) else torch.stack(states)
+
+    def set_extra_state(self, state) -> None:
+        if state is None:
+            return
+        if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.shape[0] != len(self._grouped):
+            fail("state_dict", f"{self.hf_class.__name__} experts: a delayed-scaling state for each of its "
+                 f"{len(self._grouped)} projections", describe(state))
+        for g, s in zip(self.grouped(), state):
+            g.set_extra_state(s)
 
     def grouped(self) -> tuple[GroupedLinear, GroupedLinear]:
         """The two ``GroupedLinear``, pointed at this module's parameters as they are now (weights as

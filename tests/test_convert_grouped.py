@@ -11,11 +11,9 @@ import torch
 import torch.nn as nn
 
 import lowprec
-from lowprec.convert_grouped import REFUSED_DELAYED
-from lowprec.nn import GroupedLinear, Linear
+from lowprec.nn import GroupedLinear
 from lowprec.nn.plan import Kept
 from lowprec.policy import Policy
-from lowprec.train.verdict import untested
 
 E, H, D = 4, 128, 256  # experts, hidden, expert width
 
@@ -32,6 +30,13 @@ class Model(nn.Module):
     def __init__(self, n: int = 3, experts_name: str = "experts") -> None:
         super().__init__()
         self.layers = nn.ModuleList(Block(experts_name) for _ in range(n))
+        self.experts_name = experts_name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Each block's experts on its attention's output, the rows split evenly but for expert 1 (none)."""
+        n = x.shape[0]
+        offsets = torch.tensor([n // 2, n // 2, 3 * n // 4, n])
+        return sum(getattr(b, self.experts_name)(b.attn(x), offsets).sum() for b in self.layers)
 
 
 def convert(model, recipe="fp8-current", policy=None):
@@ -103,24 +108,25 @@ def test_experts_named_gate_are_not_taken_for_a_router():
     assert rows(report)["layers.0.gate"].converted and model.layers[0].gate.recipe is not None
 
 
-def test_a_recipe_the_experts_refuse_keeps_them_in_high_precision_and_says_why():
+def test_delayed_scaling_converts_the_experts_with_a_history_each_in_the_models_banks():
+    """Under fp8-delayed each expert keeps an amax history, a row of the model's banks beside the linears',
+    folded by the model's forward; a training step records every expert that had tokens, and the
+    data-parallel reduction and the outlier count see the experts' states."""
+    from lowprec.distributed.amax import delayed_states
+    from lowprec.nn.delayed import amax_outliers
+
     model = Model(2)
     report, said = convert(model, "fp8-delayed", Policy(keep_last_blocks=0))
     r = rows(report)
-    assert (r["layers.0.experts"].converted, r["layers.0.experts"].reason, r["layers.0.experts"].kept) == (
-        False, REFUSED_DELAYED, Kept.REFUSED)
-    assert model.layers[0].experts.recipe is None and isinstance(model.layers[0].attn, Linear)
-    assert r["layers.0.attn"].converted
-    assert sum("2 GroupedLinear(s) run in high precision because they refuse fp8-delayed" in s for s in said) == 1
-    assert report.unseen == []  # kept, not unseen: its row says why
-    c = report.coverage()
-    assert dict(c.kept)[Kept.REFUSED] == 2 and c.converted_params == 2 * H * H
-    why = untested(c)  # the experts hold most of the parameters
-    assert "2 kept: layers that refuse the recipe (grouped experts under delayed scaling" in why
-    plain = GroupedLinear(E, H, D)
-    plain.weight.data.copy_(model.layers[0].experts.weight.data)
-    x, offsets = torch.randn(8, H), torch.tensor([2, 4, 6, 8])
-    assert torch.equal(model.layers[0].experts(x, offsets), plain(x, offsets))  # the same linears, unscaled
+    assert r["layers.0.experts"].converted and r["layers.1.experts"].converted and r["layers.0.attn"].converted
+    experts = model.layers[0].experts
+    banks = model.layers[0].attn.delayed_state.banks
+    assert banks.by_hook and all(s.banks is banks for _, s in experts.delayed_states())
+    assert len(delayed_states(model)) == 2 + 2 * E  # two linears, and E experts in each of two layers
+    x = torch.randn(8, H, requires_grad=True)
+    model(x).backward()
+    assert [s.recorded for _, s in experts.delayed_states()] == [[1, 1, 1], [0, 0, 0], [1, 1, 1], [1, 1, 1]]
+    assert amax_outliers(model) == 0
 
 
 def test_experts_whose_shape_the_recipe_cannot_take_are_said_once_at_conversion():

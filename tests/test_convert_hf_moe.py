@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lowprec.convert_grouped import REFUSED_DELAYED
 from lowprec.convert_hf_moe import ROUTER_KEPT, ROUTER_NOT_CONVERTED, HFGroupedExperts, swap_hf_experts
 from lowprec.nn import Linear
 from lowprec.nn.plan import Kept
@@ -262,18 +261,30 @@ def test_gpt_oss_experts_are_reported_as_out_x_in_with_their_biases():
     assert r["model.layers.0.mlp.router"].params == E * H + E and report.unseen == []
 
 
-def test_fp8_delayed_keeps_the_experts_in_high_precision_and_says_so():
+def test_fp8_delayed_converts_the_experts_each_with_its_history():
+    """The experts of a Mixtral run fp8-delayed as its attention does, each expert with an amax history of its
+    own in the model's banks; a training step records the experts that were routed tokens."""
     model = build("mixtral")
-    reference = copy.deepcopy(model)
     report, said = convert(model, "fp8-delayed", Policy(keep_last_blocks=0))
     row = rows(report)["model.layers.0.mlp.experts.down_proj"]
-    assert (row.converted, row.reason, row.kept) == (False, REFUSED_DELAYED, Kept.REFUSED)
-    assert sum("4 GroupedLinear(s) run in high precision because they refuse fp8-delayed" in s for s in said) == 1
-    assert rows(report)["model.layers.0.self_attn.q_proj"].converted and report.unseen == []
-    swap_hf_experts(reference)
-    x, index, weights = torch.randn(8, H), torch.stack([torch.randperm(E)[:2] for _ in range(8)]), torch.rand(8, 2)
-    with torch.no_grad():  # the experts in high precision: what they compute without a recipe
-        assert torch.equal(experts_of(model)(x, index, weights), experts_of(reference)(x, index, weights))
+    assert row.converted and row.reason == "fp8-delayed" and report.unseen == []
+    assert not any("refuse" in s for s in said)
+    model.train()
+    model(tokens()).logits.float().square().mean().backward()
+    experts = experts_of(model)
+    named = dict(experts.named_delayed_states())
+    assert len(named) == 2 * E and [1, 1, 1] in [s.recorded for s in named.values()]
+    down = experts.projections[1].weight
+    assert named[f".{down}#expert0"] is experts.grouped()[1].delayed_states()[0][1]
+    # the histories travel in the experts module's state_dict, and load into a model converted alike
+    sd = model.state_dict()
+    key = "model.layers.0.mlp.experts._extra_state"
+    assert sd[key].shape[:2] == (2, E)
+    twin = build("mixtral")
+    convert(twin, "fp8-delayed", Policy(keep_last_blocks=0))
+    twin.load_state_dict(sd)
+    for (n, a), (_, b) in zip(experts.named_delayed_states(), experts_of(twin).named_delayed_states(), strict=True):
+        assert torch.equal(a.history, b.history) and a.recorded == b.recorded, n
 
 
 def test_the_policy_applies_to_the_experts_by_their_weights_names_and_routers_stay_kept():

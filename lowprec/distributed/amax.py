@@ -31,15 +31,14 @@ import torch.nn as nn
 
 from lowprec._checks import describe, fail
 from lowprec.distributed.agree import is_distributed
-from lowprec.nn import Linear
-from lowprec.nn.delayed import DelayedState
+from lowprec.nn.delayed import DelayedState, delayed_states_of
 
 
 def delayed_states(model: nn.Module) -> list[DelayedState]:
-    """The delayed-scaling state of every ``lowprec.nn.Linear`` of ``model`` that has one, in module order."""
+    """Every delayed-scaling state of ``model`` (each converted linear's, each expert's), in module order."""
     if not isinstance(model, nn.Module):
         fail("model", "a torch.nn.Module", describe(model), TypeError)
-    return [m.delayed_state for m in model.modules() if isinstance(m, Linear) and m.delayed_state is not None]
+    return [state for _, state in delayed_states_of(model)]
 
 
 @torch.no_grad()

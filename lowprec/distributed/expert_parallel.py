@@ -126,7 +126,11 @@ class ExpertParallel:
 
 def shard_grouped(layer: GroupedLinear, group: dist.ProcessGroup, replicas: dist.ProcessGroup | None = None) -> None:
     """Keep this rank's slice of ``layer``'s experts: weight and bias become DTensors split by experts over
-    ``group`` (see :func:`shard_experts`)."""
+    ``group`` (see :func:`shard_experts`). Experts under delayed scaling are refused: each keeps an amax
+    history, which the ranks' reduction of histories would mix."""
+    if layer.recipe is not None and layer.recipe.uses_delayed_scaling:
+        fail("recipe", "experts under current scaling with expert parallelism (delayed scaling keeps an amax "
+                       "history per expert)", layer.recipe.name)
     shard_experts(layer, ("weight", "bias"), layer.num_experts, group, replicas)
 
 

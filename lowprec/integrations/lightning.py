@@ -45,7 +45,6 @@ from lowprec.conversion_report import ConversionReport
 from lowprec.distributed.amax import sync_amaxes
 from lowprec.integrations.adopt import StepSettings, adopt
 from lowprec.integrations.conversion import convert_checked
-from lowprec.nn import Linear
 from lowprec.nn.delayed_bank import DelayedBanks, bank_layers
 from lowprec.optim import LossScaleConfig, LossScaler, Optimizer, StepGuard, StepResult
 from lowprec.policy import Policy
@@ -346,12 +345,12 @@ def _to_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _delayed_states(module: nn.Module | None) -> dict[str, torch.Tensor]:
-    """The delayed-scaling history of each converted layer of ``module`` that has one, by its ``state_dict``
-    key."""
+    """The delayed-scaling histories of each converted layer of ``module`` that has any (a linear's, a grouped
+    layer's experts'), by its ``state_dict`` key."""
     if module is None:
         return {}
     out = {}
     for name, m in module.named_modules():
-        if isinstance(m, Linear) and (state := m.get_extra_state()) is not None:
+        if hasattr(m, "named_delayed_states") and (state := m.get_extra_state()) is not None:
             out[f"{name}.{_DELAYED}" if name else _DELAYED] = state
     return out

@@ -204,12 +204,19 @@ class DelayedState:
         self._warned = outliers  # warned about in the run that saved them
 
 
+def delayed_states_of(model: nn.Module) -> list[tuple[str, DelayedState]]:
+    """``(name, state)`` of every delayed-scaling state in ``model``, in module order: each module that holds
+    some says which (``named_delayed_states``: a Linear its own, a GroupedLinear one per expert named
+    ``<layer>#expert<e>``, Hugging Face experts run by lowprec their projections')."""
+    return [(name + suffix, state) for name, m in model.named_modules()
+            for suffix, state in (m.named_delayed_states() if hasattr(m, "named_delayed_states") else ())]
+
+
 def amax_outliers(model: nn.Module) -> int:
     """The amax outliers capped so far in every delayed-scaling layer of ``model`` (see [Note: amax
     outliers]), for a training loop to log; warns once for each layer and role that has new ones, naming
     the layer. Reads the device once (call it when logging, not inside a compiled region)."""
-    named = [(name, m.delayed_state) for name, m in model.named_modules()
-             if isinstance(getattr(m, "delayed_state", None), DelayedState)]
+    named = delayed_states_of(model)
     if not named:
         return 0
     counts = torch.stack([s.outliers.to(named[0][1].device) for _, s in named]).tolist()  # one sync

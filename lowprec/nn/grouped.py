@@ -39,9 +39,16 @@ split by experts (``Shard(0)``) over the expert-parallel group: this process com
 experts only, ``offsets`` has one entry per local expert, and expert ``e`` of the local shard is expert
 ``first + e`` of the layer (its cast state and its telemetry name).
 
-Delayed scaling is refused: it keeps an amax history per layer, and experts would need one each (E rows
-of the delayed-scaling bank, saved and moved with the layer). Current scaling per expert (``fp8-current``,
-``fp8-rowwise``, ``fp8-blockwise``, MX, NVFP4) needs no state; DeepSeek-V3's FP8 experts scale so too.
+Under delayed scaling (``fp8-delayed``, or a delayed recipe through ``lowprec.autocast``) each expert keeps
+amax histories of its own, as a Linear of its weight would: a row each of the delayed-scaling banks
+(``lowprec.nn.delayed_bank``; the layer's own, folded by its forward, or its converted model's, folded by the
+model's), saved in the layer's ``state_dict`` as one ``(E, rows, roles)`` tensor, reduced across
+data-parallel ranks with the linears' (``lowprec.distributed.amax``). Each expert's rows run through
+``lowprec.nn.Linear``'s autograd function with its state (the loop: nothing batched), so the experts equal
+a loop of delayed Linears bit for bit, step after step; an expert without tokens records nothing. Expert
+parallelism refuses it (each rank would hold other experts' histories). Current scaling per expert
+(``fp8-current``, ``fp8-rowwise``, ``fp8-blockwise``, MX, NVFP4) needs no state; DeepSeek-V3's FP8 experts
+scale so too.
 """
 from __future__ import annotations
 
@@ -61,7 +68,20 @@ from lowprec.kernels.fold import fold, fold_segments, target
 from lowprec.kernels.gemm import GemmPath, folded_runs
 from lowprec.nn import grouped_casts as GC
 from lowprec.nn.casts import CastState, cast_operand, shared_casts
-from lowprec.nn.function import Forward, Saved, fprop, gemm, output_dtype, pack_operand, unpack_operand, weight_t_again
+from lowprec.nn.delayed import DelayedState
+from lowprec.nn.delayed_bank import DelayedBanks
+from lowprec.nn.function import (
+    Forward,
+    LinearFunction,
+    Saved,
+    fprop,
+    gemm,
+    output_dtype,
+    pack_operand,
+    unpack_operand,
+    weight_t_again,
+)
+from lowprec.nn.linear import OptionalExtraState, drop_empty_extra_state
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan, memo_serves
 from lowprec.nn.probe import probe
 from lowprec.nn.routing import outside_graphs
@@ -71,10 +91,13 @@ _SAVED = len(Saved().flat())
 """Tensors each expert with tokens gives ``save_for_backward``."""
 
 
-def _no_delay(recipe: R.Recipe | None, where: str) -> R.Recipe | None:
-    if recipe is not None and recipe.uses_delayed_scaling:
-        fail(where, "a recipe with current scaling (GroupedLinear keeps no amax history per expert; "
-                    "fp8-current scales each expert by its own amax)", recipe.name)
+def _no_delay(recipe: R.Recipe | None, where: str, weight: torch.Tensor) -> R.Recipe | None:
+    """``recipe``, refused where it scales by delay and the experts are split over ranks (expert
+    parallelism: each rank holds its experts' histories, which the data-parallel reduction of histories
+    would mix)."""
+    if recipe is not None and recipe.uses_delayed_scaling and is_dtensor(weight):
+        fail(where, "a recipe with current scaling under expert parallelism (each rank would keep other "
+                    "experts' amax histories; fp8-current scales each expert by its own amax)", recipe.name)
     return recipe
 
 
@@ -419,7 +442,7 @@ def _grouped_bf16(x, weight, bias, offsets: torch.Tensor | tuple[int, ...],
     return y.to(out)
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(OptionalExtraState):
     """``num_experts`` linear layers of one shape, their weights one (E, out, in) parameter (and the
     biases one (E, out)), applied to tokens grouped by expert: ``forward(x, offsets)`` with ``x`` (T, in)
     and ``offsets`` (E,) the cumulative token counts, or the :class:`~lowprec.nn.grouped_casts.Groups` that
@@ -441,9 +464,14 @@ class GroupedLinear(nn.Module):
         self.state = CastState()
         """The layer's: never holds a delayed history or a weight cache."""
         self.expert_states = tuple(CastState() for _ in range(num_experts))
-        """Each expert's, as stateless as the layer's: telemetry names an expert's casts by it (see [Note:
-        telemetry per expert] in ``lowprec.telemetry.experts``)."""
+        """Each expert's: its delayed-scaling history under a delayed recipe (a row of the banks each), and
+        the name telemetry gives its casts (see [Note: telemetry per expert] in
+        ``lowprec.telemetry.experts``)."""
+        self._banks = DelayedBanks()
+        """Where the experts' delayed-scaling histories live: the layer's own banks, folded by its forward,
+        until ``lowprec.convert`` gives it its model's (:meth:`use_banks`)."""
         self._warned: set[str] = set()
+        self.register_state_dict_post_hook(drop_empty_extra_state)
         self.set_recipe(recipe)
 
     def reset_parameters(self) -> None:
@@ -454,11 +482,76 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def set_recipe(self, recipe: str | R.Recipe | None) -> None:
-        """Bind ``recipe`` (None: high precision); delayed scaling is refused (see [Note: grouped expert GEMMs])."""
-        self.recipe: R.Recipe | None = _no_delay(R.get(recipe) if recipe is not None else None, "recipe")
+        """Bind ``recipe`` (None: high precision); a delayed recipe gives each expert a history of its own (see
+        [Note: grouped expert GEMMs]), refused under expert parallelism. A recipe other than the bound one
+        drops the experts' histories (recorded for other casts)."""
+        recipe = _no_delay(R.get(recipe) if recipe is not None else None, "recipe", self.weight)
+        if recipe != getattr(self, "recipe", None):
+            for s in self.expert_states:
+                s.delayed = None
+        self.recipe: R.Recipe | None = recipe
         self._plans: tuple[LayerPlan | None, LayerPlan | None] = (None, None)
         """The training and evaluation plans last made eagerly (see :meth:`plan`)."""
-        self.plan(), self.plan(nearest=True)
+        plan = self.plan()
+        self.plan(nearest=True)
+        if plan is not None and plan.delayed and not self.weight.is_meta:
+            self._prepare_delayed(recipe)
+
+    def _prepare_delayed(self, recipe: R.Recipe) -> None:
+        """Each expert's delayed-scaling state for ``recipe`` on the weight's device, made or moved outside
+        any compiled graph."""
+        device = self.weight.device
+        for s in self.expert_states:
+            if s.delayed is None or s.delayed.config != recipe.delayed:
+                s.delayed = DelayedState(recipe.delayed, device, self._banks)
+            elif s.delayed.device != device:  # the module moved since
+                s.delayed.to(device)
+
+    def use_banks(self, banks: DelayedBanks) -> None:
+        """Keep the experts' delayed-scaling states in ``banks``, a converted model's, folded by its forward's
+        pre-hook (``lowprec.nn.delayed_bank.bank_layers``), now and for every state made later."""
+        self._banks = banks
+        for s in self.expert_states:
+            if s.delayed is not None:
+                s.delayed.rebank(banks)
+
+    def delayed_states(self) -> list[tuple[int, DelayedState]]:
+        """``(expert, state)`` of every expert with a delayed-scaling state, experts in order."""
+        return [(e, s.delayed) for e, s in enumerate(self.expert_states) if s.delayed is not None]
+
+    def named_delayed_states(self) -> list[tuple[str, DelayedState]]:
+        """``(suffix, state)`` of each expert's delayed-scaling state, named as telemetry names the expert
+        (``#expert3``)."""
+        return [(f"#expert{e}", s) for e, s in self.delayed_states()]
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(), .cuda(), to_empty(): the experts' histories follow the weight
+        out = super()._apply(fn, recurse)
+        recipe = getattr(self, "recipe", None)
+        if recipe is not None and recipe.uses_delayed_scaling and not self.weight.is_meta:
+            self._plans = (None, None)
+            if self.plan().delayed:
+                self._prepare_delayed(recipe)
+        return out
+
+    def get_extra_state(self):
+        states = self.delayed_states()
+        # nothing recorded yet (a fresh layer): no entry, as a Linear's
+        if len(states) != self.num_experts or not any(any(s.recorded) for _, s in states):
+            return None
+        return torch.stack([s.to_tensor() for _, s in states])  # (E, rows, roles)
+
+    def set_extra_state(self, state) -> None:
+        recipe = self._restoring(state)
+        if recipe is None:
+            return
+        where = f"GroupedLinear({self.num_experts}, {self.in_features}, {self.out_features})"
+        if not isinstance(state, torch.Tensor) or state.dim() != 3 or state.shape[0] != self.num_experts:
+            fail("state_dict", f"{where}: one delayed-scaling state per expert, ({self.num_experts}, rows, roles)",
+                 describe(state))
+        self._prepare_delayed(recipe)
+        for e, (_, s) in enumerate(self.delayed_states()):
+            s.load_tensor(state[e], f"{where} expert {e}")
 
     def plan(self, recipe: R.Recipe | None = None, nearest: bool = False) -> LayerPlan | None:
         """The plan of one expert's shape (in, out) for ``recipe`` (default: the bound one) on the weight's
@@ -500,7 +593,7 @@ class GroupedLinear(nn.Module):
 
     def _on_device(self, x: torch.Tensor) -> torch.dtype | LayerPlan | None:
         """:meth:`takes_offsets`'s way: BF16 (the grouped BF16 GEMM), the FP8 plan, or None."""
-        recipe = _no_delay(resolve(self.recipe), "autocast recipe")
+        recipe = _no_delay(resolve(self.recipe), "autocast recipe", self.weight)
         plan = self.plan(recipe, nearest=not (self.training and torch.is_grad_enabled())) if recipe is not None \
             else None
         weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
@@ -541,7 +634,7 @@ class GroupedLinear(nn.Module):
         g = offsets if isinstance(offsets, GC.Groups) else None
         counts = self._check_groups(g, x, len(experts)) if g is not None else read_counts(offsets, x, len(experts),
                                                                                          self.num_experts)
-        recipe = _no_delay(resolve(self.recipe), "autocast recipe")
+        recipe = _no_delay(resolve(self.recipe), "autocast recipe", self.weight)
         training = self.training and torch.is_grad_enabled()
         plan = self.plan(recipe, nearest=not training) if recipe is not None else None
         if plan is None or not plan.scaled or x.shape[0] == 0:
@@ -550,6 +643,8 @@ class GroupedLinear(nn.Module):
             return self._high_precision(x, weight, bias, counts, plan.hp_dtype if plan is not None else None)
         params = (weight, bias) if bias is not None else (weight,)
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+        if plan.delayed:
+            return self._delayed(x, weight, bias, counts, plan, recipe, states, grad)
         if GC.batches(plan) and probe() is None:  # a sampled step takes the loop: telemetry per expert
             g = g if g is not None else GC.Groups.of(counts, offsets.to(x.device))
             if grad:
@@ -559,6 +654,22 @@ class GroupedLinear(nn.Module):
             return GroupedFunction.apply(x, weight, bias, counts, plan, states)
         fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)
         return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
+
+    def _delayed(self, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, recipe: R.Recipe,
+                 states: tuple[CastState, ...], grad: bool) -> torch.Tensor:
+        """Experts under delayed scaling: each expert's rows through ``lowprec.nn.Linear``'s autograd function
+        with its own state (its amax histories), as a Linear of its weight would run them."""
+        self._prepare_delayed(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
+        if not self._banks.by_hook:  # a layer outside a converted model folds its own bank
+            self._banks.fold()
+        ys, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                x_e, b = x[start:start + n], bias[e] if bias is not None else None
+                ys.append(LinearFunction.apply(x_e, weight[e], b, plan, states[e]) if grad
+                          else fprop(x_e, weight[e], b, plan, states[e], False, False, False).y)
+            start += n
+        return torch.cat(ys)  # (T, out); inference records nothing, as a Linear's
 
     def _check_x(self, x) -> None:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:

@@ -23,7 +23,27 @@ from lowprec.nn.stored_codes import StoredCodes
 from lowprec.ranks import local
 
 
-class Linear(nn.Linear):
+class OptionalExtraState(nn.Module):
+    """A module whose extra state (delayed-scaling histories) is never required: a ``state_dict`` without it
+    loads, the histories starting from current scaling. Pair with :func:`drop_empty_extra_state`."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        key = prefix + "_extra_state"
+        if key in missing_keys:  # never required: a missing history starts from current scaling
+            missing_keys.remove(key)
+
+    def _restoring(self, state):
+        """The bound recipe where a saved extra ``state`` is to be restored (a delayed one); None where
+        there is nothing to restore: no state, or a layer bound to a recipe without delayed scaling (saved
+        under a delayed recipe, loaded under another)."""
+        recipe = getattr(self, "recipe", None)
+        return recipe if state is not None and recipe is not None and recipe.uses_delayed_scaling else None
+
+
+class Linear(OptionalExtraState, nn.Linear):
     """``torch.nn.Linear`` with the same parameters, ``state_dict`` keys and initialisation, whose
     forward and backward GEMMs cast their operands as ``recipe`` says (None: plain high precision).
 
@@ -60,7 +80,7 @@ class Linear(nn.Linear):
         """Under ``torch.compile``, backward makes the input's transposed cast again rather than keep it
         (set by ``convert`` from ``Policy.recast_inputs``; see :attr:`lowprec.nn.plan.LayerPlan.recast_input`)."""
         self.set_recipe(R.get(recipe) if recipe is not None else None)
-        self.register_state_dict_post_hook(_drop_empty_extra_state)
+        self.register_state_dict_post_hook(drop_empty_extra_state)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: str | R.Recipe | None) -> Linear:
@@ -91,6 +111,10 @@ class Linear(nn.Linear):
     @property
     def delayed_state(self) -> DelayedState | None:
         return self.state.delayed
+
+    def named_delayed_states(self) -> list[tuple[str, DelayedState]]:
+        """``(suffix, state)`` of each delayed-scaling state the layer holds: its own, under no suffix."""
+        return [("", self.state.delayed)] if self.state.delayed is not None else []
 
     @property
     def hp_reason(self) -> str | None:
@@ -254,11 +278,9 @@ class Linear(nn.Linear):
         return state.to_tensor() if state is not None and any(state.recorded) else None
 
     def set_extra_state(self, state) -> None:
-        if state is None:
+        recipe = self._restoring(state)
+        if recipe is None:
             return
-        recipe = self.recipe
-        if recipe is None or not recipe.uses_delayed_scaling:
-            return  # saved under a delayed recipe, loaded under another: nothing to restore
         self.state.delayed = DelayedState(recipe.delayed, self.weight.device, self._banks)
         self.state.delayed.load_tensor(state, f"Linear({self.in_features}, {self.out_features})")
 
@@ -266,9 +288,6 @@ class Linear(nn.Linear):
                               unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        key = prefix + "_extra_state"
-        if key in missing_keys:  # never required: a missing history starts from current scaling
-            missing_keys.remove(key)
         self.clear_cache()
 
     def extra_repr(self) -> str:
@@ -303,12 +322,13 @@ _STATELESS = CastState()
 """The state compiled code passes for layers without delayed scaling (it is never written)."""
 
 
-def _drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
-    # A Linear without delayed state writes no extra-state entry, so its state_dict has exactly
-    # torch.nn.Linear's keys and loads into a plain model.
+def drop_empty_extra_state(module, state_dict, prefix, local_metadata) -> None:
+    """A ``state_dict`` post-hook: a layer without delayed state writes no extra-state entry, so its state_dict
+    has exactly the plain module's keys (torch.nn.Linear's, a Hugging Face experts module's) and loads into a
+    plain model."""
     key = prefix + "_extra_state"
     if key in state_dict and state_dict[key] is None:
         del state_dict[key]
 
 
-__all__ = ["Linear", "cached_weight_casts", "fallback_reason"]
+__all__ = ["Linear", "OptionalExtraState", "cached_weight_casts", "drop_empty_extra_state", "fallback_reason"]

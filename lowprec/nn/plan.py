@@ -37,8 +37,6 @@ class Kept(str, enum.Enum):
     """Too small to gain where the recipe runs natively (``Policy.skip_small`` None)."""
     SHAPE = "shape"
     """A shape the recipe's GEMMs cannot take."""
-    REFUSED = "refused"
-    """The layer refuses the recipe (a ``GroupedLinear`` under delayed scaling: no amax history per expert)."""
     UNSUPPORTED = "unsupported"
     """A module lowprec cannot convert, whatever the policy (a Hugging Face router, which applies its own weight)."""
 

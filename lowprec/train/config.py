@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from lowprec import recipes
 from lowprec._checks import check_choice, check_positive_int, describe, fail
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel
@@ -173,6 +174,10 @@ class TrainConfig:
         check_positive_int("ep", self.ep)
         if self.ep > 1 and self.parallel == "none":
             fail("ep", "1 with parallel 'none' (experts are split over the ranks of a ddp or fsdp2 run)", self.ep)
+        if self.ep > 1 and self.recipe in recipes.names() and recipes.get(self.recipe).uses_delayed_scaling:
+            fail("ep", f"1 with recipe {self.recipe} (delayed scaling keeps an amax history per expert, which "
+                 "expert parallelism would split over the ranks; fp8-current scales each expert by its own amax)",
+                 self.ep)
         self._check_cuda_graphs()
         self._check_tp()
         self._check_fp8_weights()

@@ -300,8 +300,6 @@ _KEPT_HINTS = {
                 "converts them)",
     Kept.SHAPE: "shapes the recipe's GEMMs cannot take (a --model whose widths are multiples of what the "
                 "conversion report names)",
-    Kept.REFUSED: "layers that refuse the recipe (grouped experts under delayed scaling: a recipe with current "
-                  "scaling converts them)",
     Kept.UNSUPPORTED: "modules lowprec cannot convert (Hugging Face routers, which apply their own weight): they "
                       "run in the model's precision whatever the policy",
 }

@@ -97,6 +97,27 @@ def ddp_recipes(rank: int, world: int) -> dict:
     return out
 
 
+@check
+def ddp_delayed_experts(rank: int, world: int) -> dict:
+    """Experts under fp8-delayed trained by DDP on each rank's own rows (expert 1 routed none): every expert's
+    histories around each sync."""
+    from lowprec.nn import GroupedLinear
+
+    torch.manual_seed(0)
+    layer = GroupedLinear(3, 32, 32, recipe="fp8-delayed")
+    ddp = DDP(layer)
+    offsets = torch.tensor([6, 6, 16])
+    out: dict = {"before": [], "after": [], "experts": None}
+    for step in range(STEPS):
+        x = torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * step + rank)) * (1 + rank)
+        ddp(x, offsets).square().mean().backward()
+        out["before"].append([s.history.clone() for s in delayed_states(layer)])
+        out["experts"] = sync_amaxes(layer)
+        out["after"].append([s.history.clone() for s in delayed_states(layer)])
+        layer.zero_grad()
+    return out
+
+
 def _micro_steps(ddp, opt, steps: range, rank: int, world: int, dtype) -> list:
     """Two micro-batches per step, the first under ``no_sync()`` as DDP users accumulate."""
     results = []

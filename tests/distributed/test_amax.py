@@ -28,6 +28,22 @@ def test_histories_agree_across_ranks_after_each_sync(dist_results):
         assert torch.equal(count_a, count_b) and count_a.tolist() == [STEPS] * 3
 
 
+def test_every_experts_histories_agree_across_ranks_after_each_sync(dist_results):
+    """Delayed experts: each expert's histories are reduced with the others' in the one all-reduce; the
+    expert routed no token recorded nothing on either rank."""
+    a, b = result(dist_results, "ddp_delayed_experts")
+    assert a["experts"] == b["experts"] == 3
+    for step, (before_a, before_b, after_a, after_b) in enumerate(zip(a["before"], b["before"], a["after"],
+                                                                      b["after"])):
+        for e in (0, 2):
+            assert not torch.equal(before_a[e], before_b[e]), (step, e)  # each rank its own rows' amaxes
+        for e in range(3):
+            assert torch.equal(after_a[e], after_b[e]), (step, e)
+            assert torch.equal(after_a[e], torch.maximum(before_a[e], before_b[e])), (step, e)
+        assert not after_a[1].any()  # no tokens, no amax
+        assert bool((after_a[0][:step + 1] > 0).all()) and bool((after_a[2][:step + 1] > 0).all())
+
+
 def test_sync_is_a_no_op_in_one_process():
     model = C.mlp("fp8-delayed")
     C.train(model, C.sgd(model.parameters()), range(2))

@@ -96,3 +96,15 @@ def test_the_planner_knows_the_preset_with_its_experts():
     assert (spec.moe.n_experts, spec.moe.top_k, spec.moe.expert_ffn, spec.moe.n_shared) == (8, 2, 128, 1)
     counts = count_params(spec)
     assert counts.total == CFG.num_params() and counts.active < counts.total
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
+def test_expert_parallelism_refuses_delayed_experts_before_any_step(parallel):
+    """Each expert keeps amax histories under fp8-delayed; split over ranks, the reduction of histories would
+    mix experts: refused by the config, naming --ep and the recipe (fp8-current with --ep is accepted)."""
+    from lowprec.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match=r"^ep: expected 1 with recipe fp8-delayed \(delayed scaling keeps an amax "
+                                         r"history per expert.*got 2$"):
+        TrainConfig(recipe="fp8-delayed", parallel=parallel, ep=2)
+    TrainConfig(recipe="fp8-current", parallel=parallel, ep=2)
