@@ -296,7 +296,7 @@ def _folded_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype
             or not folded_runs(device):
         return None
     bc = a.granularity.block_cols
-    padding = GC.mx_token_padding(g, bc)  # the layout both sides were cast in
+    padding = g.padded(bc)  # the layout both sides were cast in (``grouped_casts._mx_tokens``)
     first = torch.arange(0, a.scales.shape[1] * bc, bc, device=device)  # each block column's first token
     segment = torch.bucketize(first, padding.ends, right=True).clamp(max=g.n_experts - 1)  # its expert
     fa, sa = fold_segments(a.mx_tokens_all(), segment, g.n_experts)
@@ -620,7 +620,8 @@ class GroupedLinear(OptionalExtraState):
         if isinstance(way, torch.dtype):
             return _grouped_bf16(x, weight, None, offsets, way)
         g = GC.Groups.of(None, offsets.to(x.device), x.shape[0])  # the counts stay on the device
-        g.padded()  # worked out here, outside the autograd function, which only reads it
+        for multiple in (16, *GC.token_blocks(way)):  # worked out here, outside the autograd function, which
+            g.padded(multiple)                          # only reads them (a compiled graph keeps no side effect)
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return BatchedFunction.apply(x, weight, None, g, way, self.state)
         return _batched_forward(x, weight, None, g, way, False, False, self.state)[0]

@@ -77,6 +77,15 @@ def batched_kind(plan: LayerPlan) -> GranularityKind | None:
     return kinds.pop() if len(kinds) == 1 else None
 
 
+def token_blocks(plan: LayerPlan) -> tuple[int, ...]:
+    """The block widths along the tokens of ``plan``'s MX token sides (the input's and the output gradient's
+    casts for the weight gradient), each a padding of the tokens :meth:`Groups.padded` makes; () for other
+    plans."""
+    if batched_kind(plan) is not MX:
+        return ()
+    return tuple(sorted({op.cast_t.granularity.block_cols for op in (plan.input, plan.grad_output)}))
+
+
 def batches(plan: LayerPlan) -> bool:
     """Whether :func:`batched_kind` covers ``plan``."""
     return batched_kind(plan) is not None
@@ -219,19 +228,20 @@ class Groups:
     """``(E,)`` int32: cumulative, as the grouped GEMMs take them."""
     expert: torch.Tensor
     """``(T,)`` int64: each row's expert."""
-    _padded: list = field(default_factory=list, init=False, repr=False, compare=False)
+    _padded: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def n_experts(self) -> int:
         return self.lengths.shape[0]
 
-    def padded(self) -> GG.Padding:
-        """The tokens padded per expert to multiples of 16 (``kernels.grouped_gemm.token_padding``; to the
-        bound of any routing where the counts were not read), worked out once for the layers that share
-        these groups."""
-        if not self._padded:
-            self._padded.append(GG.token_padding(self.counts, self.lengths, rows=self.expert.shape[0]))
-        return self._padded[0]
+    def padded(self, multiple: int = 16) -> GG.Padding:
+        """The tokens padded per expert to multiples of ``multiple`` (16: the grouped GEMM's K groups; an MX
+        block: no block holds two experts) (``kernels.grouped_gemm.token_padding``; to the bound of any
+        routing where the counts were not read), worked out once for the layers and casts that share these
+        groups."""
+        if multiple not in self._padded:
+            self._padded[multiple] = GG.token_padding(self.counts, self.lengths, multiple, rows=self.expert.shape[0])
+        return self._padded[multiple]
 
     @staticmethod
     def of(counts: tuple[int, ...] | None, offsets: torch.Tensor, rows: int | None = None) -> Groups:
@@ -339,18 +349,12 @@ def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
     return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX, granularity=gran, width=x2.shape[-1])
 
 
-def mx_token_padding(g: Groups, block: int) -> GG.Padding:
-    """Each expert's tokens from a whole MX block on (to the bound of any routing where the counts were not
-    read): the layout of an ``MX_TOKENS`` side."""
-    return GG.token_padding(g.counts, g.lengths, block, rows=g.expert.shape[0])
-
-
 def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) -> ExpertCast:
     """The token rows' transposed side in MX blocks along the tokens: each expert's tokens start a block (its
     rows padded with zeros to whole blocks, as its own cast pads them), so no block holds two experts (nor
     the zero blocks after the last expert's, where the counts stay on the device)."""
     bc = gran.block_cols
-    xp = GG.features_padded(x2.detach(), mx_token_padding(g, bc))
+    xp = GG.features_padded(x2.detach(), g.padded(bc))  # each expert's tokens from a whole block on
     q = routed_quantize(xp, fmt, gran)  # (K, P): blocks along the padded tokens
     starts = GG.padded_starts(g.counts, bc) if g.counts is not None else ()  # per expert: read counts only
     return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran, starts=starts)
