@@ -7,11 +7,13 @@ python3 bench_moe.py --out results                         # one GPU: moe-1b's e
 python3 bench_moe.py --tokens 256 --experts 4 --dim 128 --width 128 --out results   # dry run, any machine
 python3 bench_moe.py --variants "bf16 grouped_mm,bf16 cudagraphs,fp8-current loop,fp8-current cudagraphs"
 python3 bench_moe.py --recipes mxfp8,mxfp4 --variants "bf16 compiled,bf16 cudagraphs,mxfp8 grouped,mxfp8 cudagraphs"
+python3 bench_moe.py --recipes fp8-blockwise --variants "bf16 compiled,fp8-blockwise grouped,fp8-blockwise cudagraphs"
 ```
 
 Variants (all on the same routed rows, grouped by expert, with random unbalanced counts; ``<recipe>`` each of
-``--recipes``, fp8-current and fp8-rowwise by default, mxfp8 and mxfp4 too, whose three GEMMs run folded to
-row scales where the device runs them so):
+``--recipes``, fp8-current and fp8-rowwise by default; fp8-blockwise, whose three GEMMs run on lowprec's
+grouped Triton GEMMs with block scales; mxfp8 and mxfp4, whose three GEMMs run folded to row scales where the
+device runs them so):
 - ``bf16 loop``: one BF16 ``linear`` per expert (what ``GroupedLinear`` without a recipe did before);
 - ``bf16 grouped_mm``: ``torch._grouped_mm`` (what it does now on a GPU; the baseline of the ratios);
 - ``<recipe> loop``: every expert's casts and GEMMs one by one (``lowprec.nn.grouped.GroupedFunction``);
@@ -45,8 +47,9 @@ from lowprec.kernels import grouped_gemm
 from lowprec.nn import InputShare, grouped, grouped_casts
 from lowprec.train.moe_model import RoutedExperts
 
-RECIPES = ("fp8-current", "fp8-rowwise", "mxfp8", "mxfp4")
-"""The recipes whose experts lowprec batches (per tensor, per row, MX): each runs every way of the table."""
+RECIPES = ("fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4")
+"""The recipes whose experts lowprec batches (per tensor, per row, FP32 blocks, MX): each runs every way of the
+table."""
 
 
 def _counts(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[int, ...]:

@@ -81,8 +81,9 @@ def recipe_paths_section() -> Section:
 
 def expert_gemms_section() -> Section:
     """Per GPU: the grouped FP8 GEMMs a ``GroupedLinear``'s experts run as one launch (PyTorch's for E4M3
-    pairs, lowprec's Triton one for E5M2 gradients), each kind with its first-use check's outcome; a device
-    with none runs the experts' GEMMs one per expert (see [Note: one grouped GEMM for the experts])."""
+    pairs, lowprec's Triton ones for E5M2 gradients and for block scales), each kind with its first-use check's
+    outcome; a device with none runs the experts' GEMMs one per expert (see [Note: one grouped GEMM for the
+    experts])."""
     rows = []
     for dev in ["cpu", *gpus()]:
         states = GG.kernel_states(dev)

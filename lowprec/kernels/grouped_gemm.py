@@ -29,6 +29,12 @@ stay expert by expert on that device (the weight gradient's kind is checked on b
 :func:`token_padding` makes). ``lowprec.nn.GroupedLinear`` asks :func:`runs_grouped` for each of its three
 GEMMs; under ``torch.compile`` the answer, check included, is a constant of the graph.
 
+Block-scaled operands (``fp8-blockwise``: FP32 scales per 1 x 128 and 128 x 128 blocks, which no grouped
+kernel of PyTorch's takes on sm90) run as lowprec's blocked Triton kernels of the same two kinds
+(:func:`grouped_by_rows_blocked`, :func:`grouped_by_features_blocked`), checked on first use against the
+exact values (float64 sums of the dequantized operands, :func:`reference_blocked`); dimensions multiples
+of 128.
+
 Both kernels take the experts' bounds as offsets on the device, so a caller that never reads the counts
 (a compiled graph's experts) passes the rows padded for any routing (:func:`padded_bound`): the columns
 after the last expert's hold zeros, which no expert reads.
@@ -237,6 +243,80 @@ def _self_check(kind: str, device: torch.device, on_torch: bool) -> bool:
     return True
 
 
+BLOCK = 128
+"""The block scales' width along K of the blocked kind (``triton_grouped_gemm.BLOCK``)."""
+
+
+def block_values(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 values of ``codes`` ``(R, K)`` whose ``scales`` ``(R / r, K / BLOCK)`` hold one scale per ``r``
+    rows (``r`` from the shapes: 1, or a 2-D block's height) and :data:`BLOCK` columns: exact (an FP8 code
+    times an FP32 scale fits float64's significand)."""
+    r = -(-codes.shape[0] // scales.shape[0])
+    s = scales.double().repeat_interleave(r, 0)[:codes.shape[0]].repeat_interleave(BLOCK, 1)[:, :codes.shape[1]]
+    return codes.double() * s
+
+
+def reference_blocked(kind: str, a, a_scales, b, b_scales, ends: torch.Tensor) -> torch.Tensor:
+    """The blocked kinds' GEMMs from the exact values, summed in float64: :data:`ROWS` (token rows ``a`` ``(T,
+    K)``, ``b`` ``(E, N, K)``, ``ends`` the offsets) or :data:`FEATURES` (features-major ``a`` ``(M, P)``, ``b``
+    ``(N, P)``, ``ends`` the padded offsets); scales as ``block_values`` reads them."""
+    out, start = [], 0
+    if kind == ROWS:
+        va = block_values(a, a_scales)
+        for e, end in enumerate(ends.tolist()):
+            out.append(va[start:end] @ block_values(b[e], b_scales[e]).t())
+            start = end
+        return torch.cat(out)
+    va, vb = block_values(a, a_scales), block_values(b, b_scales)
+    for end in ends.tolist():
+        out.append(va[:, start:end] @ vb[:, start:end].t())
+        start = end
+    return torch.stack(out)
+
+
+def _blocked_problem(kind: str, device: torch.device):
+    """A small blocked problem: unbalanced experts, one without tokens, several tiles of every dimension,
+    random E4M3 codes and block scales; ``(a, a scales, b, b scales, ends)`` as ``reference_blocked`` reads
+    them."""
+    g = torch.Generator(device=device).manual_seed(0)
+    counts = (300, 0, 24, 517)
+    t, k, n, e = sum(counts), 384, 256, len(counts)
+
+    def codes(*shape):
+        return (torch.randn(*shape, device=device, generator=g) * 8).to(E4M3)
+
+    def scales(*shape):
+        return torch.rand(*shape, device=device, generator=g) * 4 + 0.25
+
+    lengths = torch.tensor(counts, device=device)
+    if kind == ROWS:  # 1 x 128 token rows, 128 x 128 weight blocks
+        return codes(t, k), scales(t, k // BLOCK), codes(e, n, k), scales(e, n // BLOCK, k // BLOCK), \
+            _offsets(counts, device)
+    padding = token_padding(counts, lengths, BLOCK)
+    p = padding.total
+    return codes(k, p), scales(k, p // BLOCK), codes(n, p), scales(n, p // BLOCK), padding.ends
+
+
+def _self_check_blocked(kind: str, device: torch.device) -> bool:
+    """The first-use check of lowprec's blocked Triton kernel of ``kind`` against the exact values."""
+    name = f"lowprec's grouped Triton GEMM with block scales ({kind})"
+    a, sa, b, sb, ends = _blocked_problem(kind, device)
+    try:
+        got = (grouped_by_rows_blocked if kind == ROWS else grouped_by_features_blocked)(
+            a, sa, b, sb, ends, torch.bfloat16).double()
+    except Exception as e:  # any failure (Triton's compile or resources): per expert
+        warnings.warn(f"lowprec: {name} fails on {device} ({str(e).splitlines()[0]}); those expert GEMMs run one "
+                      "by one", stacklevel=4)
+        return False
+    want = reference_blocked(kind, a, sa, b, sb, ends)
+    rel = ((got - want).norm() / want.norm()).item()
+    if not rel <= TOLERANCE:
+        warnings.warn(f"lowprec: {name} differs from the per-expert FP8 GEMMs on {device} by {rel:.2e} of the "
+                      f"output (more than {TOLERANCE:.2e}); those expert GEMMs run one by one", stacklevel=4)
+        return False
+    return True
+
+
 @torch._dynamo.assume_constant_result
 def _triton_runs(device: torch.device) -> bool:
     from lowprec.kernels.capability import capability
@@ -244,18 +324,21 @@ def _triton_runs(device: torch.device) -> bool:
     return capability(device).triton
 
 
-def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int, fast_accum: bool = True) -> bool:
+def runs_grouped(kind: str, device: torch.device, a_fmt, b_fmt, *dims: int, fast_accum: bool = True,
+                 blocked: bool = False) -> bool:
     """Whether the experts' GEMMs of ``kind`` (:data:`ROWS` or :data:`FEATURES`) run as one grouped GEMM
     here (see [Note: one grouped GEMM for the experts]): CUDA of compute capability 9.0 or newer, FP8
     operands (E4M3 pairs on PyTorch's kernel; with an E5M2 operand, or an E4M3 pair without ``fast_accum``,
     on lowprec's Triton one, where Triton runs), the non-token dimensions ``dims`` multiples of
-    16, and the device's first-use check of that kernel and kind passed."""
-    return _runs(kind, torch.device(device), a_fmt.torch_dtype, b_fmt.torch_dtype, dims, fast_accum)
+    16, and the device's first-use check of that kernel and kind passed. ``blocked``: operands with block
+    scales along K (``fp8-blockwise``: E4M3 pairs, 1 x 128 and 128 x 128 blocks), on lowprec's blocked Triton
+    kernels, ``dims`` multiples of 128."""
+    return _runs(kind, torch.device(device), a_fmt.torch_dtype, b_fmt.torch_dtype, dims, fast_accum, blocked)
 
 
 @torch._dynamo.assume_constant_result
 def _runs(kind: str, device: torch.device, a_dtype: torch.dtype, b_dtype: torch.dtype, dims: tuple[int, ...],
-          fast_accum: bool) -> bool:
+          fast_accum: bool, blocked: bool = False) -> bool:
     """:func:`runs_grouped` of constants: while torch.compile traces, the first-use check runs eagerly then
     and its outcome enters the graph as a constant."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm") or any(d % 16 for d in dims):
@@ -264,15 +347,22 @@ def _runs(kind: str, device: torch.device, a_dtype: torch.dtype, b_dtype: torch.
     if pair not in ((E4M3, E4M3), (E5M2, E4M3)):  # the recipes' pairs: E4M3, or E5M2 gradients times E4M3
         return False
     triton_runs = _triton_runs(device)
+    if blocked and (pair != (E4M3, E4M3) or not triton_runs or any(d % BLOCK for d in dims)):
+        return False
     # E4M3 pairs without fast accumulation run on Triton where it runs (see _on_torch)
-    on_torch = pair == (E4M3, E4M3) and (fast_accum or not triton_runs)
+    on_torch = not blocked and pair == (E4M3, E4M3) and (fast_accum or not triton_runs)
     if torch.cuda.get_device_capability(device) < (9, 0) or not on_torch and not triton_runs:
         return False
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    key = (device, kind if on_torch else f"{kind} triton")
+    key = (device, _key(kind, on_torch, blocked))
     if key not in _CHECKED:
-        _CHECKED[key] = _self_check(kind, device, on_torch)
+        _CHECKED[key] = _self_check_blocked(kind, device) if blocked else _self_check(kind, device, on_torch)
     return _CHECKED[key]
+
+
+def _key(kind: str, on_torch: bool, blocked: bool) -> str:
+    """The name a kernel and kind is checked under in ``_CHECKED``."""
+    return f"{kind} blocked" if blocked else kind if on_torch else f"{kind} triton"
 
 
 def grouped_by_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -300,9 +390,31 @@ def grouped_by_features_laid_out(a_t: torch.Tensor, a_scales: torch.Tensor, b_t:
     return _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum)
 
 
-KERNELS = (("torch._scaled_grouped_mm", "e4m3 x e4m3", E4M3),
-           ("lowprec Triton", "e5m2 x e4m3; e4m3 x e4m3 without fast accumulation", E5M2))
-"""The grouped kernels, the operand pair each takes, and the first operand's dtype that picks it."""
+def grouped_by_rows_blocked(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                            offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`grouped_by_rows` of operands with block scales along K (``fp8-blockwise``): ``a`` E4M3 ``(T, K)``
+    with ``a_scales`` ``(T, K / 128)``, ``b`` E4M3 ``(E, N, K)`` with ``b_scales`` ``(E, N / 128, K / 128)`` (or
+    ``(E, N, K / 128)``), K a multiple of 128; lowprec's blocked Triton kernel."""
+    from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
+
+    return triton_grouped_gemm.grouped_rows_blocked(a, a_scales, b, b_scales, offsets, out_dtype)
+
+
+def grouped_by_features_blocked(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor,
+                                b_scales: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`grouped_by_features_laid_out` of token sides with block scales along the tokens: ``a_t`` E4M3
+    ``(M, P)`` with ``a_scales`` ``(M, P / 128)``, ``b_t`` ``(N, P)`` with ``b_scales`` ``(N, P / 128)``, each
+    expert's tokens whole blocks (``ends``: the offsets of :func:`token_padding` to 128)."""
+    from lowprec.kernels import triton_grouped_gemm  # Triton: imported where it runs
+
+    return triton_grouped_gemm.grouped_features_blocked(a_t, a_scales, b_t, b_scales, ends, out_dtype)
+
+
+KERNELS = (("torch._scaled_grouped_mm", "e4m3 x e4m3", E4M3, False),
+           ("lowprec Triton", "e5m2 x e4m3; e4m3 x e4m3 without fast accumulation", E5M2, False),
+           ("lowprec Triton, block scales", "e4m3 x e4m3, 1x128 and 128x128 blocks", E4M3, True))
+"""The grouped kernels, the operand pair each takes, the first operand's dtype that picks it, and whether it
+takes block scales."""
 
 
 def kernel_states(device: torch.device | str) -> list[tuple[str, str, str, bool | None]]:
@@ -316,11 +428,12 @@ def kernel_states(device: torch.device | str) -> list[tuple[str, str, str, bool 
         return []
     device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     out = []
-    for name, pair, a_dtype in KERNELS:
-        if a_dtype == E5M2 and not _triton_runs(device):
+    for name, pair, a_dtype, blocked in KERNELS:
+        if (a_dtype == E5M2 or blocked) and not _triton_runs(device):
             continue
         for kind in (ROWS, FEATURES):
-            out.append((name, pair, kind, _CHECKED.get((device, kind if a_dtype == E4M3 else f"{kind} triton"))))
+            out.append((name, pair, kind, _CHECKED.get((device, _key(kind, a_dtype == E4M3 and not blocked,
+                                                                     blocked)))))
     return out
 
 
@@ -329,9 +442,9 @@ def check_kernels(device: torch.device | str) -> None:
     from lowprec import formats as F
 
     device = torch.device(device)
-    for _, _, a_dtype in KERNELS:
+    for _, _, a_dtype, blocked in KERNELS:
         for kind in (ROWS, FEATURES):
-            runs_grouped(kind, device, F.get("e4m3" if a_dtype == E4M3 else "e5m2"), F.get("e4m3"))
+            runs_grouped(kind, device, F.get("e4m3" if a_dtype == E4M3 else "e5m2"), F.get("e4m3"), blocked=blocked)
 
 
 def grouped_status() -> dict[str, bool]:
@@ -340,6 +453,7 @@ def grouped_status() -> dict[str, bool]:
     return {f"{d} {kind}": ok for (d, kind), ok in _CHECKED.items()}
 
 
-__all__ = ["FEATURES", "KERNELS", "ROWS", "Padding", "check_kernels", "features_padded", "grouped_by_features",
-           "grouped_by_features_laid_out", "grouped_by_rows", "grouped_status", "kernel_states", "padded_bound",
+__all__ = ["BLOCK", "FEATURES", "KERNELS", "ROWS", "Padding", "block_values", "check_kernels", "features_padded",
+           "grouped_by_features", "grouped_by_features_blocked", "grouped_by_features_laid_out", "grouped_by_rows",
+           "grouped_by_rows_blocked", "reference_blocked", "grouped_status", "kernel_states", "padded_bound",
            "padded_starts", "runs_grouped", "token_padding"]

@@ -44,6 +44,19 @@ whose plan asks for cuBLAS's fast accumulation (the recipes' forward) gets the s
 So they equal the per-expert GEMMs up to the order of the FP32 sums and the tensor core's accumulation,
 and bit for bit where every partial sum is representable. ``kernels.grouped_gemm`` checks them on a
 device's first use as it checks PyTorch's.
+
+Block scales (:func:`grouped_rows_blocked`, :func:`grouped_features_blocked`; ``fp8-blockwise``'s experts,
+DeepSeek-V3's scaling: 1 x 128 blocks of the tokens along K, 128 x 128 blocks of the weights, 1 x 128 blocks
+along the tokens for the weight gradient): the same two kinds and tiles, whose K step is one block
+(:data:`BLOCK`). Each step's 128 products are summed by the tensor core alone into a fresh FP32 tile, which
+is multiplied by its block's scales and added to the accumulator in registers (DeepGEMM's promotion, with the
+scales folded in); where one weight block covers the tile's columns (128 x 128 blocks) the two scales
+multiply into one per row first, so the step costs one fused multiply-add per element: three separate
+operations per element kept the rows kind at 434 us at ``moe-1b``'s forward shapes on the H200, one took it
+to 141 us (486 TFLOP/s; the row-scaled kernel takes 107; runs 75-76). Token scales are read chunk-major
+(``(K / BLOCK, T)``: a tile's scales of one chunk are adjacent). The weight gradient's kind needs each
+expert's tokens in whole blocks (``grouped_gemm.token_padding(..., BLOCK)``, as the casts lay them out), so no
+chunk holds two experts and no partial chunk is masked.
 """
 from __future__ import annotations
 
@@ -59,6 +72,14 @@ from lowprec.kernels.triton_block_mx import store_tile
 
 ROWS_TILES = (256, 128, 128)
 """The rows kind's tiles (rows of one expert, columns, K): 256 rows cut its time by 14-15% against 128 (run 70)."""
+BLOCKED_ROWS_TILES = (128, 128, 128)
+"""The rows kind's tiles with block scales: each K step adds a scaled FP32 partial tile to the accumulator in
+registers, so 256 rows would hold two such tiles per program. On the H200 at ``moe-1b``'s shapes 128-row tiles
+(one program per multiprocessor, flattened loops) ran within 7% of the best of 24 variants of tile, programs,
+flattening and stages (64 rows, two programs per multiprocessor: 132 against 141 us; run 76)."""
+BLOCK = 128
+"""The block scales' width along K that the blocked kernels take: their K step (``BLOCK_K``), DeepSeek-V3's
+1 x 128 and 128 x 128 blocks."""
 FEATURE_TILES = (128, 128, 128)
 """The weight gradient's tiles (features of ``a``, features of ``b``, tokens)."""
 WARPS, STAGES, FEATURE_STAGES = 8, 3, 4
@@ -159,6 +180,74 @@ def features_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, M, N, P, E,
         store_tile(out_ptr + e.to(tl.int64) * M * N, acc, offs_m, offs_n, M, N, OUT_BF16)
 
 
+@triton.jit
+def rows_blocked_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, T, N, K, E, SB_ROWS: tl.constexpr,
+                        OUT_BF16: tl.constexpr, EP: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`rows_kernel` with block scales along K (``BLOCK_K`` wide): ``out[r, n] = sum_c sa[c, r] *
+    sb[e, n // SB_ROWS, c] * sum_{k in chunk c} a[r, k] b[e, n, k]``, ``sa`` ``(K / BLOCK_K, T)`` (chunk-major:
+    each chunk's scales of a tile's rows are adjacent), ``sb`` ``(E, N / SB_ROWS, K / BLOCK_K)``."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    kb = tl.cdiv(K, BLOCK_K)
+    nb = tl.cdiv(N, SB_ROWS)
+    tiles = tl.sum(_expert_tiles(ends_ptr, E, EP, BLOCK_M)[2], 0) * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        e, first, end = _find_tile(ends_ptr, tile // tiles_n, E, EP, BLOCK_M)
+        first_n = (tile % tiles_n) * BLOCK_N
+        offs_m = first + tl.arange(0, BLOCK_M)
+        offs_n = first_n + tl.arange(0, BLOCK_N)
+        rows_a = tl.minimum(offs_m, end - 1)  # rows past the expert's end: scaled, never stored
+        rows_b = (e.to(tl.int64) * nb + tl.minimum(offs_n, N - 1) // SB_ROWS) * kb
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c in range(0, kb):
+            a = a_desc.load([first, c * BLOCK_K])
+            b = b_desc.load([e * N + first_n, c * BLOCK_K])
+            part = tl.dot(a, b.T)  # one chunk inside the MMA, promoted to FP32 with its scales: the Note
+            sa = tl.load(sa_ptr + c * T + rows_a)
+            if SB_ROWS % BLOCK_N == 0:  # one weight block across the tile: one scale per row, one FMA each
+                sb = tl.load(sb_ptr + (e.to(tl.int64) * nb + first_n // SB_ROWS) * kb + c)
+                acc = part * (sa * sb)[:, None] + acc
+            else:
+                sb = tl.load(sb_ptr + rows_b + c)
+                acc += part * sa[:, None] * sb[None, :]
+        store_tile(out_ptr, acc, offs_m, offs_n, end, N, OUT_BF16)
+
+
+@triton.jit
+def features_blocked_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, M, N, P, E, OUT_BF16: tl.constexpr,
+                            PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """:func:`features_kernel` with block scales along the tokens (``BLOCK_K`` wide, each expert's columns
+    whole blocks): ``out[e, m, n] = sum_c sa[c, m] * sb[c, n] * sum_{t in chunk c} a[m, t] b[n, t]`` over the
+    expert's chunks ``c``, ``sa`` ``(P / BLOCK_K, M)``, ``sb`` ``(P / BLOCK_K, N)``."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, P], strides=[P, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, P], strides=[P, 1], block_shape=[BLOCK_N, BLOCK_K])
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_expert = tl.cdiv(M, BLOCK_M) * tiles_n
+    for tile in tl.range(tl.program_id(0), E * per_expert, PROGRAMS):
+        e = tile // per_expert
+        first_m = (tile % per_expert) // tiles_n * BLOCK_M
+        first_n = (tile % tiles_n) * BLOCK_N
+        start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), BLOCK_K)
+        end = tl.multiple_of(tl.load(ends_ptr + e), BLOCK_K)
+        rows_a = tl.minimum(first_m + tl.arange(0, BLOCK_M), M - 1)
+        rows_b = tl.minimum(first_n + tl.arange(0, BLOCK_N), N - 1)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(start, end, BLOCK_K):  # the expert's blocks (an expert without tokens: none)
+            a = a_desc.load([first_m, k0])
+            b = b_desc.load([first_n, k0])
+            part = tl.dot(a, b.T)
+            c = k0 // BLOCK_K
+            sa = tl.load(sa_ptr + c * M + rows_a)
+            sb = tl.load(sb_ptr + c * N + rows_b)
+            acc += part * sa[:, None] * sb[None, :]
+        offs_m = first_m + tl.arange(0, BLOCK_M)
+        offs_n = first_n + tl.arange(0, BLOCK_N)
+        store_tile(out_ptr + e.to(tl.int64) * M * N, acc, offs_m, offs_n, M, N, OUT_BF16)
+
+
 def _output(shape: tuple[int, ...], out_dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(shape, dtype=torch.bfloat16 if bf16 else torch.float32, device=device)
@@ -229,6 +318,44 @@ def _grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tens
     return out if bf16 else out.to(out_dtype)
 
 
+def _grouped_rows_blocked(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                          ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The launch of :func:`grouped_rows_blocked`."""
+    t, k = a.shape
+    e, n = b.shape[:2]
+    out, raw, bf16 = _output((t, n), out_dtype, a.device)
+    if t == 0 or n == 0:
+        return out.to(out_dtype)
+    bm, bn, bk = BLOCKED_ROWS_TILES
+    sb_rows = -(-n // b_scales.shape[1])  # rows of b per scale: 1 or a weight block's
+    programs = _programs(a.device, ROWS_PER_SM, (triton.cdiv(t, bm) + e - 1) * triton.cdiv(n, bn))
+    args = (_operand(a, "a", k), a_scales.float().t().contiguous(), _operand(b, "b", k),
+            b_scales.float().contiguous(), ends.to(torch.int32).contiguous(), raw, t, n, k, e)
+    meta = dict(SB_ROWS=sb_rows, OUT_BF16=bf16, EP=max(16, triton.next_power_of_2(e)), PROGRAMS=programs,
+                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **_launch_options(a.device, STAGES))
+    launch.device_workspace()
+    launch.launch(rows_blocked_kernel, (programs,), args, meta, ("grouped rows blocked", bf16, sb_rows), a.is_cuda)
+    return out if bf16 else out.to(out_dtype)
+
+
+def _grouped_features_blocked(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
+                              ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The launch of :func:`grouped_features_blocked`."""
+    (m, p), n, e = a_t.shape, b_t.shape[0], ends.shape[0]
+    out, raw, bf16 = _output((e, m, n), out_dtype, a_t.device)
+    if out.numel() == 0:
+        return out.to(out_dtype)
+    bm, bn, bk = FEATURE_TILES
+    programs = _programs(a_t.device, FEATURES_PER_SM, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
+    args = (_operand(a_t, "a_t", p), a_scales.float().t().contiguous(), _operand(b_t, "b_t", p),
+            b_scales.float().t().contiguous(), ends.to(torch.int32).contiguous(), raw, m, n, p, e)
+    meta = dict(OUT_BF16=bf16, PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                **_launch_options(a_t.device, FEATURE_STAGES))
+    launch.device_workspace()
+    launch.launch(features_blocked_kernel, (programs,), args, meta, ("grouped features blocked", bf16), a_t.is_cuda)
+    return out if bf16 else out.to(out_dtype)
+
+
 # [Note: how kernels become operators] in lowprec.kernels.ops: compiled graphs call these GEMMs as operators
 
 
@@ -244,6 +371,16 @@ _ROWS = define("grouped_rows(Tensor a, Tensor a_scales, Tensor b, Tensor b_scale
                "bool fast_accum) -> Tensor", _grouped_rows, _rows_fake)
 _FEATURES = define("grouped_features(Tensor a_t, Tensor a_scales, Tensor b_t, Tensor b_scales, Tensor ends, "
                    "ScalarType out_dtype) -> Tensor", _grouped_features, _features_fake)
+
+
+def _rows_blocked_fake(a, a_scales, b, b_scales, ends, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+_ROWS_BLOCKED = define("grouped_rows_blocked(Tensor a, Tensor a_scales, Tensor b, Tensor b_scales, Tensor ends, "
+                       "ScalarType out_dtype) -> Tensor", _grouped_rows_blocked, _rows_blocked_fake)
+_FEATURES_BLOCKED = define("grouped_features_blocked(Tensor a_t, Tensor a_scales, Tensor b_t, Tensor b_scales, "
+                           "Tensor ends, ScalarType out_dtype) -> Tensor", _grouped_features_blocked, _features_fake)
 
 
 def grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
@@ -263,4 +400,22 @@ def grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tenso
     return (_FEATURES if as_operators() else _grouped_features)(a_t, a_scales, b_t, b_scales, ends, out_dtype)
 
 
-__all__ = ["grouped_features", "grouped_rows"]
+def grouped_rows_blocked(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                         ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`grouped_rows` with block scales along K, blocks of :data:`BLOCK` (DeepSeek-V3's ``fp8-blockwise``
+    experts): ``a`` float8 ``(T, K)`` with ``a_scales`` ``(T, K / BLOCK)`` (1 x BLOCK blocks of each row), ``b``
+    float8 ``(E, N, K)`` with ``b_scales`` ``(E, N / R, K / BLOCK)`` (R x BLOCK blocks of each expert's rows, R
+    1 or BLOCK); K a multiple of BLOCK (codes padded with zeros to whole blocks, as the casts make them)."""
+    return (_ROWS_BLOCKED if as_operators() else _grouped_rows_blocked)(a, a_scales, b, b_scales, ends, out_dtype)
+
+
+def grouped_features_blocked(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
+                             ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """:func:`grouped_features` with block scales along the tokens, blocks of :data:`BLOCK`: ``a_t`` float8
+    ``(M, P)`` with ``a_scales`` ``(M, P / BLOCK)``, ``b_t`` ``(N, P)`` with ``b_scales`` ``(N, P / BLOCK)``; each
+    expert's tokens whole blocks (``ends`` multiples of BLOCK: ``grouped_gemm.token_padding(..., BLOCK)``)."""
+    return (_FEATURES_BLOCKED if as_operators() else _grouped_features_blocked)(a_t, a_scales, b_t, b_scales, ends,
+                                                                                 out_dtype)
+
+
+__all__ = ["BLOCK", "grouped_features", "grouped_features_blocked", "grouped_rows", "grouped_rows_blocked"]

@@ -12,12 +12,13 @@ that received no token casts nothing (the casts take no empty tensor) and its gr
 
 How the experts run (the values above hold on every path):
 
-* recipes whose casts are all per tensor, all per row or all MX (``fp8-current``, ``fp8-rowwise``,
-  ``mxfp8``, ``mxfp4``): every operand's casts are made for all experts at once (see [Note: batched
-  per-expert casts] in ``lowprec.nn.grouped_casts``; the same bits as expert by expert), and each GEMM
-  whose operands are E4M3 runs as one ``torch._scaled_grouped_mm`` on a GPU that checks it on first use
-  (see [Note: one grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``, with lowprec's
-  grouped Triton GEMMs for the pairs that kernel refuses or runs slower); MX GEMMs so too where MX GEMMs
+* recipes whose casts are all per tensor, all per row, all MX or all FP32 blocks (``fp8-current``,
+  ``fp8-rowwise``, ``mxfp8``, ``mxfp4``, ``fp8-blockwise``): every operand's casts are made for all experts
+  at once (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``; the same bits as expert by
+  expert), and each GEMM whose operands are E4M3 runs as one ``torch._scaled_grouped_mm`` on a GPU that
+  checks it on first use (see [Note: one grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``,
+  with lowprec's grouped Triton GEMMs for the pairs that kernel refuses or runs slower, and for block
+  scales: ``fp8-blockwise``'s 1 x 128 and 128 x 128 blocks); MX GEMMs so too where MX GEMMs
   run folded: forward and input gradient with every row folded at once (``kernels.fold``), the weight
   gradient with each feature's blocks folded per expert (``kernels.fold.fold_segments``: a scale per
   expert and feature, as the grouped kernel of the features kind takes); the other GEMMs, and all of them
@@ -248,6 +249,8 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
         qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
         _, n, k = weight.shape
         y = _folded_rows(qx, qw, g, plan.fprop, out_dtype)
+        if y is None:
+            y = _blocked_rows(qx, qw, g, plan.fprop, out_dtype)
         if y is None and _row_scaled(plan.fprop, qx, qw) and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt,
                                                                              k, n):
             y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(),
@@ -271,13 +274,13 @@ def _folded_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) ->
     """``(T, N)``: every expert's MX rows of ``a`` times its ``b`` (``(E, N, K)``), both folded to row scales
     (see [Note: folding MX blocks into rows] in ``lowprec.kernels.fold``), as one grouped FP8 GEMM; None
     where the plan's GEMM is not folded or the device does not run the grouped one."""
-    if gp.path is not GemmPath.FOLDED or a.kind is not GC.Side.MX:
+    if gp.path is not GemmPath.FOLDED or a.kind is not GC.Side.BLOCKS:
         return None
     device = a.data.device
     e, n, kp = b.data.shape
     if not GG.runs_grouped(GG.ROWS, device, target(a.fmt), target(b.fmt), kp, n) or not folded_runs(device):
         return None
-    fa, fb = fold(a.mx_all()), fold(b.mx_all())
+    fa, fb = fold(a.blocks_all()), fold(b.blocks_all())
     return GG.grouped_by_rows(fa.data, fa.scale.view(-1), fb.data.view(e, n, kp), fb.scale.view(e, n), g.offsets,
                               dtype, gp.fast_accum)
 
@@ -288,7 +291,7 @@ def _folded_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype
     expert) over that expert's blocks alone (``kernels.fold.fold_segments``: the codes of the expert's own
     fold), as one grouped FP8 GEMM of the features kind; None where the plan's GEMM is not folded or the
     device does not run the grouped one."""
-    if gp.path is not GemmPath.FOLDED or a.kind is not GC.Side.MX_TOKENS or b.kind is not GC.Side.MX_TOKENS:
+    if gp.path is not GemmPath.FOLDED or a.kind is not GC.Side.BLOCK_TOKENS or b.kind is not GC.Side.BLOCK_TOKENS:
         return None
     device = a.data.device
     m, n = a.data.shape[0], b.data.shape[0]
@@ -296,19 +299,53 @@ def _folded_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype
             or not folded_runs(device):
         return None
     bc = a.granularity.block_cols
-    padding = g.padded(bc)  # the layout both sides were cast in (``grouped_casts._mx_tokens``)
+    padding = g.padded(bc)  # the layout both sides were cast in (``grouped_casts._block_tokens``)
     first = torch.arange(0, a.scales.shape[1] * bc, bc, device=device)  # each block column's first token
     segment = torch.bucketize(first, padding.ends, right=True).clamp(max=g.n_experts - 1)  # its expert
-    fa, sa = fold_segments(a.mx_tokens_all(), segment, g.n_experts)
-    fb, sb = fold_segments(b.mx_tokens_all(), segment, g.n_experts)
+    fa, sa = fold_segments(a.block_tokens_all(), segment, g.n_experts)
+    fb, sb = fold_segments(b.block_tokens_all(), segment, g.n_experts)
     return GG.grouped_by_features_laid_out(fa, sa.t().reshape(-1), fb, sb.t().reshape(-1), padding.ends, dtype,
                                            gp.fast_accum)
+
+
+def _fp32_blocks(gp, a: GC.ExpertCast, b: GC.ExpertCast) -> bool:
+    """A cuBLAS GEMM of FP32 block-scaled sides (``fp8-blockwise``: 1 x 128 and 128 x 128 blocks), each
+    expert's weight rows whole blocks: what lowprec's blocked grouped kernels take (MX sides on Blackwell's
+    tensor cores are cuBLAS too, with E8M0 scales per 32: they run per expert)."""
+    return (gp.path is GemmPath.CUBLAS and a.granularity is not None and b.granularity is not None
+            and a.granularity.kind is GC.BLOCK and b.granularity.kind is GC.BLOCK
+            and a.granularity.block_cols == b.granularity.block_cols == GG.BLOCK
+            and (b.kind is not GC.Side.BLOCKS or b.data.shape[1] == b.height))
+
+
+def _blocked_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
+    """``(T, N)``: every expert's FP32 block-scaled rows of ``a`` times its ``b`` (``(E, N, K)`` in 128 x 128
+    blocks), as one grouped GEMM of lowprec's blocked kind; None where the plan's GEMM is not such a pair or
+    the device does not run it."""
+    if a.kind is not GC.Side.BLOCKS or not _fp32_blocks(gp, a, b):
+        return None
+    e, n, kp = b.data.shape
+    if not GG.runs_grouped(GG.ROWS, a.data.device, a.fmt, b.fmt, kp, n, blocked=True):
+        return None
+    return GG.grouped_by_rows_blocked(a.data, a.scales, b.data, b.scales, g.offsets, dtype)
+
+
+def _blocked_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
+    """``(E, M, N)``: every expert's weight gradient from the FP32 block-scaled token sides ``a`` ``(M, P)`` and
+    ``b`` ``(N, P)`` (blocks along the tokens, each expert's from a whole block on), as one grouped GEMM of
+    lowprec's blocked kind; None where the plan's GEMM is not such a pair or the device does not run it."""
+    if a.kind is not GC.Side.BLOCK_TOKENS or b.kind is not GC.Side.BLOCK_TOKENS or not _fp32_blocks(gp, a, b):
+        return None
+    m, n = a.data.shape[0], b.data.shape[0]
+    if not GG.runs_grouped(GG.FEATURES, a.data.device, a.fmt, b.fmt, m, n, blocked=True):
+        return None
+    return GG.grouped_by_features_blocked(a.data, a.scales, b.data, b.scales, g.padded(GG.BLOCK).ends, dtype)
 
 
 def _pack(c: GC.ExpertCast | None):
     if c is None:
         return (None, None), None
-    return (c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip, c.granularity, c.starts, c.width)
+    return (c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip, c.granularity, c.starts, c.width, c.height)
 
 
 def _unpack(tensors, meta) -> GC.ExpertCast | None:
@@ -318,6 +355,8 @@ def _unpack(tensors, meta) -> GC.ExpertCast | None:
 def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> torch.Tensor:
     """``(T, in)``: every expert's input gradient, grouped where the device runs it."""
     dx = _folded_rows(qdy, qw_t, g, plan.dgrad, dtype)
+    if dx is None:
+        dx = _blocked_rows(qdy, qw_t, g, plan.dgrad, dtype)
     if dx is not None:
         return dx
     if _row_scaled(plan.dgrad, qdy, qw_t) and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
@@ -332,6 +371,8 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
     device, counts = g.expert.device, g.counts
     fast = plan.wgrad.fast_accum
     dw = _folded_features(qdy_t, qx_t, g, plan.wgrad, dtype)
+    if dw is None:
+        dw = _blocked_features(qdy_t, qx_t, g, plan.wgrad, dtype)
     if dw is not None:
         return dw
     if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f,
@@ -389,10 +430,11 @@ def _static_plan(plan: LayerPlan, device: torch.device, w_shape: tuple[int, ...]
     device work, the padding sized for any routing), and every GEMM of a linear grouped on ``device``
     (``kernels.grouped_gemm.runs_grouped``: cuBLAS's or lowprec's grouped kernels, which take the offsets on
     the device); MX experts so too where every GEMM runs folded and grouped (the folds are device work, the
-    token sides padded to whole blocks for any routing); elsewhere the experts read their counts (the
+    token sides padded to whole blocks for any routing), and FP32 block-scaled experts (``fp8-blockwise``)
+    where every GEMM runs on lowprec's blocked grouped kernels; elsewhere the experts read their counts (the
     per-expert loops need them)."""
     kind = GC.batched_kind(plan)
-    if kind not in (GC.TENSOR, GC.ROW, GC.MX):
+    if kind not in (GC.TENSOR, GC.ROW, GC.MX, GC.BLOCK):
         return False
     path = GemmPath.FOLDED if kind is GC.MX else GemmPath.CUBLAS
     if kind is GC.MX and not folded_runs(device):
@@ -401,6 +443,10 @@ def _static_plan(plan: LayerPlan, device: torch.device, w_shape: tuple[int, ...]
     gemms = ((GG.ROWS, plan.fprop, plan.input.cast_k, plan.weight.cast_k, (in_f, out_f)),
              (GG.ROWS, plan.dgrad, plan.grad_output.cast_k, plan.weight.cast_t, (out_f, in_f)),
              (GG.FEATURES, plan.wgrad, plan.grad_output.cast_t, plan.input.cast_t, (out_f, in_f)))
+    if kind is GC.BLOCK:  # lowprec's blocked kernels: blocks of 128 along K, weights' rows whole blocks
+        return out_f % GG.BLOCK == 0 and in_f % GG.BLOCK == 0 and all(
+            gp.path is path and a.granularity.block_cols == b.granularity.block_cols == GG.BLOCK
+            and GG.runs_grouped(kind_, device, a.fmt, b.fmt, *dims, blocked=True) for kind_, gp, a, b, dims in gemms)
     # an MX GEMM runs on its folded operands' formats (``kernels.fold.target``), its K padded to whole blocks
     return all(gp.path is path
                and GG.runs_grouped(kind_, device, target(a.fmt) if kind is GC.MX else a.fmt,

@@ -1,4 +1,4 @@
-"""Every expert's casts of one operand in a few kernels, for all experts at once: per tensor, per row, MX.
+"""Every expert's casts of one operand in a few kernels, for all experts at once: per tensor, per row, blocks.
 
 [Note: batched per-expert casts]
 A ``GroupedLinear`` casts each expert's operands with scales of its own: under a per-tensor recipe
@@ -24,10 +24,13 @@ experts:
   ``weight[e].T``'s from one transposed copy of the weights; the tokens' transposed sides take the amax of
   each (expert, feature) pair (:func:`expert_scales` again) and one pass dividing by those scales (on a
   GPU ``kernels.triton_grouped.columns_by_group``, elsewhere ``quantize`` given a scale per element);
-- **MX**: blocks run along K within a row, so one MX cast of all token rows (of all weights' rows, of one
-  transposed copy of the weights) is every expert's; the tokens' transposed side (along the tokens) puts
-  each expert's tokens at the start of a whole block, padded with zeros as the expert's own cast pads
-  them, so that one MX cast of that layout never puts two experts in a block.
+- **blocks** (MX; ``fp8-blockwise``'s FP32 scales per 1 x 128 block of the tokens, per 128 x 128 block of
+  the weights): blocks run along K within a row, so one cast of all token rows is every expert's; the
+  weights' blocks are every expert's from one cast of their rows stacked (of one transposed copy for
+  ``weight[e].T``) where the block's height divides the expert's rows, so that no block spans two experts,
+  and expert by expert otherwise; the tokens' transposed side (along the tokens) puts each expert's tokens
+  at the start of a whole block, padded with zeros as the expert's own cast pads them, so that one cast of
+  that layout never puts two experts in a block.
 
 So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``:
 every side of both kinds, zero-token experts, non-finite values). :meth:`ExpertCast.expert` hands each
@@ -37,7 +40,7 @@ bit; on a GPU the grouped GEMMs of ``lowprec.kernels.grouped_gemm`` read the sam
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,27 +53,33 @@ from lowprec.quant import Granularity, QuantizedTensor, blockwise, quantize, row
 from lowprec.quant.granularity import GranularityKind, ScaleRule
 from lowprec.quant.scales import amax_scale
 
-TENSOR, ROW, MX = GranularityKind.TENSOR, GranularityKind.ROW, GranularityKind.MX
+TENSOR, ROW, MX, BLOCK = GranularityKind.TENSOR, GranularityKind.ROW, GranularityKind.MX, GranularityKind.BLOCK
+BLOCKS = frozenset({MX, BLOCK})
+"""The kinds whose scales change along K in blocks."""
 
 
-def _batchable(g) -> bool:
-    """Per tensor or per row scaled by the current amax, or MX blocks of one row along K."""
+def _batchable(g, tokens: bool) -> bool:
+    """Per tensor or per row scaled by the current amax, MX blocks of one row along K, or FP32 block scales
+    from the current amax (a token side's blocks one row high: rows of tokens are independent of the
+    experts)."""
     if g.kind in (TENSOR, ROW):
         return g.rule is ScaleRule.AMAX
+    if g.kind is BLOCK:
+        return g.rule is ScaleRule.AMAX and (g.block_rows == 1 or not tokens)
     return g.kind is MX and g.block_rows == 1
 
 
 def batched_kind(plan: LayerPlan) -> GranularityKind | None:
-    """``TENSOR``, ``ROW`` or ``MX`` where every cast of ``plan`` is one this module makes (quantized, all per
-    tensor, all per row scaled by its current amax, or all MX, rounded to nearest, no Hadamard rotation);
-    None otherwise."""
+    """``TENSOR``, ``ROW``, ``MX`` or ``BLOCK`` where every cast of ``plan`` is one this module makes
+    (quantized, all per tensor, all per row scaled by its current amax, all MX, or all FP32 blocks, rounded to
+    nearest, no Hadamard rotation); None otherwise."""
     kinds = set()
     for op in (plan.input, plan.weight, plan.grad_output):
         if op is None or op.delayed:
             return None
         for c in (op.cast_k, op.cast_t):
             g = c.granularity
-            if (c.fmt is None or g is None or not _batchable(g) or c.hadamard
+            if (c.fmt is None or g is None or not _batchable(g, op is not plan.weight) or c.hadamard
                     or F.as_rounding(c.rounding) is not F.Rounding.NEAREST):
                 return None
             kinds.add(g.kind)
@@ -78,10 +87,10 @@ def batched_kind(plan: LayerPlan) -> GranularityKind | None:
 
 
 def token_blocks(plan: LayerPlan) -> tuple[int, ...]:
-    """The block widths along the tokens of ``plan``'s MX token sides (the input's and the output gradient's
-    casts for the weight gradient), each a padding of the tokens :meth:`Groups.padded` makes; () for other
-    plans."""
-    if batched_kind(plan) is not MX:
+    """The block widths along the tokens of ``plan``'s MX or FP32-block token sides (the input's and the
+    output gradient's casts for the weight gradient), each a padding of the tokens :meth:`Groups.padded`
+    makes; () for other plans."""
+    if batched_kind(plan) not in BLOCKS:
         return ()
     return tuple(sorted({op.cast_t.granularity.block_cols for op in (plan.input, plan.grad_output)}))
 
@@ -108,10 +117,10 @@ class Side(enum.Enum):
     """One per row of the codes."""
     COLUMN = "column"
     """One per expert and feature: a token side cast along the tokens."""
-    MX = "mx"
-    """MX blocks along K: token rows or weights."""
-    MX_TOKENS = "mx-tokens"
-    """MX blocks along the tokens, each expert's from a whole block on."""
+    BLOCKS = "blocks"
+    """Blocks along K (MX, or FP32 scales per 1 x 128 and 128 x 128 blocks): token rows or weights."""
+    BLOCK_TOKENS = "block-tokens"
+    """Blocks along the tokens, each expert's from a whole block on."""
 
 
 ROW_SCALED = frozenset({Side.TENSOR, Side.ROW, Side.COLUMN})
@@ -137,20 +146,22 @@ class ExpertCast:
     kind: Side
     flip: bool = False
     granularity: Granularity | None = None
-    """MX sides: the blocks' granularity."""
+    """Block sides: the blocks' granularity."""
     starts: tuple[int, ...] = ()
-    """``MX_TOKENS``, ``COLUMN``: where each expert's tokens begin in ``data``'s columns (at a whole block,
-    at a multiple of 16)."""
+    """``BLOCK_TOKENS``, ``COLUMN``: where each expert's tokens begin in ``data``'s columns (at a whole
+    block, at a multiple of 16)."""
     width: int = 0
-    """``MX``: K before padding to whole blocks."""
+    """``BLOCKS``: K before padding to whole blocks."""
+    height: int = 0
+    """``BLOCKS`` weights: each expert's rows before padding to whole blocks (0: token rows)."""
     aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
     """``TENSOR``: the scales as cuBLAS reads one expert's (:func:`_aligned`), made when an expert's operand
     is first asked for (the grouped GEMMs read ``scales`` as they are)."""
 
     def expert(self, e: int, rows: slice | None = None) -> QuantizedTensor:
         """Expert ``e``'s operand, as its own cast would make it: its token rows ``rows``, or its weight."""
-        if self.kind in (Side.MX, Side.MX_TOKENS):
-            return self._mx_expert(e, rows)
+        if self.kind in (Side.BLOCKS, Side.BLOCK_TOKENS):
+            return self._block_expert(e, rows)
         if self.kind is Side.COLUMN:  # features-major: the expert's columns, one scale per feature
             first = self.starts[e]
             codes = self.data[:, first:first + rows.stop - rows.start].contiguous()
@@ -169,9 +180,9 @@ class ExpertCast:
             codes = codes.t().contiguous()
         return QuantizedTensor(codes, scale, self.fmt, g, codes.shape, self.dtype)
 
-    def _mx_expert(self, e: int, rows: slice | None) -> QuantizedTensor:
+    def _block_expert(self, e: int, rows: slice | None) -> QuantizedTensor:
         bc = self.granularity.block_cols
-        if self.kind is Side.MX_TOKENS:  # (K, tokens): the expert's columns, from a whole block on
+        if self.kind is Side.BLOCK_TOKENS:  # (K, tokens): the expert's columns, from a whole block on
             n = rows.stop - rows.start
             first, width = self.starts[e], -(-n // bc) * bc
             # contiguous: the fold and dequantize kernels read rows of K with no gap
@@ -181,17 +192,17 @@ class ExpertCast:
         else:  # token rows along K, or a weight
             codes = self.data[rows] if rows is not None else self.data[e]
             scale = self.scales[rows] if rows is not None else self.scales[e]
-            shape = torch.Size((codes.shape[0], self.width))
+            shape = torch.Size((self.height if rows is None else codes.shape[0], self.width))
         return QuantizedTensor(codes, scale, self.fmt, self.granularity, shape, self.dtype)
 
-    def mx_all(self) -> QuantizedTensor:
-        """An MX side along K as one operand: every token row, or every expert's weight rows stacked."""
+    def blocks_all(self) -> QuantizedTensor:
+        """A block side along K as one operand: every token row, or every expert's weight rows stacked."""
         codes, scale = self.data.reshape(-1, self.data.shape[-1]), self.scales.reshape(-1, self.scales.shape[-1])
         return QuantizedTensor(codes, scale, self.fmt, self.granularity, torch.Size((codes.shape[0], self.width)),
                                self.dtype)
 
-    def mx_tokens_all(self) -> QuantizedTensor:
-        """An ``MX_TOKENS`` side as one operand: ``(K, P)``, every expert's tokens in their padded columns."""
+    def block_tokens_all(self) -> QuantizedTensor:
+        """A ``BLOCK_TOKENS`` side as one operand: ``(K, P)``, every expert's tokens in their padded columns."""
         return QuantizedTensor(self.data, self.scales, self.fmt, self.granularity, self.data.shape, self.dtype)
 
     def token_scales(self, expert: torch.Tensor) -> torch.Tensor:
@@ -343,21 +354,35 @@ def _columns(x2: torch.Tensor, g: Groups, fmt: F.Format) -> ExpertCast:
     return ExpertCast(data, scales, fmt, x2.dtype, Side.COLUMN, starts=starts)
 
 
-def _mx(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
-    """Rows cast along K in MX blocks (rows are independent of the experts)."""
+def _blocks(x2: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
+    """Rows cast along K in blocks one row high (MX, FP32 1 x 128; rows are independent of the experts)."""
     q = routed_quantize(x2, fmt, gran)
-    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX, granularity=gran, width=x2.shape[-1])
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.BLOCKS, granularity=gran, width=x2.shape[-1])
 
 
-def _mx_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) -> ExpertCast:
-    """The token rows' transposed side in MX blocks along the tokens: each expert's tokens start a block (its
-    rows padded with zeros to whole blocks, as its own cast pads them), so no block holds two experts (nor
-    the zero blocks after the last expert's, where the counts stay on the device)."""
+def _block_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity) -> ExpertCast:
+    """The token rows' transposed side in blocks along the tokens (MX, FP32 1 x 128): each expert's tokens
+    start a block (its rows padded with zeros to whole blocks, as its own cast pads them), so no block holds
+    two experts (nor the zero blocks after the last expert's, where the counts stay on the device)."""
     bc = gran.block_cols
     xp = GG.features_padded(x2.detach(), g.padded(bc))  # each expert's tokens from a whole block on
     q = routed_quantize(xp, fmt, gran)  # (K, P): blocks along the padded tokens
     starts = GG.padded_starts(g.counts, bc) if g.counts is not None else ()  # per expert: read counts only
-    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.MX_TOKENS, granularity=gran, starts=starts)
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.BLOCK_TOKENS, granularity=gran, starts=starts)
+
+
+def _weight_blocks(w: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertCast:
+    """Experts' weights ``(E, R, K)`` cast along K in blocks (MX; FP32 blocks of 1 or 128 rows), each expert's
+    blocks its own: one cast of the rows stacked where the block height divides R (no block then spans two
+    experts), else expert by expert."""
+    e, r, k = w.shape
+    if r % (gran.block_rows or 1) == 0:
+        q = routed_quantize(w.reshape(e * r, k), fmt, gran)
+        data, scales = q.data.view(e, r, -1), q.scale.view(e, -1, q.scale.shape[-1])
+    else:  # each expert's last block of rows is padded, as its own cast pads it
+        qs = [routed_quantize(w[i], fmt, gran) for i in range(e)]
+        data, scales = torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs])
+    return ExpertCast(data, scales, fmt, w.dtype, Side.BLOCKS, granularity=gran, width=k, height=r)
 
 
 def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | None, F.Format | None]:
@@ -374,9 +399,9 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
     if op.cast_k.granularity.kind is ROW:
         return (_rows(x2, fk) if fk is not None else None,
                 _columns(x2, g, ft) if ft is not None else None)
-    if op.cast_k.granularity.kind is MX:
-        return (_mx(x2, fk, op.cast_k.granularity) if fk is not None else None,
-                _mx_tokens(x2, g, ft, op.cast_t.granularity) if ft is not None else None)
+    if op.cast_k.granularity.kind in BLOCKS:
+        return (_blocks(x2, fk, op.cast_k.granularity) if fk is not None else None,
+                _block_tokens(x2, g, ft, op.cast_t.granularity) if ft is not None else None)
     expert = g.expert
     first = fk if fk is not None else ft
     amax, scales = expert_scales(x2, g, first, False)  # (E,)
@@ -395,15 +420,9 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
     e, out, k = weight.shape
     fk, ft = _formats(op, need_k, need_t)
     w = weight.detach()
-    if op.cast_k.granularity.kind is MX:
-        kc = tc = None
-        if fk is not None:
-            c = _mx(w.reshape(e * out, k), fk, op.cast_k.granularity)
-            kc = replace(c, data=c.data.view(e, out, -1), scales=c.scales.view(e, out, -1), dtype=weight.dtype)
-        if ft is not None:  # weight[e].T's rows are weight[e]'s columns: one transposed copy
-            c = _mx(w.transpose(1, 2).reshape(e * k, out), ft, op.cast_t.granularity)
-            tc = replace(c, data=c.data.view(e, k, -1), scales=c.scales.view(e, k, -1), dtype=weight.dtype)
-        return kc, tc
+    if op.cast_k.granularity.kind in BLOCKS:  # weight[e].T's rows are weight[e]'s columns: one transposed copy
+        return (_weight_blocks(w, fk, op.cast_k.granularity) if fk is not None else None,
+                _weight_blocks(w.transpose(1, 2), ft, op.cast_t.granularity) if ft is not None else None)
     if op.cast_k.granularity.kind is ROW:
         kc = tc = None
         if fk is not None:

@@ -145,6 +145,7 @@ def test_info_says_whether_a_self_checking_path_passed_its_check_on_each_gpu(fak
     monkeypatch.setattr(FD.CHECK, "run", lambda device, gemm, emulated: True)
     monkeypatch.setattr(BW.CHECK, "run", lambda device, gemm, emulated: device.index != 1)
     monkeypatch.setattr("lowprec.kernels.grouped_gemm._self_check", lambda kind, device, on_torch: True)
+    monkeypatch.setattr("lowprec.kernels.grouped_gemm._self_check_blocked", lambda kind, device: True)
     assert _run("info", "--check").exit_code == 0
     after = paths()
     assert after["cuda:0", "mxfp4"] == ("folded (fp8, checked on this device)",) * 2
@@ -164,9 +165,9 @@ def test_the_cost_is_in_dollars_at_the_price_per_gpu_hour():
 
 
 def test_info_lists_the_experts_grouped_gemms_and_their_checks(fake_cuda, monkeypatch):
-    """Each GPU of sm90 or newer lists PyTorch's grouped kernel (E4M3 pairs) and lowprec's Triton one (E5M2
-    gradients), each kind unchecked until ``--check`` runs the first-use checks; an older GPU and the CPU say
-    the experts' GEMMs run one per expert."""
+    """Each GPU of sm90 or newer lists PyTorch's grouped kernel (E4M3 pairs), lowprec's Triton one (E5M2
+    gradients) and lowprec's blocked one (fp8-blockwise), each kind unchecked until ``--check`` runs the
+    first-use checks; an older GPU and the CPU say the experts' GEMMs run one per expert."""
     from lowprec.kernels import grouped_gemm as GG
 
     fake_cuda(("NVIDIA H100 80GB HBM3", (9, 0), 85.0), ("NVIDIA A100", (8, 0), 80.0))
@@ -179,7 +180,8 @@ def test_info_lists_the_experts_grouped_gemms_and_their_checks(fake_cuda, monkey
 
     before = rows()
     assert before == {("cpu", "none: one GEMM per expert", "-"): "-", ("cuda:1", "none: one GEMM per expert", "-"): "-",
-                      **{("cuda:0", k, kind): "unchecked" for k in ("torch._scaled_grouped_mm", "lowprec Triton")
+                      **{("cuda:0", k, kind): "unchecked" for k in ("torch._scaled_grouped_mm", "lowprec Triton",
+                                                                    "lowprec Triton, block scales")
                          for kind in ("rows", "features")}}
     from lowprec.kernels import blackwell as BW
     from lowprec.kernels import fold as FD
@@ -190,8 +192,12 @@ def test_info_lists_the_experts_grouped_gemms_and_their_checks(fake_cuda, monkey
     ran = []
     monkeypatch.setattr(GG, "_self_check", lambda kind, device, on_torch: ran.append((kind, on_torch)) or
                         not (kind == "features" and not on_torch))
+    monkeypatch.setattr(GG, "_self_check_blocked", lambda kind, device: ran.append((kind, "blocked")) or kind == "rows")
     assert _run("info", "--check").exit_code == 0
     after = rows()
-    assert sorted(ran, key=str) == sorted([(k, d) for d in (True, False) for k in ("rows", "features")], key=str)
+    assert sorted(ran, key=str) == sorted([(k, d) for d in (True, False, "blocked") for k in ("rows", "features")],
+                                          key=str)
+    assert after["cuda:0", "lowprec Triton, block scales", "rows"] == "checked on this device"
+    assert after["cuda:0", "lowprec Triton, block scales", "features"] == "failed its check"
     assert after["cuda:0", "lowprec Triton", "features"] == "failed its check"
     assert after["cuda:0", "torch._scaled_grouped_mm", "rows"] == "checked on this device"

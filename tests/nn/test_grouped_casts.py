@@ -13,21 +13,24 @@ import torch
 from lowprec import recipes as R
 from lowprec.nn import GroupedLinear, grouped
 from lowprec.nn import grouped_casts as GC
-from lowprec.quant import mx, quantize, rowwise, tensorwise
+from lowprec.quant import blockwise, mx, quantize, rowwise, tensorwise
 from tests.nn.common import bits, randn
 from tests.nn.test_grouped import COUNTS, grouped_step, make
 
-GRANULARITY = {"fp8-current": tensorwise(), "fp8-rowwise": rowwise(), "mxfp8": mx(32, "ceil"), "mxfp4": mx(32, "ceil")}
+GRANULARITY = {"fp8-current": tensorwise(), "fp8-rowwise": rowwise(), "mxfp8": mx(32, "ceil"), "mxfp4": mx(32, "ceil"),
+               "fp8-blockwise": blockwise(1, 128)}
+"""Each batched recipe's token sides; the weights' (:data:`WEIGHTS`) where they differ."""
+WEIGHTS = {**GRANULARITY, "fp8-blockwise": blockwise(128, 128)}
 
 
 def _plan(recipe: str):
     return GroupedLinear(len(COUNTS), 128, 256, recipe=recipe).plan()
 
 
-def test_the_per_tensor_per_row_and_mx_recipes_are_batched_and_no_other():
+def test_the_per_tensor_per_row_mx_and_block_recipes_are_batched_and_no_other():
     batched = [n for n in R.names() if not R.get(n).uses_delayed_scaling and _plan(n) is not None
                and _plan(n).scaled and GC.batches(_plan(n))]
-    assert batched == ["fp8-current", "fp8-rowwise", "mxfp8", "mxfp4"]  # nvfp4: stochastic, Hadamard
+    assert batched == ["fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4"]  # nvfp4: stochastic, Hadamard
 
 
 def _rows(counts, poison: float | None = None) -> torch.Tensor:
@@ -39,8 +42,8 @@ def _rows(counts, poison: float | None = None) -> torch.Tensor:
     return x
 
 
-def _alone(x: torch.Tensor, fmt: str, recipe: str):
-    return quantize(x, fmt, GRANULARITY[recipe])
+def _alone(x: torch.Tensor, fmt: str, recipe: str, weight: bool = False):
+    return quantize(x, fmt, (WEIGHTS if weight else GRANULARITY)[recipe])
 
 
 def _same(got, want):
@@ -81,9 +84,9 @@ def test_weights_cast_as_each_expert_alone(recipe):
     plan = _plan(recipe)
     k, t = GC.cast_weights(w, plan.weight, True, True)
     for e in range(4):
-        _same(k.expert(e), _alone(w[e], plan.weight.cast_k.format, recipe))
-        _same(t.expert(e), _alone(w[e].t(), plan.weight.cast_t.format, recipe))
-        if recipe.startswith("mx"):
+        _same(k.expert(e), _alone(w[e], plan.weight.cast_k.format, recipe, True))
+        _same(t.expert(e), _alone(w[e].t(), plan.weight.cast_t.format, recipe, True))
+        if recipe.startswith("mx") or recipe == "fp8-blockwise":
             continue
         # what a grouped GEMM reads: every expert's codes and the scale of each of their rows
         assert torch.equal(bits(k.weight_codes()[e]), bits(k.expert(e).data))
