@@ -63,7 +63,7 @@ import torch.nn.functional as nnf
 
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
-from lowprec.autocast import resolve
+from lowprec.autocast import records_amax, resolve
 from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels.fold import fold, fold_segments, target
 from lowprec.kernels.gemm import GemmPath, folded_runs
@@ -85,6 +85,7 @@ from lowprec.nn.function import (
 from lowprec.nn.linear import OptionalExtraState, drop_empty_extra_state
 from lowprec.nn.plan import LayerPlan, SavePlan, WeightT, layer_plan, memo_serves
 from lowprec.nn.probe import probe
+from lowprec.nn.record import record_expert_amaxes
 from lowprec.nn.routing import outside_graphs
 from lowprec.ranks import is_dtensor
 
@@ -623,7 +624,8 @@ class GroupedLinear(OptionalExtraState):
         return range(first, first + n)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
-        if torch.compiler.is_compiling() and isinstance(offsets, torch.Tensor):
+        # recording amaxes per expert reads the counts: such a region runs the counted path
+        if torch.compiler.is_compiling() and isinstance(offsets, torch.Tensor) and not self._recording():
             way = self._on_device(x)
             if way is not None:
                 return self._on_offsets(x, offsets, way)
@@ -687,7 +689,8 @@ class GroupedLinear(OptionalExtraState):
         if plan is None or not plan.scaled or x.shape[0] == 0:
             if plan is not None and plan.hp_reason is not None:
                 self._warn_once(plan.hp_reason)
-            return self._high_precision(x, weight, bias, counts, plan.hp_dtype if plan is not None else None)
+            y = self._high_precision(x, weight, bias, counts, plan.hp_dtype if plan is not None else None)
+            return self._recorded(x, weight, y, counts, states, training)
         params = (weight, bias) if bias is not None else (weight,)
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
         if plan.delayed:
@@ -717,6 +720,28 @@ class GroupedLinear(OptionalExtraState):
                           else fprop(x_e, weight[e], b, plan, states[e], False, False, False).y)
             start += n
         return torch.cat(ys)  # (T, out); inference records nothing, as a Linear's
+
+    def _recording(self) -> bool:
+        """Whether a high-precision region records amaxes (``lowprec.autocast(..., record_amax=True)``) and
+        this layer is bound to a delayed recipe: see :meth:`_recorded`."""
+        return records_amax() and self.recipe is not None and self.recipe.uses_delayed_scaling
+
+    def _recorded(self, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, counts: tuple[int, ...],
+                  states: tuple[CastState, ...], training: bool) -> torch.Tensor:
+        """``y``, the experts' output in high precision; where the region records amaxes and the bound recipe
+        scales by delay, each expert with tokens records what a delayed step of its own records (see [Note:
+        lazy scale initialisation] in ``lowprec.nn.record``; the trainer's ``--hp-start-steps``)."""
+        if not self._recording() or not training:  # inference: a delayed layer records nothing either
+            return y
+        bound = self.recipe
+        plan = self.plan(bound)
+        if not plan.delayed:  # a layer its shape keeps in high precision
+            return y
+        self._prepare_delayed(bound)  # the histories exist unless an override replaced them since
+        if not self._banks.by_hook:  # a layer outside a converted model folds its own bank
+            self._banks.fold()
+        record_expert_amaxes(x, weight, y, plan, [(e, states[e].delayed, rows) for e, rows in _slices(counts)])
+        return y
 
     def _check_x(self, x) -> None:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dtype.itemsize < 2:

@@ -34,16 +34,39 @@ def _amax(t: torch.Tensor) -> torch.Tensor:
     return t.detach().abs().amax()
 
 
+def _record_forward(x: torch.Tensor, weight_amax: torch.Tensor, plan: LayerPlan, state: DelayedState) -> None:
+    if plan.input.delayed:
+        state.record(plan.input.role, _amax(x))
+    if plan.weight.delayed:
+        record_weight_amax(state, plan.weight, weight_amax)
+
+
 def record_amaxes(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, plan: LayerPlan,
                   state: DelayedState) -> None:
     """Record the amaxes of ``x`` (the layer's input) and ``weight`` now, and of ``y``'s gradient when
     backward passes through it, into ``state`` for the roles ``plan`` (the layer's plan for its bound
     delayed recipe) scales by delay; see [Note: lazy scale initialisation]. Changes no value."""
-    if plan.input.delayed:
-        state.record(plan.input.role, _amax(x))
-    if plan.weight.delayed:
-        # an FP8-all-gathered weight arrives quantized and carries its high-precision amax
-        record_weight_amax(state, plan.weight, weight.amax if isinstance(weight, QuantizedWeight) else _amax(weight))
+    # an FP8-all-gathered weight arrives quantized and carries its high-precision amax
+    _record_forward(x, weight.amax if isinstance(weight, QuantizedWeight) else _amax(weight), plan, state)
     if plan.grad_output.delayed and (x.requires_grad or weight.requires_grad):
         role = plan.grad_output.role
         y.register_hook(lambda dy: state.record(role, _amax(dy)))  # returns None: the gradient is unchanged
+
+
+def record_expert_amaxes(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, plan: LayerPlan,
+                         experts: list[tuple[int, DelayedState, slice]]) -> None:
+    """:func:`record_amaxes` for experts (``lowprec.nn.GroupedLinear``, ``weight`` ``(E, out, in)``): each
+    ``(e, state, rows)`` of ``experts``, an expert with tokens, its state and its rows of ``x`` and ``y``,
+    records what a delayed step of a Linear of ``weight[e]`` records on those rows (an expert without tokens,
+    left out, records nothing, as in a delayed step). Changes no value."""
+    amaxes = weight.detach().abs().amax(dim=(1, 2))  # (E,): exact in the weights' dtype
+    for e, state, rows in experts:
+        _record_forward(x[rows], amaxes[e], plan, state)
+    if plan.grad_output.delayed and (x.requires_grad or weight.requires_grad):
+        role = plan.grad_output.role
+
+        def hook(dy: torch.Tensor) -> None:  # returns None: the gradient is unchanged
+            for _, state, rows in experts:
+                state.record(role, _amax(dy[rows]))
+
+        y.register_hook(hook)

@@ -270,6 +270,42 @@ def test_delayed_experts_keep_a_history_each_and_equal_a_loop_of_linears_step_af
     assert states[1].recorded == [0, 0, 0] and states[0].recorded == [4, 4, 4]
 
 
+@pytest.mark.parametrize("recipe", DELAYED)
+def test_a_high_precision_start_records_each_experts_amaxes_as_a_linear_of_its_weight(recipe):
+    """Inside ``autocast("bf16", record_amax=True)`` (the trainer's ``--hp-start-steps``) experts bound to a
+    delayed recipe compute in BF16, unchanged by recording, and each expert with tokens records into its own
+    history what a Linear of its weight records in the same region (input and weight in forward, the output
+    gradient in backward); the expert without tokens records nothing. The first delayed step after the region
+    then scales every expert from its history, equal to the Linears' bit for bit."""
+    g, lins, x, dy = make(recipe)
+    with lowprec.autocast("bf16", record_amax=False):
+        plain = grouped_step(g, x, dy, COUNTS)
+    for p in g.parameters():
+        p.grad = None
+    assert all(s.recorded == [0, 0, 0] for _, s in g.delayed_states())
+    with lowprec.autocast("bf16", record_amax=True):
+        got, want = grouped_step(g, x, dy, COUNTS), loop_step(lins, x, dy, COUNTS)
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), got, plain):
+        assert_bits(a, b, f"recorded {name}")  # recording changes no value
+    states = dict(g.delayed_states())
+    for e, lin in enumerate(lins):
+        assert states[e].recorded == lin.delayed_state.recorded == ([0, 0, 0] if COUNTS[e] == 0 else [1, 1, 1])
+        assert torch.equal(states[e].history, lin.delayed_state.history), e
+    for p in (*g.parameters(), *(p for lin in lins for p in lin.parameters())):
+        p.grad = None
+    got, want = grouped_step(g, x * 3, dy, COUNTS), loop_step(lins, x * 3, dy, COUNTS)  # delayed: scales lag
+    for name, a, b in zip(("y", "dx", "dweight", "dbias"), got, want):
+        assert_bits(a, b, f"first delayed step {name}")
+
+
+def test_delayed_experts_record_nothing_in_a_high_precision_evaluation():
+    g, _, x, _ = make(DELAYED[0])
+    g.eval()
+    with lowprec.autocast("bf16", record_amax=True):
+        g(x, torch.tensor(COUNTS).cumsum(0))
+    assert all(s.recorded == [0, 0, 0] for _, s in g.delayed_states())
+
+
 def test_delayed_experts_histories_travel_in_the_state_dict():
     """Saved as one (E, rows, roles) tensor; loaded into a fresh layer, every expert's history is back and
     the next step equals the saved layer's; a layer of other experts is refused, naming the state; a layer
