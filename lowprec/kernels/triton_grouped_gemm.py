@@ -115,6 +115,15 @@ def _find_tile(ends_ptr, tile, E, EP: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _feature_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(expert, first row of a, first row of b)`` of the weight gradient's ``tile``-th tile: experts in
+    order, each ``cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N)`` tiles."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_expert = tl.cdiv(M, BLOCK_M) * tiles_n
+    return tile // per_expert, (tile % per_expert) // tiles_n * BLOCK_M, (tile % tiles_n) * BLOCK_N
+
+
+@triton.jit
 def rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, T, N, K, E, OUT_BF16: tl.constexpr,
                 FAST: tl.constexpr, EP: tl.constexpr, PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -152,12 +161,9 @@ def features_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, M, N, P, E,
     the expert's columns ``t`` of the features-major ``a`` ``(M, P)`` and ``b`` ``(N, P)``."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, P], strides=[P, 1], block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, P], strides=[P, 1], block_shape=[BLOCK_N, BLOCK_K])
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_expert = tl.cdiv(M, BLOCK_M) * tiles_n
-    for tile in tl.range(tl.program_id(0), E * per_expert, PROGRAMS):
-        e = tile // per_expert
-        first_m = (tile % per_expert) // tiles_n * BLOCK_M
-        first_n = (tile % tiles_n) * BLOCK_N
+    tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS):
+        e, first_m, first_n = _feature_tile(tile, M, N, BLOCK_M, BLOCK_N)
         # each expert's columns start and end at multiples of 16 (the padding)
         start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), 16)
         end = tl.multiple_of(tl.load(ends_ptr + e), 16)
@@ -224,12 +230,9 @@ def features_blocked_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, ends_ptr, out_ptr, M, 
     expert's chunks ``c``, ``sa`` ``(P / BLOCK_K, M)``, ``sb`` ``(P / BLOCK_K, N)``."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, P], strides=[P, 1], block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, P], strides=[P, 1], block_shape=[BLOCK_N, BLOCK_K])
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_expert = tl.cdiv(M, BLOCK_M) * tiles_n
-    for tile in tl.range(tl.program_id(0), E * per_expert, PROGRAMS):
-        e = tile // per_expert
-        first_m = (tile % per_expert) // tiles_n * BLOCK_M
-        first_n = (tile % tiles_n) * BLOCK_N
+    tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS):
+        e, first_m, first_n = _feature_tile(tile, M, N, BLOCK_M, BLOCK_N)
         start = tl.multiple_of(tl.load(ends_ptr + e - 1, mask=e > 0, other=0), BLOCK_K)
         end = tl.multiple_of(tl.load(ends_ptr + e), BLOCK_K)
         rows_a = tl.minimum(first_m + tl.arange(0, BLOCK_M), M - 1)
@@ -281,79 +284,71 @@ def _operand(t: torch.Tensor, name: str, width: int) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _grouped_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                 ends: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
-    """The launch of :func:`grouped_rows`."""
+def _launch_rows(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
+                 ends: torch.Tensor, out_dtype: torch.dtype, blocked: bool, fast_accum: bool) -> torch.Tensor:
+    """One launch of the rows kind: :func:`rows_kernel`, or with block scales :func:`rows_blocked_kernel` (its
+    token scales read chunk-major)."""
     t, k = a.shape
     e, n = b.shape[:2]
     out, raw, bf16 = _output((t, n), out_dtype, a.device)
     if t == 0 or n == 0:
         return out.to(out_dtype)
-    bm, bn, bk = ROWS_TILES
+    bm, bn, bk = BLOCKED_ROWS_TILES if blocked else ROWS_TILES
     programs = _programs(a.device, ROWS_PER_SM, (triton.cdiv(t, bm) + e - 1) * triton.cdiv(n, bn))
-    args = (_operand(a, "a", k), a_scales.float().contiguous(), _operand(b, "b", k), b_scales.float().contiguous(),
-            ends.to(torch.int32).contiguous(), raw, t, n, k, e)
-    meta = dict(OUT_BF16=bf16, FAST=fast_accum, EP=max(16, triton.next_power_of_2(e)), PROGRAMS=programs,
-                BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **_launch_options(a.device, STAGES))
-    launch.device_workspace()
-    launch.launch(rows_kernel, (programs,), args, meta, ("grouped rows", bf16, fast_accum), a.is_cuda)
-    return out if bf16 else out.to(out_dtype)
-
-
-def _grouped_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
-                     ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The launch of :func:`grouped_features`."""
-    (m, p), n, e = a_t.shape, b_t.shape[0], ends.shape[0]
-    out, raw, bf16 = _output((e, m, n), out_dtype, a_t.device)
-    if out.numel() == 0:
-        return out.to(out_dtype)
-    bm, bn, bk = FEATURE_TILES
-    programs = _programs(a_t.device, FEATURES_PER_SM, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    args = (_operand(a_t, "a_t", p), a_scales.float().contiguous(), _operand(b_t, "b_t", p),
-            b_scales.float().contiguous(), ends.to(torch.int32).contiguous(), raw, m, n, p, e)
-    meta = dict(OUT_BF16=bf16, PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                **_launch_options(a_t.device, FEATURE_STAGES))
-    launch.device_workspace()
-    launch.launch(features_kernel, (programs,), args, meta, ("grouped features", bf16), a_t.is_cuda)
-    return out if bf16 else out.to(out_dtype)
-
-
-def _grouped_rows_blocked(a: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor,
-                          ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The launch of :func:`grouped_rows_blocked`."""
-    t, k = a.shape
-    e, n = b.shape[:2]
-    out, raw, bf16 = _output((t, n), out_dtype, a.device)
-    if t == 0 or n == 0:
-        return out.to(out_dtype)
-    bm, bn, bk = BLOCKED_ROWS_TILES
-    sb_rows = -(-n // b_scales.shape[1])  # rows of b per scale: 1 or a weight block's
-    programs = _programs(a.device, ROWS_PER_SM, (triton.cdiv(t, bm) + e - 1) * triton.cdiv(n, bn))
-    args = (_operand(a, "a", k), a_scales.float().t().contiguous(), _operand(b, "b", k),
+    sa = a_scales.float()
+    args = (_operand(a, "a", k), (sa.t() if blocked else sa).contiguous(), _operand(b, "b", k),
             b_scales.float().contiguous(), ends.to(torch.int32).contiguous(), raw, t, n, k, e)
-    meta = dict(SB_ROWS=sb_rows, OUT_BF16=bf16, EP=max(16, triton.next_power_of_2(e)), PROGRAMS=programs,
+    # blocked: the rows of b per scale, 1 or a weight block's; else whether all of K stays in the MMA
+    variant = dict(SB_ROWS=-(-n // b_scales.shape[1])) if blocked else dict(FAST=fast_accum)
+    meta = dict(**variant, OUT_BF16=bf16, EP=max(16, triton.next_power_of_2(e)), PROGRAMS=programs,
                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **_launch_options(a.device, STAGES))
     launch.device_workspace()
-    launch.launch(rows_blocked_kernel, (programs,), args, meta, ("grouped rows blocked", bf16, sb_rows), a.is_cuda)
+    kernel = rows_blocked_kernel if blocked else rows_kernel
+    launch.launch(kernel, (programs,), args, meta, ("grouped rows", blocked, bf16, *variant.values()), a.is_cuda)
     return out if bf16 else out.to(out_dtype)
 
 
-def _grouped_features_blocked(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
-                              ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The launch of :func:`grouped_features_blocked`."""
+def _launch_features(a_t: torch.Tensor, a_scales: torch.Tensor, b_t: torch.Tensor, b_scales: torch.Tensor,
+                     ends: torch.Tensor, out_dtype: torch.dtype, blocked: bool) -> torch.Tensor:
+    """One launch of the features kind: :func:`features_kernel`, or with block scales
+    :func:`features_blocked_kernel` (its scales read chunk-major)."""
     (m, p), n, e = a_t.shape, b_t.shape[0], ends.shape[0]
     out, raw, bf16 = _output((e, m, n), out_dtype, a_t.device)
     if out.numel() == 0:
         return out.to(out_dtype)
     bm, bn, bk = FEATURE_TILES
     programs = _programs(a_t.device, FEATURES_PER_SM, e * triton.cdiv(m, bm) * triton.cdiv(n, bn))
-    args = (_operand(a_t, "a_t", p), a_scales.float().t().contiguous(), _operand(b_t, "b_t", p),
-            b_scales.float().t().contiguous(), ends.to(torch.int32).contiguous(), raw, m, n, p, e)
+    sa, sb = a_scales.float(), b_scales.float()
+    if blocked:
+        sa, sb = sa.t(), sb.t()
+    args = (_operand(a_t, "a_t", p), sa.contiguous(), _operand(b_t, "b_t", p), sb.contiguous(),
+            ends.to(torch.int32).contiguous(), raw, m, n, p, e)
     meta = dict(OUT_BF16=bf16, PROGRAMS=programs, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                 **_launch_options(a_t.device, FEATURE_STAGES))
     launch.device_workspace()
-    launch.launch(features_blocked_kernel, (programs,), args, meta, ("grouped features blocked", bf16), a_t.is_cuda)
+    kernel = features_blocked_kernel if blocked else features_kernel
+    launch.launch(kernel, (programs,), args, meta, ("grouped features", blocked, bf16), a_t.is_cuda)
     return out if bf16 else out.to(out_dtype)
+
+
+def _grouped_rows(a, a_scales, b, b_scales, ends, out_dtype, fast_accum=False):
+    """The launch of :func:`grouped_rows`."""
+    return _launch_rows(a, a_scales, b, b_scales, ends, out_dtype, False, fast_accum)
+
+
+def _grouped_features(a_t, a_scales, b_t, b_scales, ends, out_dtype):
+    """The launch of :func:`grouped_features`."""
+    return _launch_features(a_t, a_scales, b_t, b_scales, ends, out_dtype, False)
+
+
+def _grouped_rows_blocked(a, a_scales, b, b_scales, ends, out_dtype):
+    """The launch of :func:`grouped_rows_blocked`."""
+    return _launch_rows(a, a_scales, b, b_scales, ends, out_dtype, True, False)
+
+
+def _grouped_features_blocked(a_t, a_scales, b_t, b_scales, ends, out_dtype):
+    """The launch of :func:`grouped_features_blocked`."""
+    return _launch_features(a_t, a_scales, b_t, b_scales, ends, out_dtype, True)
 
 
 # [Note: how kernels become operators] in lowprec.kernels.ops: compiled graphs call these GEMMs as operators

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels import triton_grouped_gemm as TG
@@ -18,6 +17,7 @@ from lowprec.nn import grouped_casts as GC
 from lowprec.nn.plan import layer_plan
 from tests.kernels.test_grouped_triton_gemm import COUNTS, _ends, _ints
 from tests.nn.common import randn
+from tests.nn.test_experts_on_device import _step, compiled_once_for_every_routing
 
 E4M3 = torch.float8_e4m3fn
 
@@ -138,14 +138,6 @@ def _layer(bias: bool = True) -> GroupedLinear:
     return g
 
 
-def _step(layer, x, dy, call):
-    layer.weight.grad = None
-    x = x.clone().requires_grad_()
-    y = call(layer, x)
-    y.backward(dy)
-    return y.detach(), x.grad, layer.weight.grad.clone()
-
-
 LAYER_COUNTS = (70, 0, 200, 3)
 
 
@@ -182,19 +174,7 @@ def test_fp8_blockwise_experts_run_on_the_device_counts_in_a_compiled_graph(bloc
     on_device = _step(layer, x, dy, lambda m, a: m._on_offsets(a, off, way))
     for a, b in zip(on_device, counted, strict=True):
         assert torch.equal(a, b)
-    torch._dynamo.reset()
-    counters.clear()
-    f = torch.compile(lambda a, o: layer(a * 2, o), backend="aot_eager")
-    graphs = None
-    for ends in ([6, 12, 18, 24], [0, 20, 20, 24], [24, 24, 24, 24]):
-        off = torch.tensor(ends)
-        compiled = _step(layer, x, dy, lambda m, a, off=off: f(a, off))
-        eager = _step(layer, x, dy, lambda m, a, off=off: m(a * 2, off))
-        for a, b in zip(compiled, eager, strict=True):
-            assert torch.equal(a, b)
-        graphs = graphs or counters["stats"]["unique_graphs"]
-    assert counters["stats"]["unique_graphs"] == graphs
-    assert dict(counters["graph_break"]) == {}
+    compiled_once_for_every_routing(layer, x, dy)
 
 
 def test_weights_whose_rows_are_not_whole_blocks_run_expert_by_expert(blocked_here):
