@@ -13,6 +13,7 @@ import lowprec
 from lowprec.export import AS_TRAINED, KEPT, export
 from lowprec.export.fp8 import FP8Layout
 from lowprec.quant import blockwise, quantize
+from tests.export.hf_load import load_causal_lm
 from tests.export.layout_helpers import safetensors_of
 
 transformers = pytest.importorskip("transformers", reason="transformers (the export extra) is not installed")
@@ -64,10 +65,7 @@ def trained(arch: str, recipe: str) -> torch.nn.Module:
 
 
 def _load(path) -> torch.nn.Module:
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # its CPU paths warn that they dequantize
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return load_causal_lm(path, torch.float32)
 
 
 def _sqnr(x: torch.Tensor, ref: torch.Tensor) -> float:

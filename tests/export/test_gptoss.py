@@ -10,6 +10,7 @@ import torch
 from lowprec.export.gptoss import GRID, GptOssMxfp4Layout, checkpoint_key
 from lowprec.export.layout import AS_TRAINED, FROM_MASTER, LayerWeight
 from lowprec.quant import quantize
+from tests.export.hf_load import load_causal_lm
 from tests.export.layout_helpers import (  # noqa: F401 (trained_tiny: a fixture)
     e8m0_values,
     fp4_values,
@@ -63,10 +64,8 @@ def test_transformers_loads_a_tiny_gpt_oss_on_the_cpu(tmp_path):
     them."""
     pytest.importorskip("transformers", reason="transformers (the export extra) is not installed")
     import safetensors.torch
-    from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
-    from transformers.utils import logging
+    from transformers import GptOssConfig, GptOssForCausalLM
 
-    logging.set_verbosity_error()  # its CPU path warns that it dequantizes: that is the path under test
     cfg = GptOssConfig(vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_local_experts=E,
                        num_experts_per_tok=2, max_position_embeddings=64, layer_types=["full_attention"],
@@ -91,7 +90,7 @@ def test_transformers_loads_a_tiny_gpt_oss_on_the_cpu(tmp_path):
     config = {**cfg.to_dict(), "quantization_config": layout.quantization_config(kept)}
     (tmp_path / "config.json").write_text(json.dumps(config))
     safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    loaded = load_causal_lm(tmp_path, torch.float32)
     for proj in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(loaded.model.layers[0].mlp.experts, proj), getattr(experts, proj))
     tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -123,8 +122,7 @@ def test_a_model_without_fused_experts_is_written_whole_in_high_precision(traine
     """lowprec's exports hold no fused GPT-OSS experts (its decoders are written as Llama and ERNIE 4.5, one module
     per expert): every linear is kept, each with the layout's reason, and transformers loads the result with the
     BF16 model's logits."""
-    transformers = pytest.importorskip("transformers", reason="transformers (the export extra) is not installed")
-    from transformers.utils import logging
+    pytest.importorskip("transformers", reason="transformers (the export extra) is not installed")
 
     from lowprec.export import KEPT, export
     from tests.export.conftest import bf16_weights_fp32_logits
@@ -135,8 +133,7 @@ def test_a_model_without_fused_experts_is_written_whole_in_high_precision(traine
     assert all("MoE experts only" in r.reason for r in report.layers if r.name != "lm_head")
     written = json.loads((tmp_path / "oss" / "config.json").read_text())["quantization_config"]
     assert written == {"quant_method": "mxfp4", "modules_to_not_convert": report.kept}
-    logging.set_verbosity_error()  # its CPU path warns that it dequantizes
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "oss"), dtype=torch.float32).eval()
+    hf = load_causal_lm(tmp_path / "oss", torch.float32)
     with torch.no_grad():
         theirs = hf(input_ids=tokens_of()).logits
     ours = bf16_weights_fp32_logits(model, tokens_of())

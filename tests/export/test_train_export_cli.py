@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 from lowprec.cli import main
 from lowprec.export.source import load_trained
+from tests.export.hf_load import load_causal_lm
 from tests.export.layout_helpers import safetensors_of, tokens_of
 
 transformers = pytest.importorskip("transformers", reason="transformers (the export extra) is not installed")
@@ -76,11 +77,8 @@ def test_a_trained_run_exports_and_loads(runs, family, fmt, scheme, floor, tmp_p
     if floor is None:  # modelopt: transformers has no reader of hf_quant_config.json; its tensors are checked
         assert (out / "hf_quant_config.json").is_file()
         return
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # the CPU paths warn that they dequantize
     dtype = torch.float32 if scheme in (None, "fp8-dynamic", "fp8-block") else torch.bfloat16  # FP4/MX unpack in BF16
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=dtype).eval()
+    hf = load_causal_lm(out, dtype)
     with torch.no_grad():
         theirs = hf(input_ids=tokens_of()).logits.float()
     assert _sqnr(theirs, _lowprec_logits(run)) >= floor
