@@ -47,7 +47,7 @@ from lowprec.kernels import grouped_gemm
 from lowprec.nn import InputShare, grouped, grouped_casts
 from lowprec.train.moe_model import RoutedExperts
 
-RECIPES = ("fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4")
+RECIPES = ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4")
 """The recipes whose experts lowprec batches (per tensor, per row, FP32 blocks, MX): each runs every way of the
 table."""
 

@@ -37,10 +37,12 @@ forward: a backward's scale is the one folded at the forward before it.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from lowprec.kernels.ops import keep
 from lowprec.nn.recomputation import recomputing
 from lowprec.recipes import DelayedAlgo, DelayedScaling, Role
 
@@ -158,6 +160,29 @@ class DelayedBank:
         k = row * N_ROLES + int(role)
         return self.ready[k], self.amax[k]
 
+    def read_rows(self, rows: torch.Tensor, role: Role) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`read` of the layers ``rows`` ((n,) int64 on the bank's device), (n,) each."""
+        k = rows * N_ROLES + int(role)
+        return self.ready[k], self.amax[k]
+
+    def record_rows(self, rows: torch.Tensor, role: Role, amax: torch.Tensor, live: torch.Tensor) -> None:
+        """:meth:`record` of ``amax[i]`` for layer ``rows[i]`` where ``live[i]`` (the others record nothing),
+        all at once: the same values as one record per live row, in a few tensor operations (``rows``
+        distinct, (n,) int64 on the bank's device)."""
+        if recomputing():
+            return
+        amax = amax.detach().float().reshape(-1).to(self.device)
+        if role is Role.GRAD_OUTPUT:
+            old = self.dy_pending[rows]
+            pending = self.dy_records[rows] != self.dy_folded[rows]
+            new = torch.where(pending, torch.maximum(old, amax), amax)
+            self.dy_pending.index_copy_(0, rows, torch.where(live, new, old))
+            self.dy_records.index_add_(0, rows, live.long())
+        else:
+            k = rows * len(_FORWARD_ROLES) + _FORWARD_ROLES.index(int(role))
+            old = self.pending[k]
+            self.pending.index_copy_(0, k, torch.where(live, torch.maximum(old, amax), old))  # NaN stays NaN
+
     @torch.no_grad()
     def fold(self) -> None:
         """Every pending amax into its history, then every role's amax again; see [Note: the
@@ -207,6 +232,33 @@ class DelayedBank:
         weight = torch.where(age == held - 1, (1.0 - c) ** age.double(), weight)  # the oldest starts the average
         weight = torch.where(age < held, weight, 0.0)
         return (self.history.double() * weight).sum(dim=2).float()
+
+
+@dataclass(frozen=True, eq=False)
+class BankRows:
+    """Several layers' rows of one bank, read and recorded together (a mixture-of-experts layer's experts,
+    each with a history of its own, cast in one batch: ``lowprec.nn.grouped_casts``). ``live``: which of them
+    record (an expert without tokens records nothing, as a layer not called)."""
+
+    bank: DelayedBank
+    rows: torch.Tensor
+    """(n,) int64 on the bank's device: each layer's row, distinct."""
+    live: torch.Tensor
+    """(n,) bool on the bank's device."""
+
+    def amax(self, role: Role, current: torch.Tensor) -> torch.Tensor:
+        """(n,): the amax each layer's delayed scale for ``role`` is taken from, as the last fold left it
+        (times 2^margin), or before the role's first record ``current`` (the operand's own amax: current
+        scaling), as ``DelayedState.scale`` takes it; a scale is the same function of either."""
+        ready, history = self.bank.read_rows(self.rows, role)
+        amax = torch.where(ready, history, current.to(history.dtype))
+        # see [Note: delayed scaling under torch.compile] in lowprec.nn.delayed: forward's scales reach backward
+        # as saved, never recomputed there from a history forward has written since
+        return keep(amax) if torch.compiler.is_compiling() and role is not Role.GRAD_OUTPUT else amax
+
+    def record(self, role: Role, amax: torch.Tensor) -> None:
+        """``amax`` ((n,)) pending for ``role`` of each live layer."""
+        self.bank.record_rows(self.rows, role, amax, self.live)
 
 
 class DelayedBanks:

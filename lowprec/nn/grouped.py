@@ -13,13 +13,13 @@ that received no token casts nothing (the casts take no empty tensor) and its gr
 How the experts run (the values above hold on every path):
 
 * recipes whose casts are all per tensor, all per row, all MX or all FP32 blocks (``fp8-current``,
-  ``fp8-rowwise``, ``mxfp8``, ``mxfp4``, ``fp8-blockwise``): every operand's casts are made for all experts
-  at once (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``; the same bits as expert by
-  expert), and each GEMM whose operands are E4M3 runs as one ``torch._scaled_grouped_mm`` on a GPU that
-  checks it on first use (see [Note: one grouped GEMM for the experts] in ``lowprec.kernels.grouped_gemm``,
-  with lowprec's grouped Triton GEMMs for the pairs that kernel refuses or runs slower, and for block
-  scales: ``fp8-blockwise``'s 1 x 128 and 128 x 128 blocks); MX GEMMs so too where MX GEMMs
-  run folded: forward and input gradient with every row folded at once (``kernels.fold``), the weight
+  ``fp8-delayed``, ``fp8-rowwise``, ``mxfp8``, ``mxfp4``, ``fp8-blockwise``): every operand's casts are made
+  for all experts at once (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``; the same
+  bits as expert by expert), and each GEMM whose operands are E4M3 runs as one ``torch._scaled_grouped_mm``
+  on a GPU that checks it on first use (see [Note: one grouped GEMM for the experts] in
+  ``lowprec.kernels.grouped_gemm``, with lowprec's grouped Triton GEMMs for the pairs that kernel refuses
+  or runs slower, and for block scales: ``fp8-blockwise``'s 1 x 128 and 128 x 128 blocks); MX GEMMs so too
+  where MX GEMMs run folded: forward and input gradient with every row folded at once (``kernels.fold``), the weight
   gradient with each feature's blocks folded per expert (``kernels.fold.fold_segments``: a scale per
   expert and feature, as the grouped kernel of the features kind takes); the other GEMMs, and all of them
   on the CPU, per expert on views of the batched codes (:class:`BatchedFunction`). A sampled telemetry
@@ -32,8 +32,8 @@ How the experts run (the values above hold on every path):
 The host reads ``offsets`` once per forward (the loops and the grouped GEMMs' padding need the counts),
 or once for several layers given the ``Groups`` :func:`route` made; under ``torch.compile`` such a layer
 runs outside the graph. Layers that need no count run in it, on the offsets as the device holds them: BF16
-experts on ``torch._grouped_mm``, and per-tensor, per-row and MX experts where every GEMM runs grouped
-(:func:`_static_plan`; see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
+experts on ``torch._grouped_mm``, and per-tensor (current or delayed), per-row, block-scaled and MX experts
+where every GEMM runs grouped (:func:`_static_plan`; see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
 
 Under expert parallelism (``lowprec.distributed.expert_parallel``) ``weight`` (and ``bias``) are DTensors
 split by experts (``Shard(0)``) over the expert-parallel group: this process computes with its local
@@ -44,10 +44,13 @@ Under delayed scaling (``fp8-delayed``, or a delayed recipe through ``lowprec.au
 amax histories of its own, as a Linear of its weight would: a row each of the delayed-scaling banks
 (``lowprec.nn.delayed_bank``; the layer's own, folded by its forward, or its converted model's, folded by the
 model's), saved in the layer's ``state_dict`` as one ``(E, rows, roles)`` tensor, reduced across
-data-parallel ranks with the linears' (``lowprec.distributed.amax``). Each expert's rows run through
-``lowprec.nn.Linear``'s autograd function with its state (the loop: nothing batched), so the experts equal
-a loop of delayed Linears bit for bit, step after step; an expert without tokens records nothing. Expert
-parallelism refuses it (each rank would hold other experts' histories). Current scaling per expert
+data-parallel ranks with the linears' (``lowprec.distributed.amax``). Their casts are batched as
+``fp8-current``'s are, each expert's scale taken from its own history and its amaxes recorded into it in one
+pass for all experts (``lowprec.nn.delayed_bank.BankRows``), and their GEMMs grouped, on the counts read or
+as the device holds them; a sampled telemetry step runs each expert's rows through ``lowprec.nn.Linear``'s
+autograd function with its state (the loop). Either way the experts equal a loop of delayed Linears bit for
+bit, step after step; an expert without tokens records nothing. Expert parallelism refuses it (each rank
+would hold other experts' histories). Current scaling per expert
 (``fp8-current``, ``fp8-rowwise``, ``fp8-blockwise``, MX, NVFP4) needs no state; DeepSeek-V3's FP8 experts
 scale so too.
 """
@@ -70,7 +73,7 @@ from lowprec.kernels.gemm import GemmPath, folded_runs
 from lowprec.nn import grouped_casts as GC
 from lowprec.nn.casts import CastState, cast_operand, shared_casts
 from lowprec.nn.delayed import DelayedState
-from lowprec.nn.delayed_bank import DelayedBanks
+from lowprec.nn.delayed_bank import BankRows, DelayedBanks
 from lowprec.nn.function import (
     Forward,
     LinearFunction,
@@ -229,25 +232,28 @@ def _slices(counts: tuple[int, ...]) -> list[tuple[int, slice]]:
     return [(e, rows) for e, rows in _rows_of(counts) if rows.start != rows.stop]
 
 
-def _input_casts(x: torch.Tensor, g: GC.Groups, op, need_wgrad: bool, state: CastState | None):
+def _input_casts(x: torch.Tensor, g: GC.Groups, op, need_wgrad: bool, state: CastState | None,
+                 delay: BankRows | None = None, record: bool = False):
     """:func:`~lowprec.nn.grouped_casts.cast_rows` of the rows ``x`` along K (and transposed where the weight
     gradient needs them), taken from the layer's input share when a sibling projection (the experts' gate
-    and up) cast the same unchanged rows for the same groups the same way (see ``lowprec.nn.casts.InputShare``)."""
+    and up) cast the same unchanged rows for the same groups the same way (see ``lowprec.nn.casts.InputShare``;
+    never under delayed scaling, each layer's scales its own)."""
     return shared_casts(x, op, state.share if state is not None else None, (need_wgrad, g),
-                        lambda: GC.cast_rows(x, g, op, True, need_wgrad))
+                        lambda: GC.cast_rows(x, g, op, True, need_wgrad, delay, record))
 
 
 def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad: bool, need_wgrad: bool,
-                     state: CastState | None = None):
+                     state: CastState | None = None, delay: BankRows | None = None, record: bool = False):
     """``(y, x's transposed casts, weight.T's casts)``: every expert's forward GEMM with the casts of all
     experts batched (see [Note: batched per-expert casts] in ``lowprec.nn.grouped_casts``), as one grouped
     GEMM where the device runs it (see [Note: one grouped GEMM for the experts]); ``state``: the layer's, whose
-    input share the casts of ``x`` come from."""
+    input share the casts of ``x`` come from; ``delay``: the experts' delayed-scaling rows (a delayed plan),
+    ``record``: the amaxes recorded into them (a training forward)."""
     out_dtype = output_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         counts, expert = g.counts, g.expert
-        qx, qx_t = _input_casts(x, g, plan.input, need_wgrad, state)
-        qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad)
+        qx, qx_t = _input_casts(x, g, plan.input, need_wgrad, state, delay, record)
+        qw, qw_t = GC.cast_weights(weight, plan.weight, True, need_dgrad, delay, record)
         _, n, k = weight.shape
         y = _folded_rows(qx, qw, g, plan.fprop, out_dtype)
         if y is None:
@@ -395,13 +401,13 @@ class BatchedFunction(torch.autograd.Function):
     the device runs them."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, g: GC.Groups, plan: LayerPlan, state: CastState):
+    def forward(ctx, x, weight, bias, g: GC.Groups, plan: LayerPlan, state: CastState, delay: BankRows | None = None):
         need_dgrad, need_wgrad = ctx.needs_input_grad[:2]
-        y, qx_t, qw_t = _batched_forward(x, weight, bias, g, plan, need_dgrad, need_wgrad, state)
+        y, qx_t, qw_t = _batched_forward(x, weight, bias, g, plan, need_dgrad, need_wgrad, state, delay, True)
         (xt, xt_meta), (wt, wt_meta) = _pack(qx_t), _pack(qw_t)
         ctx.save_for_backward(*xt, *wt)
         ctx.metas = (xt_meta, wt_meta)
-        ctx.groups, ctx.plan = g, plan
+        ctx.groups, ctx.plan, ctx.delay = g, plan, delay
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         ctx.w_shape = weight.shape[1:]
         return y
@@ -415,14 +421,14 @@ class BatchedFunction(torch.autograd.Function):
         plan, g = ctx.plan, ctx.groups
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
-            qdy, qdy_t = GC.cast_rows(dy, g, plan.grad_output, need_dgrad, need_wgrad)
+            qdy, qdy_t = GC.cast_rows(dy, g, plan.grad_output, need_dgrad, need_wgrad, ctx.delay, True)
             if need_dgrad:
                 dx = _batched_dgrad(qdy, qw_t, g, plan, x_dtype, ctx.w_shape)  # (T, in)
             if need_wgrad:
                 dw = _batched_wgrad(qdy_t, qx_t, g, plan, w_dtype, ctx.w_shape)  # (E, out, in)
             if b_dtype is not None and need_bias:  # each expert's sum, as the loop sums it
                 db = torch.stack([dy[rows].sum(0).to(b_dtype) for _, rows in _rows_of(g.counts)])  # (E, out)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 def _static_plan(plan: LayerPlan, device: torch.device, w_shape: tuple[int, ...]) -> bool:
@@ -517,6 +523,8 @@ class GroupedLinear(OptionalExtraState):
         self._banks = DelayedBanks()
         """Where the experts' delayed-scaling histories live: the layer's own banks, folded by its forward,
         until ``lowprec.convert`` gives it its model's (:meth:`use_banks`)."""
+        self._rows: tuple | None = None
+        """(bank, rows, the rows on the bank's device): the experts' rows last read (:meth:`_bank_rows`)."""
         self._warned: set[str] = set()
         self.register_state_dict_post_hook(drop_empty_extra_state)
         self.set_recipe(recipe)
@@ -634,9 +642,9 @@ class GroupedLinear(OptionalExtraState):
     def takes_offsets(self, x: torch.Tensor) -> bool:
         """Whether a compiled call runs on the offsets as the device holds them, with no count read on the
         host (see [Note: experts under torch.compile] in ``lowprec.nn.routing``): high-precision BF16 experts
-        as one ``torch._grouped_mm``, and FP8 experts whose casts are batched per tensor or per row on a
-        device that runs all three of their GEMMs grouped (:func:`_static_plan`). A decision on the recipe,
-        shapes, dtypes and the device alone."""
+        as one ``torch._grouped_mm``, and FP8 experts whose casts are batched on a device that runs all
+        three of their GEMMs grouped (:func:`_static_plan`; delayed experts once their histories exist). A
+        decision on the recipe, shapes, dtypes and the device alone."""
         return self._on_device(x) is not None
 
     def _on_device(self, x: torch.Tensor) -> torch.dtype | LayerPlan | None:
@@ -646,6 +654,8 @@ class GroupedLinear(OptionalExtraState):
             else None
         weight = self.weight.to_local() if is_dtensor(self.weight) else self.weight
         if plan is not None and plan.scaled and plan.hp_reason is None:  # FP8 or FP4 GEMMs
+            if plan.delayed and not self._delays_ready(recipe, self._local_states()):
+                return None  # the histories are made eagerly first
             return plan if self.bias is None and x.shape[0] and _static_plan(plan, x.device, weight.shape) else None
         if recipe is not None and recipe.hp_dtype is None:  # a reason to keep them: said eagerly, once
             return None
@@ -670,15 +680,21 @@ class GroupedLinear(OptionalExtraState):
         g = GC.Groups.of(None, offsets.to(x.device), x.shape[0])  # the counts stay on the device
         for multiple in (16, *GC.token_blocks(way)):  # worked out here, outside the autograd function, which
             g.padded(multiple)                          # only reads them (a compiled graph keeps no side effect)
+        delay = self._bank_rows(resolve(self.recipe), self._local_states(), g) if way.delayed else None
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return BatchedFunction.apply(x, weight, None, g, way, self.state)
-        return _batched_forward(x, weight, None, g, way, False, False, self.state)[0]
+            return BatchedFunction.apply(x, weight, None, g, way, self.state, delay)
+        return _batched_forward(x, weight, None, g, way, False, False, self.state, delay)[0]
+
+    def _local_states(self) -> tuple[CastState, ...]:
+        """The cast states of the experts this process holds."""
+        experts = self.local_experts()
+        return self.expert_states[experts.start:experts.stop]
 
     @outside_graphs  # reads the counts on the host: see [Note: experts under torch.compile]
     def _counted(self, x: torch.Tensor, offsets: torch.Tensor | GC.Groups) -> torch.Tensor:
         experts = self.local_experts()
         weight, bias = (p.to_local() if p is not None and is_dtensor(p) else p for p in (self.weight, self.bias))
-        states = self.expert_states[experts.start:experts.stop]
+        states = self._local_states()
         self._check_x(x)
         g = offsets if isinstance(offsets, GC.Groups) else None
         counts = self._check_groups(g, x, len(experts)) if g is not None else read_counts(offsets, x, len(experts),
@@ -693,22 +709,55 @@ class GroupedLinear(OptionalExtraState):
             return self._recorded(x, weight, y, counts, states, training)
         params = (weight, bias) if bias is not None else (weight,)
         grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
-        if plan.delayed:
-            return self._delayed(x, weight, bias, counts, plan, recipe, states, grad)
         if GC.batches(plan) and probe() is None:  # a sampled step takes the loop: telemetry per expert
             g = g if g is not None else GC.Groups.of(counts, offsets.to(x.device))
+            delay = self._bank_rows(recipe, states, g) if plan.delayed else None
             if grad:
-                return BatchedFunction.apply(x, weight, bias, g, plan, self.state)
-            return _batched_forward(x, weight, bias, g, plan, False, False, self.state)[0]
+                return BatchedFunction.apply(x, weight, bias, g, plan, self.state, delay)
+            return _batched_forward(x, weight, bias, g, plan, False, False, self.state, delay)[0]
+        if plan.delayed:
+            return self._delayed(x, weight, bias, counts, plan, recipe, states, grad)
         if grad:
             return GroupedFunction.apply(x, weight, bias, counts, plan, states)
         fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)
         return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
 
+    def _delays_ready(self, recipe: R.Recipe, states: tuple[CastState, ...]) -> bool:
+        """Whether every expert of ``states`` holds a delayed-scaling state for ``recipe`` on the weight's device
+        (:meth:`_prepare_delayed` has nothing to do: a compiled call may read them)."""
+        device = self.weight.device
+        return all(s.delayed is not None and s.delayed.config == recipe.delayed and s.delayed.device == device
+                   for s in states)
+
+    def _bank_rows(self, recipe: R.Recipe, states: tuple[CastState, ...], g: GC.Groups) -> BankRows:
+        """The experts' rows of their delayed-scaling bank, for casts batched over the experts (see [Note:
+        batched per-expert casts] in ``lowprec.nn.grouped_casts``): each scales by its own history and records
+        into it, as a Linear of its weight does; an expert without tokens records nothing. The states are made
+        (or moved) first where needed, and a layer outside a converted model folds its bank, as :meth:`_delayed`
+        does."""
+        if not torch.compiler.is_compiling():
+            self._prepare_delayed(recipe)
+        if not self._banks.by_hook:  # a layer outside a converted model folds its own bank
+            self._banks.fold()
+        delayed = [s.delayed for s in states]
+        bank, rows = delayed[0].bank, tuple(d.row for d in delayed)
+        if any(d.bank is not bank for d in delayed):  # one banks object, one config, one device: one bank
+            raise RuntimeError("lowprec: a GroupedLinear's experts hold rows of different delayed-scaling banks")
+        held = self._rows
+        if held is not None and held[0] is bank and held[1] == rows:
+            index = held[2]
+        else:
+            index = torch.tensor(rows, dtype=torch.int64, device=bank.device)
+            if not torch.compiler.is_compiling():
+                self._rows = (bank, rows, index)
+        return BankRows(bank, index, g.lengths > 0)
+
     def _delayed(self, x, weight, bias, counts: tuple[int, ...], plan: LayerPlan, recipe: R.Recipe,
                  states: tuple[CastState, ...], grad: bool) -> torch.Tensor:
-        """Experts under delayed scaling: each expert's rows through ``lowprec.nn.Linear``'s autograd function
-        with its own state (its amax histories), as a Linear of its weight would run them."""
+        """Experts under delayed scaling whose casts are not batched (a sampled telemetry step, a recipe
+        :func:`~lowprec.nn.grouped_casts.batches` does not cover): each expert's rows through
+        ``lowprec.nn.Linear``'s autograd function with its own state (its amax histories), as a Linear of its
+        weight would run them."""
         self._prepare_delayed(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
         if not self._banks.by_hook:  # a layer outside a converted model folds its own bank
             self._banks.fold()

@@ -14,7 +14,10 @@ experts:
   ``kernels.triton_grouped.amax_by_group``, elsewhere a segmented reduction; a maximum is exact in any
   order, and NaN is kept), its scale by the function a per-tensor cast uses
   (``lowprec.quant.scales.amax_scale``; on a GPU the cast kernels' own helper in one pass,
-  ``kernels.triton_grouped.amax_scales``), and every row divided by its expert's scale in one pass: on a GPU
+  ``kernels.triton_grouped.amax_scales``; under delayed scaling each expert's scale is its history's, as
+  the last fold left it, or before its first record its amax's, the same function of either, and its amax is
+  recorded into its history, where it has tokens: ``lowprec.nn.delayed_bank.BankRows``, one gather and one
+  write for all experts), and every row divided by its expert's scale in one pass: on a GPU
   the row-wise cast's Triton kernel given each row's expert amax instead of its own
   (``kernels.triton_quant.rows_by_amax``), elsewhere ``quantize`` given each row's expert scale
   (``kernels.route.grouped_rows_backend`` chooses). An operand's transposed side is the same codes
@@ -48,10 +51,12 @@ from lowprec import formats as F
 from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels import quantize as routed_quantize
 from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend
+from lowprec.nn.delayed_bank import BankRows
 from lowprec.nn.plan import LayerPlan, OperandPlan
 from lowprec.quant import Granularity, QuantizedTensor, blockwise, quantize, rowwise, tensorwise
 from lowprec.quant.granularity import GranularityKind, ScaleRule
 from lowprec.quant.scales import amax_scale
+from lowprec.recipes import Scaling
 
 TENSOR, ROW, MX, BLOCK = GranularityKind.TENSOR, GranularityKind.ROW, GranularityKind.MX, GranularityKind.BLOCK
 BLOCKS = frozenset({MX, BLOCK})
@@ -71,12 +76,14 @@ def _batchable(g, tokens: bool) -> bool:
 
 def batched_kind(plan: LayerPlan) -> GranularityKind | None:
     """``TENSOR``, ``ROW``, ``MX`` or ``BLOCK`` where every cast of ``plan`` is one this module makes
-    (quantized, all per tensor, all per row scaled by its current amax, all MX, or all FP32 blocks, rounded to
-    nearest, no Hadamard rotation); None otherwise."""
+    (quantized, all per tensor scaled by the current amax or by delay, all per row scaled by its current amax,
+    all MX, or all FP32 blocks, rounded to nearest, no Hadamard rotation); None otherwise."""
     kinds = set()
     for op in (plan.input, plan.weight, plan.grad_output):
-        if op is None or op.delayed:
+        if op is None:
             return None
+        if op.delayed and any(c.scaling is not Scaling.DELAYED for c in (op.cast_k, op.cast_t)):
+            return None  # one side delayed, the other current: the loop
         for c in (op.cast_k, op.cast_t):
             g = c.granularity
             if (c.fmt is None or g is None or not _batchable(g, op is not plan.weight) or c.hadamard
@@ -389,10 +396,26 @@ def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | No
     return (op.cast_k.fmt if need_k else None), (op.cast_t.fmt if need_t else None)
 
 
-def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
-              need_t: bool) -> tuple[ExpertCast | None, ExpertCast | None]:
+def _delayed_amax(amax: torch.Tensor, op: OperandPlan, delay: BankRows | None, record: bool) -> torch.Tensor:
+    """``amax``, each expert's current amax of ``op``'s tensor, or where ``op`` scales by delay the amax each
+    expert's delayed scale comes from (its history's, as the last fold left it; its current one before its
+    first record), with the current amaxes recorded (``record``: training) for each expert with tokens; see
+    [Note: batched per-expert casts]."""
+    if not op.delayed:
+        return amax
+    if delay is None:
+        raise ValueError(f"{op.role.name.lower()}: a delayed cast needs each expert's history (delay=BankRows)")
+    if record:
+        delay.record(op.role, amax)
+    return delay.amax(op.role, amax)
+
+
+def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool, need_t: bool,
+              delay: BankRows | None = None, record: bool = False) -> tuple[ExpertCast | None, ExpertCast | None]:
     """Token rows ``x2`` (T, K) grouped by expert as ``g`` says, cast along K and for the transposed side
-    (the weight gradient's, along the tokens), as ``op`` says; see [Note: batched per-expert casts]."""
+    (the weight gradient's, along the tokens), as ``op`` says; see [Note: batched per-expert casts].
+    ``delay``: the experts' delayed-scaling rows, for a plan that scales by delay; ``record``: their amaxes
+    recorded (training)."""
     fk, ft = _formats(op, need_k, need_t)
     if fk is None and ft is None:  # neither side needed (a backward for the bias alone)
         return None, None
@@ -405,6 +428,8 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
     expert = g.expert
     first = fk if fk is not None else ft
     amax, scales = expert_scales(x2, g, first, False)  # (E,)
+    if op.delayed:
+        amax, scales = _delayed_amax(amax, op, delay, record), None
     k = _per_tensor(x2, amax, scales, lambda v: v[expert], fk, False) if fk is not None else None
     if ft is None:
         return k, None
@@ -413,10 +438,10 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool,
     return k, _per_tensor(x2, amax, scales if ft == first else None, lambda v: v[expert], ft, True)
 
 
-def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
-                 need_t: bool) -> tuple[ExpertCast | None, ExpertCast | None]:
+def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bool, delay: BankRows | None = None,
+                 record: bool = False) -> tuple[ExpertCast | None, ExpertCast | None]:
     """Experts' weights ``(E, out, in)`` cast along K (``weight[e]``) and transposed (``weight[e].T``, for
-    the input gradient), each expert with its own scales."""
+    the input gradient), each expert with its own scales (``delay``, ``record``: as :func:`cast_rows`)."""
     e, out, k = weight.shape
     fk, ft = _formats(op, need_k, need_t)
     w = weight.detach()
@@ -433,6 +458,7 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool,
             tc = ExpertCast(tc.data.view(e, k, out), tc.scales, ft, weight.dtype, Side.ROW)
         return kc, tc
     amax = w.abs().amax(dim=(1, 2)).float()  # (E,): a maximum is exact in the weights' own dtype
+    amax = _delayed_amax(amax, op, delay, record)
     flat = w.reshape(e * out, k)
 
     def spread(v):

@@ -9,8 +9,9 @@ torch's own warning (a ``moe-tiny`` step took 17 s on a CPU instead of 0.1). Two
 
 * experts that need no count run in the graph, on the offsets as the device holds them
   (``GroupedLinear.takes_offsets``), the offsets checked by a device assertion: high-precision BF16 experts
-  on a GPU (one ``torch._grouped_mm`` per projection), and FP8 experts whose casts are batched per tensor,
-  per row or MX (``fp8-current``, ``fp8-rowwise``, ``mxfp8``, ``mxfp4``) on a device that runs all three of
+  on a GPU (one ``torch._grouped_mm`` per projection), and FP8 experts whose casts are batched per tensor
+  (current or delayed), per row, in FP32 blocks or MX (``fp8-current``, ``fp8-delayed``, ``fp8-rowwise``,
+  ``fp8-blockwise``, ``mxfp8``, ``mxfp4``) on a device that runs all three of
   their GEMMs grouped (an sm90 GPU: ``torch._scaled_grouped_mm`` and lowprec's grouped Triton GEMMs, which
   find each expert's rows from the offsets on the device; MX GEMMs folded to row scales, the weight
   gradient's folded per expert over the blocks its tokens fill). Their amaxes, scales, casts and folds are

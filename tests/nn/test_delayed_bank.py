@@ -104,3 +104,42 @@ def test_a_layer_outside_a_converted_model_folds_its_own_bank():
         warnings.simplefilter("ignore")
         lowprec.convert(model, "fp8-delayed", POLICY)
     assert lin.delayed_state.banks.by_hook and lin.delayed_state.history[:2, 0].tolist() == [4.0, 0.5]
+
+
+def test_several_rows_record_at_once_as_one_record_per_live_row():
+    """``BankRows`` (a mixture-of-experts layer's experts, cast in one batch): ``record_rows`` leaves the bank
+    as a ``record`` per live row does, the larger of two pending amaxes kept and NaN kept for the fold (which
+    records it as 0), rows not live untouched; after a fold every row reads the history's amax, and a row
+    before its first record reads the amax it is given (current scaling)."""
+    from lowprec.nn.delayed_bank import BankRows, DelayedBank
+    from lowprec.recipes import DelayedScaling, Role
+
+    def bank():
+        b = DelayedBank(DelayedScaling(history_len=4), torch.device("cpu"))
+        for _ in range(5):
+            b.take_row()
+        return b
+
+    batched, single = bank(), bank()
+    rows = torch.tensor([3, 0, 4, 1])
+    live = torch.tensor([True, True, False, True])
+    steps = [torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([0.5, float("nan"), 9.0, 8.0])]
+    for role in Role:
+        for amax in steps:  # two records before a fold: the larger is pending
+            BankRows(batched, rows, live).record(role, amax)
+            for r, a, on in zip(rows.tolist(), amax, live.tolist(), strict=True):
+                if on:
+                    single.record(r, role, a)
+    for name in ("pending", "dy_pending", "dy_records"):
+        torch.testing.assert_close(getattr(batched, name), getattr(single, name), rtol=0, atol=0, equal_nan=True,
+                                   msg=name)
+    current = torch.tensor([7.0, 7.0, 7.0, 7.0])
+    assert torch.equal(BankRows(batched, rows, live).amax(Role.INPUT, current), current)  # none folded yet
+    batched.fold()
+    single.fold()
+    for name in ("history", "count", "amax", "ready"):
+        assert torch.equal(getattr(batched, name), getattr(single, name)), name
+    for role in Role:
+        got = BankRows(batched, rows, live).amax(role, current)
+        # row 3: the larger of its two; row 0: its NaN recorded as 0; row 4: never recorded
+        assert got.tolist() == [1.0, 0.0, 7.0, 8.0], role

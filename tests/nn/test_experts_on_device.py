@@ -106,6 +106,29 @@ def test_a_compiled_call_holds_the_experts_in_its_graph_for_every_routing(recipe
     compiled_once_for_every_routing(_layer(recipe), randn(24, 64, seed=3), randn(24, 96, seed=4, scale=1e-2))
 
 
+def test_delayed_experts_compiled_on_the_device_counts_equal_the_counted_layer_step_after_step(grouped_here):
+    """``fp8-delayed`` experts in a compiled graph: each expert scales by its own history and records into it
+    from the device's counts (no count read, no graph break), equal bit for bit, step after step, to a copy of
+    the layer reading its counts eagerly: outputs, gradients and every expert's history; an expert without
+    tokens at a step records nothing at it."""
+    torch._dynamo.reset()
+    counters.clear()
+    eager = _layer("fp8-delayed")
+    compiled_layer = copy.deepcopy(eager)
+    f = torch.compile(lambda a, o: compiled_layer(a, o), backend="aot_eager")
+    x, dy = randn(24, 64, seed=3), randn(24, 96, seed=4, scale=1e-2)
+    for step, ends in enumerate(([6, 12, 18, 24], [0, 20, 20, 24], [6, 12, 18, 24], [24, 24, 24, 24])):
+        off, grow = torch.tensor(ends), 1.5 ** step  # growing inputs: the delayed scales lag
+        got = _step(compiled_layer, x * grow, dy * grow, lambda m, a, off=off: f(a, off))
+        want = _step(eager, x * grow, dy * grow, lambda m, a, off=off: m(a, off))
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), step
+    assert dict(counters["graph_break"]) == {}
+    for (e, a), (_, b) in zip(compiled_layer.delayed_states(), eager.delayed_states(), strict=True):
+        assert a.recorded == b.recorded and torch.equal(a.history, b.history), e
+    assert [s.recorded for _, s in eager.delayed_states()] == [[3] * 3, [3] * 3, [2] * 3, [3] * 3]
+
+
 def test_the_reference_experts_compile_into_one_graph_with_gate_and_up_shared(grouped_here):
     """Gate and up read the same rows: eagerly their share casts them once; in the graph the compiler merges
     the two casts; the numbers are the same either way."""
@@ -164,7 +187,8 @@ def test_where_the_device_does_not_run_every_gemm_grouped_the_experts_read_their
 
 
 @pytest.mark.parametrize(("recipe", "bias", "rows", "takes"), [
-    ("fp8-current", False, 8, True), ("fp8-rowwise", False, 8, True), ("fp8-current", True, 8, False),
+    ("fp8-current", False, 8, True), ("fp8-rowwise", False, 8, True), ("fp8-delayed", False, 8, True),
+    ("fp8-current", True, 8, False),
     ("mxfp8", False, 8, False), ("fp8-blockwise", False, 8, False), ("fp8-current", False, 0, False)])
 def test_which_fp8_experts_take_the_device_counts(recipe, bias, rows, takes, grouped_here):
     assert _layer(recipe, bias).takes_offsets(randn(rows, 64, seed=7)) is takes

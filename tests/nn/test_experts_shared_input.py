@@ -30,9 +30,9 @@ def _spy(monkeypatch) -> list:
     seen = []
     real = GC.cast_rows
 
-    def cast_rows(x2, g, op, need_k, need_t):
+    def cast_rows(x2, g, op, need_k, need_t, *delay):
         seen.append(x2.data_ptr())
-        return real(x2, g, op, need_k, need_t)
+        return real(x2, g, op, need_k, need_t, *delay)
 
     monkeypatch.setattr(GC, "cast_rows", cast_rows)
     return seen

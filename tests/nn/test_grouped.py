@@ -270,6 +270,29 @@ def test_delayed_experts_keep_a_history_each_and_equal_a_loop_of_linears_step_af
     assert states[1].recorded == [0, 0, 0] and states[0].recorded == [4, 4, 4]
 
 
+def test_delayed_experts_batched_record_non_finite_and_outlier_amaxes_as_a_loop_of_linears():
+    """The experts' casts batched under delayed scaling (one cast of all rows, each expert scaled by its own
+    history): a step with an infinite input in one expert's rows and a step with an outlier in another's leave
+    every history and outlier count as a loop of delayed Linears leaves them, and the steps after stay equal
+    bit for bit."""
+    g, lins, x, dy = make("fp8-delayed")
+    bad_inf, bad_big = x.clone(), x.clone()
+    bad_inf[COUNTS[0] + 3, 7] = float("inf")  # expert 2's rows
+    bad_big[sum(COUNTS) - 1, 0] = 1e6  # expert 3's rows: an outlier of more than 2^8 times its history
+    for step, xs in enumerate((x, bad_inf, x, bad_big, x)):
+        for p in (*g.parameters(), *(p for lin in lins for p in lin.parameters())):
+            p.grad = None
+        got, want = grouped_step(g, xs, dy, COUNTS), loop_step(lins, xs, dy, COUNTS)
+        if step in (0, 2, 4):
+            for name, a, b in zip(("y", "dx", "dweight", "dbias"), got, want):
+                assert_bits(a, b, f"step {step} {name}")
+    for e, s in g.delayed_states():
+        lin = lins[e].delayed_state
+        assert s.recorded == lin.recorded and s.outliers.tolist() == lin.outliers.tolist(), e
+        assert torch.equal(s.history, lin.history), e
+    assert dict(g.delayed_states())[3].outliers.tolist()[0] == 1
+
+
 @pytest.mark.parametrize("recipe", DELAYED)
 def test_a_high_precision_start_records_each_experts_amaxes_as_a_linear_of_its_weight(recipe):
     """Inside ``autocast("bf16", record_amax=True)`` (the trainer's ``--hp-start-steps``) experts bound to a
