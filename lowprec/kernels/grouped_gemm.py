@@ -150,6 +150,18 @@ def features_padded(rows: torch.Tensor, padding: Padding) -> torch.Tensor:
     return out.view(rows.dtype)
 
 
+def transposed(codes: torch.Tensor) -> torch.Tensor:
+    """``(E, K, R)``: each expert's ``codes[e]`` (``(E, R, K)``) transposed, contiguous (an operand the grouped
+    GEMMs read along its own K: the weights' for the input gradient, where their transposed side is the same
+    codes). One Triton pass where the route says so (``kernels.route.padding_backend``), else the reference's
+    copy; the same bits."""
+    if codes.numel() and padding_backend(codes.device) is Backend.TRITON:
+        from lowprec.kernels import triton_grouped  # Triton: imported where it runs
+
+        return triton_grouped.transposed(codes)
+    return codes.transpose(1, 2).contiguous()
+
+
 def _laid_out(a_t, a_scales, b_t, b_scales, ends, out_dtype, fast_accum: bool,
               on_torch: bool | None = None) -> torch.Tensor:
     """``(E, M, N)`` from features-major codes ``a_t`` ``(M, P)`` and ``b_t`` ``(N, P)``, each expert's
@@ -456,4 +468,4 @@ def grouped_status() -> dict[str, bool]:
 __all__ = ["BLOCK", "FEATURES", "KERNELS", "ROWS", "Padding", "block_values", "check_kernels", "features_padded",
            "grouped_by_features", "grouped_by_features_blocked", "grouped_by_features_laid_out", "grouped_by_rows",
            "grouped_by_rows_blocked", "reference_blocked", "grouped_status", "kernel_states", "padded_bound",
-           "padded_starts", "runs_grouped", "token_padding"]
+           "padded_starts", "runs_grouped", "token_padding", "transposed"]

@@ -267,8 +267,9 @@ def grouped_rows_backend(spec: CastSpec, device: torch.device | str) -> Backend:
 
 def padding_backend(device: torch.device | str) -> Backend:
     """Whether experts' token rows move into the weight gradient's padded features-major layout
-    (``kernels.grouped_gemm.features_padded``) in one Triton pass (a CUDA device that runs Triton) or by the
-    reference's scatter; the same bits either way."""
+    (``kernels.grouped_gemm.features_padded``), and experts' weight codes into their transposed copy
+    (``kernels.grouped_gemm.transposed``), in one Triton pass each (a CUDA device that runs Triton) or by the
+    reference's scatter and copy; the same bits either way."""
     return Backend.TRITON if _triton_runs(device) else Backend.TORCH
 
 

@@ -1,6 +1,7 @@
 """Token rows grouped by expert: each (expert, feature)'s amax over the expert's rows, the cast with a
 scale per (expert, feature) (the weight gradient's transposed operands of experts under a row-wise
-recipe), and the tokens moved features-major into the padded layout, each in one Triton pass.
+recipe), the tokens moved features-major into the padded layout, and each expert's weight codes transposed,
+each in one Triton pass.
 
 The amax (:func:`amax_by_group`) reads each tile of rows once and folds it into ``(E, K)`` by an atomic
 integer maximum of the absolute values' bits: for non-negative floats the order of the bits is the order
@@ -40,6 +41,8 @@ CAST_TILE, MOVE_TILE = (32, 128), (128, 128)
 """Output tiles (padded columns x features) of the padded features-major kernel, casting and moving: the
 fastest of seven shapes on one H200 for 65536 routed rows of 1024 features (0.16 ms and 0.04 ms; BENCHMARKS.md,
 run 57)."""
+TRANSPOSE_TILE = (64, 64)
+"""Tiles (rows of the input x its columns) of the experts' transposed copy."""
 AM, AK = 128, 128
 """Tiles of the per-(expert, feature) amax: 128 rows (each program's atomics fold twice the rows of 64)
 took 65,536 routed rows of 1024 features from 67 to 51 us and of 512 from 55 to 51 on the H200 (run 72)."""
@@ -78,6 +81,20 @@ def padded_kernel(x_ptr, sxm, sxk, M, K, src_ptr, group_ptr, amax_ptr, P, out_pt
     # features-major (K, P): contiguous along the padded columns (int64: past 2^31 elements)
     to = out_ptr + offs_k[None, :].to(tl.int64) * P + offs_p[:, None]
     tl.store(to, y, mask=(offs_p[:, None] < P) & (offs_k[None, :] < K))
+
+
+@triton.jit
+def transpose_kernel(x_ptr, R, K, out_ptr, BR: tl.constexpr, BK: tl.constexpr):
+    # one tile of expert program_id(2)'s (K, R) output from its (R, K) input, the bits moved as they are;
+    # loaded along K and stored along R (a transpose in registers), so both run along contiguous memory
+    e = tl.program_id(2).to(tl.int64)
+    offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    base = e * R * K
+    take = (offs_r[:, None] < R) & (offs_k[None, :] < K)
+    x = tl.load(x_ptr + base + offs_r[:, None].to(tl.int64) * K + offs_k[None, :], mask=take, other=0)
+    to = out_ptr + base + offs_k[:, None].to(tl.int64) * R + offs_r[None, :]
+    tl.store(to, tl.trans(x), mask=(offs_k[:, None] < K) & (offs_r[None, :] < R))
 
 
 @triton.jit
@@ -182,6 +199,19 @@ def _features_padded(rows: torch.Tensor, sources: torch.Tensor | None, total: in
     return out
 
 
+def _transposed(x: torch.Tensor) -> torch.Tensor:
+    """The pass of :func:`transposed`."""
+    e, r, k = x.shape
+    out = torch.empty((e, k, r), dtype=x.dtype, device=x.device)
+    if out.numel():
+        src = _bits(x.contiguous())
+        br, bk = TRANSPOSE_TILE
+        grid = (triton.cdiv(r, br), triton.cdiv(k, bk), e)
+        launch.launch(transpose_kernel, grid, (src, r, k, _bits(out)), dict(BR=br, BK=bk, num_warps=4),
+                      ("transposed", x.element_size()), x.is_cuda)
+    return out
+
+
 # [Note: how kernels become operators] in lowprec.kernels.ops: compiled graphs (and Python dispatch modes)
 # call these passes as operators, eager code calls them directly. A format travels by its name.
 
@@ -217,6 +247,8 @@ _COLUMNS = define("columns_by_group(Tensor x, Tensor group, Tensor amax, str fmt
                   "-> Tensor", _columns_op, _columns_fake)
 _FEATURES = define("features_padded(Tensor rows, Tensor? sources, int total) -> Tensor", _features_padded,
                    _features_fake)
+_TRANSPOSED = define("transposed(Tensor x) -> Tensor", _transposed,
+                     lambda x: x.new_empty((x.shape[0], x.shape[2], x.shape[1])))
 
 
 def amax_by_group(x2: torch.Tensor, group: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -250,4 +282,11 @@ def features_padded(rows: torch.Tensor, sources: torch.Tensor | None, total: int
     return (_FEATURES if as_operators() else _features_padded)(rows, sources, total)
 
 
-__all__ = ["amax_by_group", "amax_scales", "columns_by_group", "features_padded"]
+def transposed(x: torch.Tensor) -> torch.Tensor:
+    """``(E, K, R)``, contiguous: each expert's ``x[e]`` (``(E, R, K)``: codes or values, their bits as they
+    are) transposed, as ``x.transpose(1, 2).contiguous()`` makes it (which on the H200 moves one-byte codes at
+    about a sixth of the bandwidth: BENCHMARKS.md, run 84)."""
+    return (_TRANSPOSED if as_operators() else _transposed)(x)
+
+
+__all__ = ["amax_by_group", "amax_scales", "columns_by_group", "features_padded", "transposed"]

@@ -218,7 +218,7 @@ class ExpertCast:
 
     def weight_codes(self) -> torch.Tensor:
         """``(E, R, K)``: every expert's operand codes, as a grouped GEMM's second operand reads them."""
-        return self.data.transpose(1, 2).contiguous() if self.flip else self.data
+        return GG.transposed(self.data) if self.flip else self.data
 
     def weight_scales(self) -> torch.Tensor:
         """``(E, R)``: the scale of each row of every expert's :meth:`weight_codes`."""

@@ -56,6 +56,24 @@ def test_triton_move_into_the_padded_layout_equals_the_scatter_bit_for_bit(dtype
         assert int(live.sum()) == rows
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 70, 130), (1, 64, 64), (2, 1, 200), (0, 16, 16)])
+def test_triton_transpose_of_each_experts_codes_equals_torchs_bit_for_bit(dtype, shape):
+    """``triton_grouped.transposed`` (through Triton's interpreter): every expert's (R, K) as (K, R), across
+    several tiles, edges that are not multiples of the tile, one row, no expert; the bits as they are (NaN
+    codes, negative zeros); ``grouped_gemm.transposed`` on the CPU is torch's copy."""
+    from lowprec.kernels import triton_grouped
+
+    raw = torch.randint(0, 2 ** 16, shape, generator=torch.Generator().manual_seed(sum(shape)))
+    t = (raw.to(torch.uint8) if dtype.itemsize == 1 else raw.to(torch.int16)).view(dtype)
+    got = triton_grouped.transposed(t)
+    want = t.transpose(1, 2).contiguous()
+    assert got.dtype == dtype and got.shape == (shape[0], shape[2], shape[1]) and got.is_contiguous()
+    bits = {1: torch.uint8, 2: torch.int16}[dtype.itemsize]
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert torch.equal(GG.transposed(t).view(bits), want.view(bits))
+
+
 def test_the_move_is_routed_to_triton_only_where_triton_runs():
     from lowprec.kernels.route import Backend, padding_backend
 
