@@ -270,6 +270,25 @@ def test_delayed_experts_keep_a_history_each_and_equal_a_loop_of_linears_step_af
     assert states[1].recorded == [0, 0, 0] and states[0].recorded == [4, 4, 4]
 
 
+def test_a_recipe_delayed_on_some_sides_only_loops_and_equals_a_loop_of_linears():
+    """Delayed forward casts with current gradient ones (an operand scaled by delay on one side and by its
+    amax on the other): not batched (``batched_kind`` None), each expert through a Linear's autograd function,
+    equal to a loop of Linears bit for bit over steps; the batched path takes the all-delayed recipe."""
+    import dataclasses
+
+    from lowprec.nn import grouped_casts as GC
+
+    mixed = dataclasses.replace(R.get("fp8-delayed"), name="delayed-forward", wgrad=R.get("fp8-current").wgrad)
+    g, lins, x, dy = make(mixed)
+    assert GC.batched_kind(g.plan()) is None and GC.batched_kind(make("fp8-delayed")[0].plan()) is GC.TENSOR
+    for step in range(3):
+        for p in (*g.parameters(), *(p for lin in lins for p in lin.parameters())):
+            p.grad = None
+        got, want = grouped_step(g, x * 2.0 ** step, dy, COUNTS), loop_step(lins, x * 2.0 ** step, dy, COUNTS)
+        for name, a, b in zip(("y", "dx", "dweight", "dbias"), got, want):
+            assert_bits(a, b, f"step {step} {name}")
+
+
 def test_delayed_experts_batched_record_non_finite_and_outlier_amaxes_as_a_loop_of_linears():
     """The experts' casts batched under delayed scaling (one cast of all rows, each expert scaled by its own
     history): a step with an infinite input in one expert's rows and a step with an outlier in another's leave
