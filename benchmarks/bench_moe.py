@@ -47,7 +47,7 @@ from lowprec.kernels import grouped_gemm
 from lowprec.nn import InputShare, grouped, grouped_casts
 from lowprec.train.moe_model import RoutedExperts
 
-RECIPES = ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4")
+RECIPES = ("fp8-current", "fp8-delayed", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4")
 """The recipes whose experts lowprec batches (per tensor, per row, FP32 blocks, MX): each runs every way of the
 table."""
 
@@ -139,6 +139,7 @@ def main() -> None:
                 y.backward(dy)
                 return y
 
+            torch.manual_seed(1)  # stochastic rounding (nvfp4) draws alike for every variant's checked step
             y = step()
             outs[name] = (y.detach().float(), xg.grad.float(), base.w2.weight.grad.float())
             times[name] = C.bench_ms(step, warmup=5, rep=30)

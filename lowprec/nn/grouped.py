@@ -24,8 +24,12 @@ How the experts run (the values above hold on every path):
   expert and feature, as the grouped kernel of the features kind takes); the other GEMMs, and all of them
   on the CPU, per expert on views of the batched codes (:class:`BatchedFunction`). A sampled telemetry
   step takes the loop below, which reports every expert's operands;
-* every other recipe: the loop over the experts in :class:`GroupedFunction`, which calls the same plan,
-  casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``, ``gemm``) on each expert's rows;
+* NVFP4 (``nvfp4``): its casts batched too, each expert with its own global scale, its stochastic rounding
+  drawing what the loop draws and its Hadamard transform block by block (see [Note: batched per-expert casts]),
+  its emulated GEMMs per expert on views of the batched codes;
+* every other recipe (one delayed on some sides only): the loop over the experts in :class:`GroupedFunction`,
+  which calls the same plan, casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``,
+  ``gemm``) on each expert's rows;
 * no recipe, or BF16 GEMMs: one ``linear`` per expert, or on a GPU one ``torch._grouped_mm``
   (:func:`_grouped_bf16`).
 
@@ -350,13 +354,18 @@ def _blocked_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtyp
 
 
 def _pack(c: GC.ExpertCast | None):
+    """``(tensors, meta)`` of a side saved for backward: its three tensors (None each where it has none)."""
     if c is None:
-        return (None, None), None
-    return (c.data, c.scales), (c.fmt, c.dtype, c.kind, c.flip, c.granularity, c.starts, c.width, c.height)
+        return (None, None, None), None
+    return (c.data, c.scales, c.globals), (c.fmt, c.dtype, c.kind, c.flip, c.granularity, c.starts, c.width,
+                                           c.height, c.rotated)
 
 
 def _unpack(tensors, meta) -> GC.ExpertCast | None:
-    return GC.ExpertCast(tensors[0], tensors[1], *meta) if meta is not None else None
+    if meta is None:
+        return None
+    *fields, rotated = meta
+    return GC.ExpertCast(tensors[0], tensors[1], *fields, globals=tensors[2], rotated=rotated)
 
 
 def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> torch.Tensor:
@@ -417,7 +426,7 @@ class BatchedFunction(torch.autograd.Function):
         need_dgrad, need_wgrad, need_bias = ctx.needs_input_grad[:3]
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         saved = ctx.saved_tensors
-        qx_t, qw_t = _unpack(saved[0:2], ctx.metas[0]), _unpack(saved[2:4], ctx.metas[1])
+        qx_t, qw_t = _unpack(saved[0:3], ctx.metas[0]), _unpack(saved[3:6], ctx.metas[1])
         plan, g = ctx.plan, ctx.groups
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):

@@ -35,6 +35,15 @@ experts:
   at the start of a whole block, padded with zeros as the expert's own cast pads them, so that one cast of
   that layout never puts two experts in a block.
 
+- **NVFP4** (16-element E4M3 block scales under an FP32 global scale from the whole tensor's amax): as blocks
+  above, each expert's global scale from its own operand's finite amax (the maximum of its blocks', by a
+  segmented reduction), handed to one cast of all experts' rows as one global amax per row or block column
+  (``lowprec.quant.quantize``'s ``global_amax``), through the reference's ops on every device (no Triton
+  kernel takes a global scale per group); a rotated side (the weight gradient's, random Hadamard transform in
+  blocks of 16 along the tokens) is transformed in the padded layout, where no block holds two experts; the
+  uniform numbers of stochastic rounding are drawn from the global generator expert by expert, each expert's
+  along-K side then its transposed side, with the shapes its own cast draws, so the bits are the loop's.
+
 So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``:
 every side of both kinds, zero-token experts, non-finite values). :meth:`ExpertCast.expert` hands each
 expert's operand to the layer plan's GEMM path, so on the CPU each expert's GEMM equals the loop's bit for
@@ -46,6 +55,7 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as nnf
 
 from lowprec import formats as F
 from lowprec.kernels import grouped_gemm as GG
@@ -53,13 +63,16 @@ from lowprec.kernels import quantize as routed_quantize
 from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend
 from lowprec.nn.delayed_bank import BankRows
 from lowprec.nn.plan import LayerPlan, OperandPlan
-from lowprec.quant import Granularity, QuantizedTensor, blockwise, quantize, rowwise, tensorwise
+from lowprec.quant import Granularity, QuantizedTensor, blockwise, hadamard_padded, quantize, rowwise, tensorwise
 from lowprec.quant.granularity import GranularityKind, ScaleRule
+from lowprec.quant.hadamard import RHT_BLOCK
+from lowprec.quant.quantize import block_amax, pad_to_blocks
 from lowprec.quant.scales import amax_scale
 from lowprec.recipes import Scaling
 
 TENSOR, ROW, MX, BLOCK = GranularityKind.TENSOR, GranularityKind.ROW, GranularityKind.MX, GranularityKind.BLOCK
-BLOCKS = frozenset({MX, BLOCK})
+NVFP4 = GranularityKind.NVFP4
+BLOCKS = frozenset({MX, BLOCK, NVFP4})
 """The kinds whose scales change along K in blocks."""
 
 
@@ -71,13 +84,16 @@ def _batchable(g, tokens: bool) -> bool:
         return g.rule is ScaleRule.AMAX
     if g.kind is BLOCK:
         return g.rule is ScaleRule.AMAX and (g.block_rows == 1 or not tokens)
+    if g.kind is NVFP4:
+        return g.block_rows == 1 or not tokens
     return g.kind is MX and g.block_rows == 1
 
 
 def batched_kind(plan: LayerPlan) -> GranularityKind | None:
-    """``TENSOR``, ``ROW``, ``MX`` or ``BLOCK`` where every cast of ``plan`` is one this module makes
-    (quantized, all per tensor scaled by the current amax or by delay, all per row scaled by its current amax,
-    all MX, or all FP32 blocks, rounded to nearest, no Hadamard rotation); None otherwise."""
+    """``TENSOR``, ``ROW``, ``MX``, ``BLOCK`` or ``NVFP4`` where every cast of ``plan`` is one this module
+    makes (quantized, all per tensor scaled by the current amax or by delay, all per row scaled by its current
+    amax, all MX, or all FP32 blocks, rounded to nearest, no Hadamard rotation; or all NVFP4, whose casts may
+    round stochastically and rotate); None otherwise."""
     kinds = set()
     for op in (plan.input, plan.weight, plan.grad_output):
         if op is None:
@@ -86,8 +102,9 @@ def batched_kind(plan: LayerPlan) -> GranularityKind | None:
             return None  # one side delayed, the other current: the loop
         for c in (op.cast_k, op.cast_t):
             g = c.granularity
-            if (c.fmt is None or g is None or not _batchable(g, op is not plan.weight) or c.hadamard
-                    or F.as_rounding(c.rounding) is not F.Rounding.NEAREST):
+            if c.fmt is None or g is None or not _batchable(g, op is not plan.weight):
+                return None
+            if g.kind is not NVFP4 and (c.hadamard or F.as_rounding(c.rounding) is not F.Rounding.NEAREST):
                 return None
             kinds.add(g.kind)
     return kinds.pop() if len(kinds) == 1 else None
@@ -161,6 +178,11 @@ class ExpertCast:
     """``BLOCKS``: K before padding to whole blocks."""
     height: int = 0
     """``BLOCKS`` weights: each expert's rows before padding to whole blocks (0: token rows)."""
+    globals: torch.Tensor | None = None
+    """NVFP4: each expert's global decode scale, ``(E,)`` (its own tensor's, as its own cast makes it)."""
+    rotated: bool = False
+    """A side cast after the random Hadamard transform: each expert's operand keeps K padded to whole blocks,
+    as the transform pads it (``lowprec.quant.hadamard_padded``)."""
     aligned: torch.Tensor | None = field(default=None, init=False, repr=False)
     """``TENSOR``: the scales as cuBLAS reads one expert's (:func:`_aligned`), made when an expert's operand
     is first asked for (the grouped GEMMs read ``scales`` as they are)."""
@@ -195,12 +217,14 @@ class ExpertCast:
             # contiguous: the fold and dequantize kernels read rows of K with no gap
             codes = self.data[:, first:first + width].contiguous()
             scale = self.scales[:, first // bc:(first + width) // bc].contiguous()
-            shape = torch.Size((self.data.shape[0], n))
+            shape = torch.Size((self.data.shape[0], width if self.rotated else n))
         else:  # token rows along K, or a weight
             codes = self.data[rows] if rows is not None else self.data[e]
             scale = self.scales[rows] if rows is not None else self.scales[e]
-            shape = torch.Size((self.height if rows is None else codes.shape[0], self.width))
-        return QuantizedTensor(codes, scale, self.fmt, self.granularity, shape, self.dtype)
+            k = -(-self.width // bc) * bc if self.rotated else self.width
+            shape = torch.Size((self.height if rows is None else codes.shape[0], k))
+        g = self.globals[e] if self.globals is not None else None
+        return QuantizedTensor(codes, scale, self.fmt, self.granularity, shape, self.dtype, g)
 
     def blocks_all(self) -> QuantizedTensor:
         """A block side along K as one operand: every token row, or every expert's weight rows stacked."""
@@ -392,6 +416,126 @@ def _weight_blocks(w: torch.Tensor, fmt: F.Format, gran: Granularity) -> ExpertC
     return ExpertCast(data, scales, fmt, w.dtype, Side.BLOCKS, granularity=gran, width=k, height=r)
 
 
+def _seed(op: OperandPlan, k_side: bool) -> int | None:
+    """The seed of the random Hadamard transform the plan gives the side (None: no transform)."""
+    if not (op.cast_k if k_side else op.cast_t).hadamard:
+        return None
+    for r in (op.both, op.along_k if k_side else op.transposed):
+        spec = None if r is None else (r.along_k if k_side else r.transposed)
+        if spec is not None:
+            return spec.hadamard_seed
+    return None
+
+
+def _rotated(x: torch.Tensor, seed: int | None) -> torch.Tensor:
+    """``x`` after the side's random Hadamard transform along its last dimension, padded to whole blocks as
+    a Linear's cast pads it (``kernels.cast``), or ``x`` without one."""
+    return hadamard_padded(x, RHT_BLOCK, seed) if seed is not None else x
+
+
+def _finite_block_amax(x2: torch.Tensor, gran: Granularity) -> torch.Tensor:
+    """Each block's largest finite magnitude (0 for a block without one), the block grid of ``x2``."""
+    br, bc = gran.blocks(*x2.shape)
+    a = block_amax(pad_to_blocks(x2.detach().float(), br, bc), br, bc)
+    return torch.where(torch.isfinite(a), a, 0.0)
+
+
+def _segment_max(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The maximum of each run of ``lengths`` consecutive ``values`` (non-negative; 0 for an empty run)."""
+    return torch.segment_reduce(values, "max", lengths=lengths, axis=0, initial=0.0, unsafe=True)
+
+
+def _nvfp4_rows(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity, seed: int | None,
+                rand: torch.Tensor | None) -> ExpertCast:
+    """Token rows cast along K in NVFP4 blocks one row high, each expert's global scale from its own rows'
+    amax, as its own cast takes it: one cast of all rows (``quantize``'s ``global_amax``, one per row)."""
+    x = _rotated(x2.detach(), seed)
+    per_row = _finite_block_amax(x, gran).amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0], dtype=torch.float32)
+    amax = _segment_max(per_row, g.lengths)  # (E,)
+    q = quantize(x, fmt, gran, rounding=F.Rounding.STOCHASTIC if rand is not None else F.Rounding.NEAREST,
+                 rand=rand, global_amax=amax[g.expert].unsqueeze(1))
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.BLOCKS, granularity=gran, width=x2.shape[-1],
+                      globals=_globals(q.global_scale, g.expert, g.n_experts), rotated=seed is not None)
+
+
+def _globals(scales: torch.Tensor, owner: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``(E,)``: each expert's global decode scale from a quantization's ``global_scale``, one per block row or
+    block column, ``owner`` naming each one's expert (an expert without any: 1, the scale of an all-zero
+    tensor)."""
+    flat = scales.reshape(-1) if scales.dim() else scales.reshape(1)
+    out = torch.ones(n_experts, dtype=flat.dtype, device=flat.device)
+    return out.scatter(0, owner, flat) if flat.numel() == owner.numel() else out
+
+
+def _nvfp4_block_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity, seed: int | None,
+                        rand: torch.Tensor | None) -> ExpertCast:
+    """The token rows' transposed side in NVFP4 blocks along the tokens: each expert's tokens from a whole
+    block on (zeros after them), rotated block by block (no block holds two experts), each expert's global
+    scale from its own columns' amax."""
+    bc = gran.block_cols
+    padding = g.padded(bc)
+    x = _rotated(GG.features_padded(x2.detach(), padding), seed)  # (K, P): P whole blocks, each one expert's
+    lengths = padding.ends.diff(prepend=padding.ends.new_zeros(1)).to(torch.int64) // bc  # blocks per expert
+    per_block = _finite_block_amax(x, gran).amax(dim=0) if x.shape[0] else x.new_zeros(x.shape[1] // bc)
+    amax = _segment_max(per_block, lengths)  # (E,)
+    owner = torch.repeat_interleave(torch.arange(g.n_experts, device=x.device), lengths,
+                                    output_size=x.shape[1] // bc)
+    q = quantize(x, fmt, gran, rounding=F.Rounding.STOCHASTIC if rand is not None else F.Rounding.NEAREST,
+                 rand=rand, global_amax=amax[owner].unsqueeze(0))
+    starts = GG.padded_starts(g.counts, bc)
+    return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.BLOCK_TOKENS, granularity=gran, starts=starts,
+                      globals=_globals(q.global_scale, owner, g.n_experts), rotated=seed is not None)
+
+
+def _nvfp4_weights(w: torch.Tensor, fmt: F.Format, gran: Granularity, seed: int | None) -> ExpertCast:
+    """Experts' weights ``(E, R, K)`` in NVFP4 blocks, each expert's global scale its own: one cast of the rows
+    stacked where the block height divides R, else expert by expert."""
+    e, r, k = w.shape
+    w = _rotated(w.detach(), seed)
+    rows = gran.block_rows or 1
+    if r % rows == 0 and e:
+        flat = w.reshape(e * r, w.shape[-1])
+        per_row = _finite_block_amax(flat, gran).amax(dim=1)  # (E * R / rows,)
+        amax = per_row.view(e, -1).amax(dim=1)  # (E,)
+        owner = torch.arange(e, device=w.device).repeat_interleave(r // rows)
+        q = quantize(flat, fmt, gran, global_amax=amax[owner].unsqueeze(1))
+        data, scales = q.data.view(e, r, -1), q.scale.view(e, -1, q.scale.shape[-1])
+        globals_ = _globals(q.global_scale, owner, e)
+    else:  # each expert's last block of rows is padded, as its own cast pads it
+        qs = [quantize(w[i], fmt, gran) for i in range(e)]
+        data, scales = torch.stack([q.data for q in qs]), torch.stack([q.scale for q in qs])
+        globals_ = torch.stack([q.global_scale.reshape(()) for q in qs])
+    return ExpertCast(data, scales, fmt, w.dtype, Side.BLOCKS, granularity=gran, width=k, height=r,
+                      globals=globals_, rotated=seed is not None)
+
+
+def _nvfp4_draws(x2: torch.Tensor, g: Groups, op: OperandPlan, fk, ft) -> tuple:
+    """The uniform numbers a loop of each expert's own casts would draw for stochastic rounding, in its order
+    (expert by expert; each expert's cast along K, then its transposed cast), from the global generator, laid
+    out as the batched casts read them: ``(rows along K, the tokens' padded columns)``, None where a side
+    rounds to nearest or is not made."""
+    sk, st = fk is not None and op.cast_k.stochastic, ft is not None and op.cast_t.stochastic
+    if not (sk or st):
+        return None, None
+    k, dev = x2.shape[1], x2.device
+    kk = k + (-k) % RHT_BLOCK if _seed(op, True) is not None else k
+    bc = op.cast_t.granularity.block_cols
+    rotated_t = _seed(op, False) is not None
+    ks, ts = [], []
+    for n in g.counts:
+        if n == 0:
+            continue
+        if sk:
+            ks.append(torch.rand((n, kk), device=dev))
+        if st:
+            width = -(-n // bc) * bc
+            t = torch.rand((k, width if rotated_t else n), device=dev)
+            ts.append(t if rotated_t else nnf.pad(t, (0, width - n)))
+    rk = torch.cat(ks) if sk and ks else (x2.new_zeros((0, kk), dtype=torch.float32) if sk else None)
+    rt = torch.cat(ts, dim=1) if st and ts else (x2.new_zeros((k, 0), dtype=torch.float32) if st else None)
+    return rk, rt
+
+
 def _formats(op: OperandPlan, need_k: bool, need_t: bool) -> tuple[F.Format | None, F.Format | None]:
     return (op.cast_k.fmt if need_k else None), (op.cast_t.fmt if need_t else None)
 
@@ -422,6 +566,11 @@ def cast_rows(x2: torch.Tensor, g: Groups, op: OperandPlan, need_k: bool, need_t
     if op.cast_k.granularity.kind is ROW:
         return (_rows(x2, fk) if fk is not None else None,
                 _columns(x2, g, ft) if ft is not None else None)
+    if op.cast_k.granularity.kind is NVFP4:
+        rk, rt = _nvfp4_draws(x2, g, op, fk, ft)
+        return (_nvfp4_rows(x2, g, fk, op.cast_k.granularity, _seed(op, True), rk) if fk is not None else None,
+                _nvfp4_block_tokens(x2, g, ft, op.cast_t.granularity, _seed(op, False), rt) if ft is not None
+                else None)
     if op.cast_k.granularity.kind in BLOCKS:
         return (_blocks(x2, fk, op.cast_k.granularity) if fk is not None else None,
                 _block_tokens(x2, g, ft, op.cast_t.granularity) if ft is not None else None)
@@ -445,6 +594,10 @@ def cast_weights(weight: torch.Tensor, op: OperandPlan, need_k: bool, need_t: bo
     e, out, k = weight.shape
     fk, ft = _formats(op, need_k, need_t)
     w = weight.detach()
+    if op.cast_k.granularity.kind is NVFP4:  # weight[e].T's rows are weight[e]'s columns: one transposed copy
+        return (_nvfp4_weights(w, fk, op.cast_k.granularity, _seed(op, True)) if fk is not None else None,
+                _nvfp4_weights(w.transpose(1, 2), ft, op.cast_t.granularity, _seed(op, False)) if ft is not None
+                else None)
     if op.cast_k.granularity.kind in BLOCKS:  # weight[e].T's rows are weight[e]'s columns: one transposed copy
         return (_weight_blocks(w, fk, op.cast_k.granularity) if fk is not None else None,
                 _weight_blocks(w.transpose(1, 2), ft, op.cast_t.granularity) if ft is not None else None)

@@ -45,6 +45,13 @@ def given_scale(scale: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         fail("scale", f"a tensor broadcastable to the block grid {grid}", describe(scale))
 
 
+def _broadcasts(t: torch.Tensor, grid: tuple[int, int]) -> bool:
+    try:
+        return tuple(torch.broadcast_shapes(t.shape, grid)) == grid
+    except RuntimeError:
+        return False
+
+
 def _check_args(x, fmt, granularity, rounding, scale, rand) -> tuple[F.Format, Granularity]:
     check_tensor("x", x)
     f = F.get(fmt)
@@ -72,11 +79,15 @@ def _divide(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.where(dead, 0.0, blocks / torch.where(dead, 1.0, scale))
 
 
-def _nvfp4(blocks: torch.Tensor, amax: torch.Tensor, f: F.Format) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _nvfp4(blocks: torch.Tensor, amax: torch.Tensor, f: F.Format,
+           tensor_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(E4M3 block scales, global decode scale, scaled elements) in the order of [Note: NVFP4's
-    order of operations]: each element is multiplied by its block's encode scale."""
-    finite = torch.where(torch.isfinite(amax), amax, 0.0)  # (Mb, Kb)
-    tensor_amax = finite.amax() if finite.numel() else finite.new_zeros(())
+    order of operations]: each element is multiplied by its block's encode scale. ``tensor_amax``: the
+    finite amax the global scale comes from, broadcastable to the block grid (a global scale per group of
+    blocks: experts cast together), instead of the whole tensor's."""
+    if tensor_amax is None:
+        finite = torch.where(torch.isfinite(amax), amax, 0.0)  # (Mb, Kb)
+        tensor_amax = finite.amax() if finite.numel() else finite.new_zeros(())
     global_encode, global_scale = S.nvfp4_global_scales(tensor_amax, f)
     s = S.nvfp4_block_scale(amax, f, global_encode)  # (Mb, Kb)
     e = S.nvfp4_encode_scale(s, global_scale)[:, None, :, None]  # (Mb, 1, Kb, 1)
@@ -96,15 +107,21 @@ def quantize(
     scale: torch.Tensor | None = None,
     rand: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    global_amax: torch.Tensor | None = None,
 ) -> QuantizedTensor:
     """Quantize ``x`` onto ``fmt`` with one scale per block of ``granularity``.
 
     ``scale``: a given FP32 dequantizing scale (delayed scaling), broadcastable to the block grid
     ``(M_blocks, K_blocks)``, used instead of one computed from ``x``; only for FP32 (AMAX) scales.
     ``rounding="stochastic"`` takes ``rand`` (uniform [0, 1) float32, x's shape) or draws it from
-    ``generator``; see :func:`lowprec.formats.round_to`. ``saturate`` as there.
+    ``generator``; see :func:`lowprec.formats.round_to`. ``saturate`` as there. ``global_amax`` (NVFP4
+    only): the finite amaxes NVFP4's global scales come from, broadcastable to the block grid, one per group
+    of blocks (the experts of a mixture, cast together, each as its own tensor); the result's
+    ``global_scale`` then has that shape.
     """
     f, g = _check_args(x, fmt, granularity, rounding, scale, rand)
+    if global_amax is not None and g.rule is not ScaleRule.NVFP4:
+        fail("global_amax", f"None for {g} (a global scale is NVFP4's)", describe(global_amax))
     x2 = as_2d(x.detach()).float()  # (M, K)
     br, bc = g.blocks(*x2.shape)
     xp = pad_to_blocks(x2, br, bc).contiguous()  # (Mp, Kp)
@@ -117,7 +134,11 @@ def quantize(
             s = torch.where(torch.isfinite(block_amax(xp, br, bc)), s, torch.nan)
         scaled = _divide(blocks, s[:, None, :, None])
     elif g.rule is ScaleRule.NVFP4:
-        s, global_scale, scaled = _nvfp4(blocks, block_amax(xp, br, bc), f)
+        grid = (mp // br, kp // bc)
+        if global_amax is not None and not _broadcasts(global_amax, grid):
+            fail("global_amax", f"a tensor broadcastable to the block grid {grid}", describe(global_amax))
+        s, global_scale, scaled = _nvfp4(blocks, block_amax(xp, br, bc), f,
+                                         global_amax.float() if global_amax is not None else None)
     else:
         s = S.block_scales(block_amax(xp, br, bc), f, g.rule)
         scaled = _divide(blocks, s[:, None, :, None])

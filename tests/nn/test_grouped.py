@@ -96,6 +96,24 @@ def test_equals_a_loop_of_linears(recipe):
     assert torch.count_nonzero(dw[0]) > 0
 
 
+@pytest.mark.parametrize("recipe", [n for n in R.names() if R.get(n).hp_dtype is None])
+def test_every_low_precision_recipe_batches_its_experts(recipe, monkeypatch):
+    """No recipe's experts loop outside a sampled telemetry step: their casts are made for all experts at once
+    (NVFP4's too: each expert's global scale its own, its stochastic rounding drawing what a loop would draw,
+    its Hadamard transform block by block), equal to the loop of Linears bit for bit."""
+    from lowprec.nn import grouped
+    from lowprec.nn import grouped_casts as GC
+
+    def loop(*args):
+        raise AssertionError("the experts looped")
+
+    monkeypatch.setattr(grouped.GroupedFunction, "apply", loop)
+    monkeypatch.setattr(grouped.GroupedLinear, "_delayed", loop)
+    g = make(recipe)[0]
+    assert GC.batched_kind(g.plan()) is not None
+    assert_like_loop(recipe)
+
+
 @pytest.mark.parametrize("recipe", ["fp8-current", "fp8-blockwise", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("counts", [(64, 0, 0, 0), (0, 0, 0, 1), (1, 2, 3, 130), (3, 3)])
 def test_groups_of_any_size(recipe, counts):

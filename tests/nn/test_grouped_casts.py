@@ -13,24 +13,23 @@ import torch
 from lowprec import recipes as R
 from lowprec.nn import GroupedLinear, grouped
 from lowprec.nn import grouped_casts as GC
-from lowprec.quant import blockwise, mx, quantize, rowwise, tensorwise
+from lowprec.quant import blockwise, mx, nvfp4, quantize, rowwise, tensorwise
 from tests.nn.common import bits, randn
 from tests.nn.test_grouped import COUNTS, grouped_step, make
 
 GRANULARITY = {"fp8-current": tensorwise(), "fp8-rowwise": rowwise(), "mxfp8": mx(32, "ceil"), "mxfp4": mx(32, "ceil"),
-               "fp8-blockwise": blockwise(1, 128)}
+               "fp8-blockwise": blockwise(1, 128), "nvfp4": nvfp4(16)}
 """Each batched recipe's token sides; the weights' (:data:`WEIGHTS`) where they differ."""
-WEIGHTS = {**GRANULARITY, "fp8-blockwise": blockwise(128, 128)}
+WEIGHTS = {**GRANULARITY, "fp8-blockwise": blockwise(128, 128), "nvfp4": nvfp4(16, two_d=True)}
 
 
 def _plan(recipe: str):
     return GroupedLinear(len(COUNTS), 128, 256, recipe=recipe).plan()
 
 
-def test_the_per_tensor_per_row_mx_and_block_recipes_are_batched_and_no_other():
-    batched = [n for n in R.names() if not R.get(n).uses_delayed_scaling and _plan(n) is not None
-               and _plan(n).scaled and GC.batches(_plan(n))]
-    assert batched == ["fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4"]  # nvfp4: stochastic, Hadamard
+def test_every_preset_that_quantizes_is_batched():
+    batched = [n for n in R.names() if _plan(n) is not None and _plan(n).scaled and GC.batches(_plan(n))]
+    assert batched == ["fp8-delayed", "fp8-current", "fp8-rowwise", "fp8-blockwise", "mxfp8", "mxfp4", "nvfp4"]
 
 
 def _rows(counts, poison: float | None = None) -> torch.Tensor:
@@ -50,13 +49,16 @@ def _same(got, want):
     assert torch.equal(bits(got.data), bits(want.data))
     assert torch.equal(bits(got.scale), bits(want.scale))
     assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    assert (got.global_scale is None) == (want.global_scale is None)
+    if want.global_scale is not None:  # NVFP4: the expert's own global scale
+        assert torch.equal(bits(got.global_scale.reshape(())), bits(want.global_scale))
 
 
 FORMATS = [("e4m3", "e4m3"), ("e4m3", "e5m2")]
 
 
-@pytest.mark.parametrize("recipe, fmts", [(r, f) for r in GRANULARITY for f in FORMATS]
-                         + [("mxfp4", ("e2m1", "e4m3"))])
+@pytest.mark.parametrize("recipe, fmts", [(r, f) for r in GRANULARITY if r != "nvfp4" for f in FORMATS]
+                         + [("mxfp4", ("e2m1", "e4m3")), ("nvfp4", ("e2m1", "e2m1"))])
 @pytest.mark.parametrize("poison", [None, math.inf, math.nan])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rows_cast_as_each_expert_alone(recipe, fmts, poison, dtype):
@@ -86,7 +88,7 @@ def test_weights_cast_as_each_expert_alone(recipe):
     for e in range(4):
         _same(k.expert(e), _alone(w[e], plan.weight.cast_k.format, recipe, True))
         _same(t.expert(e), _alone(w[e].t(), plan.weight.cast_t.format, recipe, True))
-        if recipe.startswith("mx") or recipe == "fp8-blockwise":
+        if recipe.startswith("mx") or recipe in ("fp8-blockwise", "nvfp4"):
             continue
         # what a grouped GEMM reads: every expert's codes and the scale of each of their rows
         assert torch.equal(bits(k.weight_codes()[e]), bits(k.expert(e).data))

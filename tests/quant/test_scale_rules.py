@@ -110,3 +110,33 @@ def test_mx_scale_exponent_clamps_to_e8m0_range():
     qf, qc = quantize(x, "e4m3", mx(32, "floor")), quantize(x, "e4m3", mx(32, "ceil"))
     assert qf.scale[:, 0].tolist() == [2.0**-127, 2.0**119, 2.0**-127]
     assert qc.scale[:, 0].tolist() == [2.0**-127, 2.0**120, 2.0**-127]
+
+
+@pytest.mark.parametrize("two_d", [False, True])
+def test_nvfp4_global_amax_per_group_casts_each_group_as_its_own_tensor(two_d):
+    """``quantize(..., global_amax=)``: one cast of several tensors stacked (a mixture's experts), each group's
+    global scale from its own finite amax, gives each group's codes, block scales and global scale bit for bit
+    as a cast of that group alone; the tensor's own amax given gives the plain cast's bits."""
+    g = nvfp4(16, two_d=two_d)
+    parts = [torch.randn(32, 48, generator=torch.Generator().manual_seed(i)) * 10.0 ** (i - 1) for i in range(3)]
+    parts[1][3, 5] = float("inf")  # a non-finite block: its group's amax is over the finite ones
+    x = torch.cat(parts)
+    alone = [quantize(p, "e2m1", g) for p in parts]
+    amax = torch.stack([p[torch.isfinite(p)].abs().amax() for p in parts])
+    rows = 16 if two_d else 1
+    per_block_row = amax.repeat_interleave(32 // rows).unsqueeze(1)
+    both = quantize(x, "e2m1", g, global_amax=per_block_row)
+    for i, q in enumerate(alone):
+        assert torch.equal(both.data[32 * i:32 * (i + 1)], q.data)
+        torch.testing.assert_close(both.scale[32 // rows * i:32 // rows * (i + 1)], q.scale, rtol=0, atol=0,
+                                   equal_nan=True)  # NaN: the block holding inf
+        assert torch.equal(both.global_scale[32 // rows * i, 0], q.global_scale)
+    own = quantize(parts[0], "e2m1", g, global_amax=amax[0])
+    assert torch.equal(own.data, alone[0].data) and torch.equal(own.global_scale, alone[0].global_scale)
+
+
+def test_nvfp4_global_amax_is_refused_where_it_does_not_fit():
+    with pytest.raises(ValueError, match=r"^global_amax: expected a tensor broadcastable to the block grid \(4, 3\)"):
+        quantize(torch.randn(4, 48), "e2m1", nvfp4(16), global_amax=torch.ones(5, 1))
+    with pytest.raises(ValueError, match=r"^global_amax: expected None for mx"):
+        quantize(torch.randn(4, 64), "e2m1", mx(32), global_amax=torch.ones(4, 1))
