@@ -731,6 +731,16 @@ class GroupedLinear(OptionalExtraState):
         fwds = _experts_forward(x, weight, bias, counts, plan, states, False, False, False)
         return torch.cat([f.y for f in fwds if f is not None])  # inference: no transposed casts
 
+    def _fold_delayed(self, recipe: R.Recipe) -> None:
+        """Before a forward reads the experts' delayed scales: their states for ``recipe`` made or moved (eagerly:
+        nothing to do unless the recipe changed, through autocast, or the module moved; a compiled call reads
+        states that exist), and a layer outside a converted model folds its own bank (a converted model's
+        forward folds its banks by its pre-hook)."""
+        if not torch.compiler.is_compiling():
+            self._prepare_delayed(recipe)
+        if not self._banks.by_hook:
+            self._banks.fold()
+
     def _delays_ready(self, recipe: R.Recipe, states: tuple[CastState, ...]) -> bool:
         """Whether every expert of ``states`` holds a delayed-scaling state for ``recipe`` on the weight's device
         (:meth:`_prepare_delayed` has nothing to do: a compiled call may read them)."""
@@ -744,10 +754,7 @@ class GroupedLinear(OptionalExtraState):
         into it, as a Linear of its weight does; an expert without tokens records nothing. The states are made
         (or moved) first where needed, and a layer outside a converted model folds its bank, as :meth:`_delayed`
         does."""
-        if not torch.compiler.is_compiling():
-            self._prepare_delayed(recipe)
-        if not self._banks.by_hook:  # a layer outside a converted model folds its own bank
-            self._banks.fold()
+        self._fold_delayed(recipe)
         delayed = [s.delayed for s in states]
         bank, rows = delayed[0].bank, tuple(d.row for d in delayed)
         if any(d.bank is not bank for d in delayed):  # one banks object, one config, one device: one bank
@@ -767,9 +774,7 @@ class GroupedLinear(OptionalExtraState):
         :func:`~lowprec.nn.grouped_casts.batches` does not cover): each expert's rows through
         ``lowprec.nn.Linear``'s autograd function with its own state (its amax histories), as a Linear of its
         weight would run them."""
-        self._prepare_delayed(recipe)  # nothing to do unless the recipe changed (autocast) or the module moved
-        if not self._banks.by_hook:  # a layer outside a converted model folds its own bank
-            self._banks.fold()
+        self._fold_delayed(recipe)
         ys, start = [], 0
         for e, n in enumerate(counts):
             if n:
@@ -795,9 +800,7 @@ class GroupedLinear(OptionalExtraState):
         plan = self.plan(bound)
         if not plan.delayed:  # a layer its shape keeps in high precision
             return y
-        self._prepare_delayed(bound)  # the histories exist unless an override replaced them since
-        if not self._banks.by_hook:  # a layer outside a converted model folds its own bank
-            self._banks.fold()
+        self._fold_delayed(bound)
         record_expert_amaxes(x, weight, y, plan, [(e, states[e].delayed, rows) for e, rows in _slices(counts)])
         return y
 
