@@ -20,8 +20,8 @@ device runs them so):
 - ``<recipe> batched``: the casts of all experts batched, GEMMs per expert;
 - ``<recipe> grouped``: batched casts, the GEMMs in ``torch._scaled_grouped_mm`` where it runs them best
   (E4M3 pairs with fast accumulation: the forward), the gradients' (E5M2 pairs, E4M3 pairs without fast
-  accumulation) in lowprec's grouped Triton GEMMs (``kernels.triton_grouped_gemm``): what ``GroupedLinear``
-  runs;
+  accumulation) in lowprec's grouped Triton GEMMs (``kernels.triton_grouped_gemm``), NVFP4's emulated GEMMs
+  as one grouped BF16 GEMM each (``kernels.grouped_emulated``): what ``GroupedLinear`` runs;
 - ``<recipe> triton``: as ``grouped``, every grouped GEMM on the Triton kernels (E4M3 pairs too);
 - ``<recipe> on device``: as ``grouped``, the counts left on the device (what a compiled graph runs, here
   eager: no host read, the padding sized for any routing);
@@ -43,7 +43,7 @@ from unittest import mock
 import _common as C
 import torch
 
-from lowprec.kernels import grouped_gemm
+from lowprec.kernels import grouped_emulated, grouped_gemm
 from lowprec.nn import InputShare, grouped, grouped_casts
 from lowprec.train.moe_model import RoutedExperts
 
@@ -74,12 +74,16 @@ def _variant(name: str):
     if name.endswith("on device"):
         return mock.patch.object(RoutedExperts, "forward", _on_device)
     mode = name.split()[-1]
-    patches = {"loop": (grouped_casts, "batches", lambda plan: False),
-               "batched": (grouped_gemm, "runs_grouped", lambda *a, **k: False),
-               "triton": (grouped_gemm, "_on_torch", lambda a, b, fast_accum: False)}
+    never = lambda *a, **k: False  # noqa: E731
+    patches = {"loop": [(grouped_casts, "batches", never)],
+               "batched": [(grouped_gemm, "runs_grouped", never), (grouped_emulated, "runs", never)],
+               "triton": [(grouped_gemm, "_on_torch", lambda a, b, fast_accum: False)]}
     if name == "bf16 loop":
         return mock.patch.object(grouped, "_grouped_bf16", lambda *a, **k: None)
-    return mock.patch.object(*patches[mode]) if mode in patches else contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for patch in patches.get(mode, ()):
+        stack.enter_context(mock.patch.object(*patch))
+    return stack
 
 
 def main() -> None:

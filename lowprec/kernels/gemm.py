@@ -214,7 +214,7 @@ def _fold_once(q: QuantizedTensor) -> QuantizedTensor:
     return q if q.granularity.kind is ROW and q.fmt in (E4M3, E5M2) else fold(q)
 
 
-def _exact_in_bf16(fmt: F.Format, gran: Granularity) -> bool:
+def exact_in_bf16(fmt: F.Format, gran: Granularity) -> bool:
     """Whether the values the GEMM multiplies are exact in BF16: the elements alone where the scales
     stay outside (tensor, row), else element times block scale, whose significand bits (the
     element's, plus 0 for E8M0 or 3 for E4M3 scales) must fit BF16's 7."""
@@ -230,12 +230,14 @@ def emulation_dtype(lhs_fmt, lhs_gran: Granularity, rhs_fmt, rhs_gran: Granulari
                     device_type: str) -> torch.dtype:
     """The dtype of the high-precision GEMM an ``emulated`` pair of casts runs in on ``device_type``:
     BF16 on CUDA where both operands' values are exact in it, else FP32."""
-    exact = _exact_in_bf16(F.get(lhs_fmt), lhs_gran) and _exact_in_bf16(F.get(rhs_fmt), rhs_gran)
+    exact = exact_in_bf16(F.get(lhs_fmt), lhs_gran) and exact_in_bf16(F.get(rhs_fmt), rhs_gran)
     return torch.bfloat16 if device_type == "cuda" and exact else torch.float32
 
 
-def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(values to multiply, per-row output scale or None). Scales constant along K stay outside."""
+def emulated_operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values to multiply, per-row output scale or None), as an emulated GEMM multiplies ``q``: scales
+    constant along K stay outside, block scales are multiplied into the elements (a global scale is left to
+    the output). ``(Mp, Kp)``: padded as the codes are."""
     if q.granularity.kind in (TENSOR, ROW):  # scales constant along K
         v = q.data.to(dtype) if q.fmt.torch_dtype is not None else q.values().to(dtype)  # exact
         return v, q.scale  # (1, 1) or (Mp, 1): broadcasts over the output's rows
@@ -252,8 +254,8 @@ def _operand(q: QuantizedTensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 
 def _emulated(a: QuantizedTensor, b: QuantizedTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     dtype = emulation_dtype(a.fmt, a.granularity, b.fmt, b.granularity, a.data.device.type)
-    va, sa = _operand(a, dtype)
-    vb, sb = _operand(b, dtype)
+    va, sa = emulated_operand(a, dtype)
+    vb, sb = emulated_operand(b, dtype)
     # BF16 operands, FP32 accumulation and FP32 output (the scales below multiply in FP32)
     out = torch.mm(va, vb.t(), out_dtype=torch.float32) if dtype != torch.float32 else va @ vb.t()
     if sa is not None:

@@ -7,7 +7,7 @@ product to BF16 as torch does, so it equals ``QuantizedTensor.dequantize(torch.b
 * emulated GEMMs: a device without MX/NVFP4 tensor cores (Hopper) runs them on the exact quantized
   values in BF16 with FP32 accumulation. Element times block scale is exact in BF16 whenever the
   element's and the scale's significands fit its 8 bits together (FP8/FP6/FP4 elements with E8M0 or
-  E4M3 scales; see ``gemm._exact_in_bf16``), so nothing is lost there. NVFP4's global FP32 scale
+  E4M3 scales; see ``gemm.exact_in_bf16``), so nothing is lost there. NVFP4's global FP32 scale
   multiplies the GEMM's output instead (it would not be exact here);
 * FP8 saved activations (``lowprec.nn.saved``) in an eager backward: 3 bytes moved per value where the
   reference's float32 temporaries move about 19.

@@ -71,6 +71,7 @@ import torch.nn.functional as nnf
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
 from lowprec.autocast import records_amax, resolve
+from lowprec.kernels import grouped_emulated as GE
 from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels.fold import fold, fold_segments, target
 from lowprec.kernels.gemm import GemmPath, folded_runs
@@ -262,6 +263,8 @@ def _batched_forward(x, weight, bias, g: GC.Groups, plan: LayerPlan, need_dgrad:
         y = _folded_rows(qx, qw, g, plan.fprop, out_dtype)
         if y is None:
             y = _blocked_rows(qx, qw, g, plan.fprop, out_dtype)
+        if y is None:
+            y = _emulated_rows(qx, qw, g, plan.fprop, out_dtype)
         if y is None and _row_scaled(plan.fprop, qx, qw) and GG.runs_grouped(GG.ROWS, x.device, qx.fmt, qw.fmt,
                                                                              k, n):
             y = GG.grouped_by_rows(qx.data, qx.token_scales(expert), qw.weight_codes(), qw.weight_scales(),
@@ -353,6 +356,36 @@ def _blocked_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtyp
     return GG.grouped_by_features_blocked(a.data, a.scales, b.data, b.scales, g.padded(GG.BLOCK).ends, dtype)
 
 
+def _emulated_rows(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
+    """``(T, N)``: every expert's emulated block-scaled GEMM of the rows of ``a`` and its ``b`` (``(E, N, K)``; NVFP4
+    on Hopper), as one grouped BF16 GEMM (see [Note: grouped emulated GEMMs] in ``lowprec.kernels.grouped_emulated``);
+    None where the plan's GEMM is not emulated, or the device does not run it so (the CPU: FP32, per expert)."""
+    if gp.path is not GemmPath.EMULATED or a.kind is not GC.Side.BLOCKS or b.kind is not GC.Side.BLOCKS:
+        return None
+    e, n, kp = b.data.shape
+    qa, qb = a.blocks_all(), b.blocks_all()
+    if a.rotated != b.rotated or b.height != n or a.data.shape[-1] != kp \
+            or not GE.runs(a.data.device, qa, qb, n, kp):
+        return None
+    return GE.by_rows(qa, qb, e, g.offsets, g.expert, a.globals, b.globals, dtype)
+
+
+def _emulated_features(a: GC.ExpertCast, b: GC.ExpertCast, g: GC.Groups, gp, dtype) -> torch.Tensor | None:
+    """``(E, M, N)``: every expert's emulated weight gradient from the block token sides ``a`` ``(M, P)`` and
+    ``b`` ``(N, P)`` (each expert's tokens from a whole block on), as one grouped BF16 GEMM (see [Note: grouped
+    emulated GEMMs]); None where the plan's GEMM is not emulated, or the device does not run it so."""
+    if gp.path is not GemmPath.EMULATED or a.kind is not GC.Side.BLOCK_TOKENS or b.kind is not GC.Side.BLOCK_TOKENS:
+        return None
+    bc = a.granularity.block_cols
+    m, n = a.data.shape[0], b.data.shape[0]
+    qa, qb = a.block_tokens_all(), b.block_tokens_all()
+    if b.granularity.block_cols != bc or a.rotated != b.rotated or a.data.shape[1] != b.data.shape[1] \
+            or not GE.runs(a.data.device, qa, qb, m, n):
+        return None
+    ends = g.padded(bc).ends  # the layout both sides were cast in (``grouped_casts._block_tokens``)
+    return GE.by_features(qa, qb, ends, g.lengths > 0, a.globals, b.globals, dtype)
+
+
 def _pack(c: GC.ExpertCast | None):
     """``(tensors, meta)`` of a side saved for backward: its three tensors (None each where it has none)."""
     if c is None:
@@ -373,6 +406,8 @@ def _batched_dgrad(qdy, qw_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -> 
     dx = _folded_rows(qdy, qw_t, g, plan.dgrad, dtype)
     if dx is None:
         dx = _blocked_rows(qdy, qw_t, g, plan.dgrad, dtype)
+    if dx is None:
+        dx = _emulated_rows(qdy, qw_t, g, plan.dgrad, dtype)
     if dx is not None:
         return dx
     if _row_scaled(plan.dgrad, qdy, qw_t) and GG.runs_grouped(GG.ROWS, g.expert.device, qdy.fmt, qw_t.fmt, *w_shape):
@@ -389,6 +424,8 @@ def _batched_wgrad(qdy_t, qx_t, g: GC.Groups, plan: LayerPlan, dtype, w_shape) -
     dw = _folded_features(qdy_t, qx_t, g, plan.wgrad, dtype)
     if dw is None:
         dw = _blocked_features(qdy_t, qx_t, g, plan.wgrad, dtype)
+    if dw is None:
+        dw = _emulated_features(qdy_t, qx_t, g, plan.wgrad, dtype)
     if dw is not None:
         return dw
     if _row_scaled(plan.wgrad, qdy_t, qx_t) and GG.runs_grouped(GG.FEATURES, device, qdy_t.fmt, qx_t.fmt, out_f, in_f,
