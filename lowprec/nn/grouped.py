@@ -26,7 +26,8 @@ How the experts run (the values above hold on every path):
   step takes the loop below, which reports every expert's operands;
 * NVFP4 (``nvfp4``): its casts batched too, each expert with its own global scale, its stochastic rounding
   drawing what the loop draws and its Hadamard transform block by block (see [Note: batched per-expert casts]),
-  its emulated GEMMs per expert on views of the batched codes;
+  its emulated GEMMs as one grouped BF16 GEMM each on a GPU (see [Note: grouped emulated GEMMs] in
+  ``lowprec.kernels.grouped_emulated``), per expert on views of the batched codes on the CPU;
 * every other recipe (one delayed on some sides only): the loop over the experts in :class:`GroupedFunction`,
   which calls the same plan, casts and GEMMs as ``lowprec.nn.function`` (``fprop``, ``cast_operand``,
   ``gemm``) on each expert's rows;

@@ -42,7 +42,9 @@ experts:
   kernel takes a global scale per group); a rotated side (the weight gradient's, random Hadamard transform in
   blocks of 16 along the tokens) is transformed in the padded layout, where no block holds two experts; the
   uniform numbers of stochastic rounding are drawn from the global generator expert by expert, each expert's
-  along-K side then its transposed side, with the shapes its own cast draws, so the bits are the loop's.
+  along-K side then its transposed side, with the shapes its own cast draws, so the bits are the loop's where a
+  Linear's cast draws from that generator too (the reference's casts: the CPU; on a GPU a Linear's Triton cast
+  draws from Philox, and the two round with different numbers of one distribution).
 
 So the codes and scales equal a loop of per-expert casts bit for bit (``tests/nn/test_grouped_casts.py``:
 every side of both kinds, zero-token experts, non-finite values). :meth:`ExpertCast.expert` hands each
