@@ -339,6 +339,7 @@ def _start(model: nn.Module, data: TokenData, cfg: TrainConfig,
     torch.manual_seed(cfg.seed)
     # compiled after wrapping (DDP's hooks stay outside the graph), sharing the wrapped model's parameters
     forward = graphs.compiled(model, cfg.compile, cfg.cuda_graphs)
+    graphs.suggest(model, cfg.compile, cfg.cuda_graphs, device.type, cfg.parallel == "none" and cfg.grad_accum == 1)
     run = RunState(model=model, opt=build_optimizer(model, cfg, recipe), data=data, cfg=cfg, device=device,
                    val=val, ranks=ranks, forward=forward, graph_skips=graphs.skipped())
     run.control = step_control.make_controller(run)

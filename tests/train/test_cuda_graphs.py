@@ -79,3 +79,31 @@ def test_a_graph_run_without_cuda_graphs_is_warned_about():
         now = graphs.warn_unrecorded(seen)
     assert now == graphs.skipped()
     torch._dynamo.reset()
+
+
+def _moe(recipe):
+    from lowprec.nn import GroupedLinear
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    model.add_module("experts", GroupedLinear(4, 128, 128, recipe=recipe))
+    return model
+
+
+@pytest.mark.parametrize("recipe, args, warned", [
+    ("fp8-current", ("inductor", False, "cuda", True), True),
+    ("mxfp4", ("inductor", False, "cuda", True), True),
+    ("fp8-current", ("inductor", True, "cuda", True), False),  # graphs asked for
+    ("fp8-current", (None, False, "cuda", True), False),  # eager
+    ("fp8-current", ("inductor", False, "cpu", True), False),  # no CUDA graphs on a CPU
+    ("fp8-current", ("inductor", False, "cuda", False), False),  # DDP or accumulation: graphs refused
+    (None, ("inductor", False, "cuda", True), False),  # high-precision experts: one grouped GEMM each
+    ("bf16", ("inductor", False, "cuda", True), False),
+])
+def test_low_precision_experts_compiled_without_graphs_are_told_of_them(recipe, args, warned):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphs.suggest(_moe(recipe), *args)
+    said = [str(w.message) for w in caught if "cuda-graphs" in str(w.message)]
+    assert bool(said) is warned
+    if warned:
+        assert "1 low-precision expert layer(s) (experts, ...)" in said[0]
