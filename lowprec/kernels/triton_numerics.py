@@ -23,6 +23,9 @@ import triton.language as tl
 # Format specials (see lowprec.formats.Special) and scale rules (lowprec.quant.ScaleRule), as ints.
 SPECIAL_NONE, SPECIAL_FN, SPECIAL_IEEE = 0, 1, 2
 RULE_AMAX, RULE_FLOOR, RULE_CEIL, RULE_NVFP4 = 0, 1, 2, 3
+RULE_NVFP4_LINES = 4
+"""NVFP4 with a global amax per block row of x (the experts of a mixture cast together, each under its own
+global scale), given to the cast; elsewhere the rule of :data:`RULE_NVFP4`."""
 
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _F32_NAN_BITS = tl.constexpr(0x7FC00000)  # torch.nan: the NaN every non-finite block's scale holds
@@ -243,7 +246,7 @@ def scale_from_amax(amax_bits, big, RULE: tl.constexpr, FMAX: tl.constexpr, EMAX
         e = tl.where(ef > 0, ef - 127 + (mant != 0).to(tl.int32), tl.where(mant > 0x400000, -126, -127))
         e = tl.where(finite & (ratio > 0), e, -127)
         s = exp2i(tl.minimum(tl.maximum(e, -127), 127))
-    else:  # TE's order: the multiplier big * fp32(1 / fmax) rounds, then the product (1 / FMAX, a
+    else:  # NVFP4, TE's order: the multiplier big * fp32(1 / fmax) rounds, then the product (1 / FMAX, a
         # Python float, becomes an FP32 constant: one rounding of the exact reciprocal). Anything
         # beyond 448 saturates, so capping at 1e4 stands for TE's cap at FP32's max.
         s = round_e4m3(tl.minimum(amax * (big * (1.0 / FMAX)), 1e4))

@@ -15,13 +15,15 @@ import torch
 import triton
 
 from lowprec.kernels import triton_launch as launch
+from lowprec.kernels import triton_numerics as N
 from lowprec.kernels import triton_tiles as T
 from lowprec.kernels.fold_rule import MIN_SHIFT, NAN_EXPONENT
 from lowprec.kernels.ops import define
 from lowprec.kernels.triton_plan import Plan, Side, off_args
 
-_Out = tuple[tuple[int, ...], torch.dtype, tuple[int, ...]] | None
-"""A side's outputs: codes' shape and storage dtype, scales' shape; None for a side not made."""
+_Out = tuple[tuple[int, ...], torch.dtype, tuple[int, ...], tuple[int, ...]] | None
+"""A side's outputs: codes' shape and storage dtype, scales' shape, the global scale's shape (one, or one per
+block row of x: ``triton_numerics.RULE_NVFP4_LINES``); None for a side not made."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -42,10 +44,19 @@ def _config(plan: tuple[int, ...]) -> tuple[Plan, tuple[int, int], dict, dict, t
                    NAN_E=NAN_EXPONENT, MIN_D=MIN_SHIFT,
                    **(p.a.kernel_args("A") if p.a else off_args("A")),
                    **(p.b.kernel_args("B") if p.b else off_args("B")))
-    outs = tuple(None if s is None else (tuple(s.out_shape), s.out_format.storage_dtype, tuple(s.scale_shape))
-                 for s in (p.a, p.b))
+    outs = tuple(None if s is None else (tuple(s.out_shape), s.out_format.storage_dtype, tuple(s.scale_shape),
+                                         _global_shape(s, transposed))
+                 for s, transposed in ((p.a, False), (p.b, True)))
     dims = tuple(d for s in (p.a, p.b) for d in ((*s.out_shape, *s.scale_shape) if s is not None else (0, 0, 0, 0)))
     return p, grid, amax_kw, cast_kw, outs, dims
+
+
+def _global_shape(s: Side, transposed: bool) -> tuple[int, ...]:
+    """One global scale, or one per block row of x (side B's scales lie transposed: x's block rows are their
+    columns)."""
+    if s.rule != N.RULE_NVFP4_LINES:
+        return ()
+    return (s.scale_shape[1] if transposed else s.scale_shape[0],)
 
 
 def _amax_len(s: Side | None, p: Plan, transposed: bool) -> int:
@@ -83,9 +94,9 @@ def _outputs(x: torch.Tensor, out: _Out) -> tuple[torch.Tensor, torch.Tensor, to
     if out is None:
         return (x.new_empty(0, dtype=torch.uint8), x.new_empty(0, dtype=torch.float32),
                 x.new_empty(0, dtype=torch.float32))
-    shape, dtype, scale_shape = out
+    shape, dtype, scale_shape, global_shape = out
     return (x.new_empty(shape, dtype=dtype), x.new_empty(scale_shape, dtype=torch.float32),
-            x.new_empty((), dtype=torch.float32))
+            x.new_empty(global_shape, dtype=torch.float32))
 
 
 def cast(

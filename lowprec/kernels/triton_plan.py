@@ -143,15 +143,20 @@ def covers(spec, saturate: bool = True) -> bool:
 
 
 def side(spec, saturate: bool, *, transposed: bool, rows: int, cols: int, given: bool = False,
-         rand: bool = False) -> Side:
+         rand: bool = False, line_global: bool = False) -> Side:
     """The side casting a ``rows x cols`` view (x for side A; x.T, so ``rows = K``, for side B) as
     ``spec`` (a ``CastSpec``) says, with a given per-tensor scale or not; the kernels must cover it
-    (:func:`covers`)."""
+    (:func:`covers`). ``line_global``: an NVFP4 side whose global amax is given per block row of x
+    (``triton_numerics.RULE_NVFP4_LINES``)."""
     if not covers(spec if spec.delayed == given else replace(spec, delayed=given), saturate):
         fail("spec", "a cast the Triton kernels cover (see triton_plan.covers)", f"{spec}, given scale: {given}")
     fmt, g, hadamard = spec.fmt, spec.granularity, spec.hadamard_seed is not None
     br, bc = g.block_rows, g.block_cols
     rule = _RULES[g.rule]
+    if line_global:
+        if rule != N.RULE_NVFP4 or given:
+            fail("spec", "an NVFP4 cast scaled by its blocks (a global amax per block row is NVFP4's)", str(spec))
+        rule = N.RULE_NVFP4_LINES
     mode = _mode(g, given)
     ebr, ebc = br or rows, bc or cols
     out_shape = (_roundup(rows, ebr), _roundup(cols, ebc))
@@ -264,18 +269,23 @@ class Launch:
 
         return Launch(
             tuple(p.to_ints()), each(lambda s: s.amax_kind, T.AMAX_NONE), each(lambda s: s.hadamard, False),
-            each(lambda s: s.mode == T.MODE_GIVEN, False), each(lambda s: s.rule == N.RULE_NVFP4, False),
+            each(lambda s: s.mode == T.MODE_GIVEN, False),
+            each(lambda s: s.rule in (N.RULE_NVFP4, N.RULE_NVFP4_LINES), False),
             each(lambda s: s.scale_shape, (0, 0)),
             any(s is not None and s.rounding == T.ROUND_PHILOX for s in sides), p.share,
             tuple(max(s.block) if s is not None and s.fold else 0 for s in sides))
 
 
 @functools.lru_cache(maxsize=4096)
-def launch(a, b, m: int, k: int, saturate: bool, given: bool, rand_a: bool, rand_b: bool, record: bool) -> Launch:
+def launch(a, b, m: int, k: int, saturate: bool, given: bool, rand_a: bool, rand_b: bool, record: bool,
+           line_global: bool = False) -> Launch:
     """The :class:`Launch` of casting an ``m x k`` tensor as ``a`` (along K) and ``b`` (transposed),
-    ``CastSpec`` or None each, with a given scale or not, given uniforms or not."""
-    pa = None if a is None else side(a, saturate, transposed=False, rows=m, cols=k, given=given, rand=rand_a)
-    pb = None if b is None else side(b, saturate, transposed=True, rows=k, cols=m, given=given, rand=rand_b)
+    ``CastSpec`` or None each, with a given scale or not, given uniforms or not; ``line_global``: NVFP4 sides
+    with a global amax given per block row of x (:func:`side`)."""
+    pa = None if a is None else side(a, saturate, transposed=False, rows=m, cols=k, given=given, rand=rand_a,
+                                     line_global=line_global)
+    pb = None if b is None else side(b, saturate, transposed=True, rows=k, cols=m, given=given, rand=rand_b,
+                                     line_global=line_global)
     return Launch.of(Plan(m, k, pa, pb, record=record))
 
 

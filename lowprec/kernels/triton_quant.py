@@ -211,3 +211,85 @@ def quantize_pair(
     return cast(x2, CastSpec.of(f, g, rounding, delayed=delayed),
                 CastSpec.of(f_t, g_t, rounding_t, hadamard_t, delayed=delayed), saturate=saturate, scale=scale,
                 generator=generator, rand=rand, rand_t=rand_t, record_amax=record_amax)
+
+
+def nvfp4_by_lines(x2: torch.Tensor, spec: CastSpec, line_amax: torch.Tensor, *, transposed: bool = False,
+                   rand: torch.Tensor | None = None) -> QuantizedTensor:
+    """The non-empty 2-D ``x2`` cast as ``spec`` (NVFP4, the kernels cover it) along K, or ``x2.T`` along M
+    where ``transposed`` (its Hadamard transform too, where ``spec`` has one), each block row of ``x2`` under
+    the global scale of its own finite amax ``line_amax[i]`` (one per block row of ``x2``, float32): what
+    ``lowprec.quant.quantize`` gives with ``global_amax`` one per block row (``(Mb, 1)``), or for ``x2.T`` one
+    per block column (``(1, Mb)``), bit for bit, in one pass (the experts of a mixture cast together, each
+    under its own global scale: ``lowprec.nn.grouped_casts``). ``rand``: stochastic rounding's uniform numbers,
+    the reference's, of ``x2``'s shape or ``x2.T``'s (a transformed side's rows whole blocks: nothing padded)."""
+    dtype = x2.dtype
+    x2 = _prepare(x2)
+    m, k = x2.shape
+    a, b = (None, spec) if transposed else (spec, None)
+    plan = launch(a, b, m, k, True, False, rand is not None and not transposed, rand is not None and transposed,
+                  False, line_global=True)
+    bits = line_amax.detach().float().contiguous().view(torch.int32) & 0x7FFFFFFF  # as the amax pass writes them
+    rand = _rand2(rand)
+    args = (_hmat(spec.hadamard_seed, x2.device), None if transposed else bits, bits if transposed else None, None,
+            None if transposed else rand, rand if transposed else None, _seeds(plan, x2.device, None))
+    out = ops.tile_cast(x2, list(plan.ints), *args) if as_operators() else ops.cast(x2, plan.ints, *args)
+    if not transposed:
+        return QuantizedTensor(out[0], out[1], spec.fmt, spec.granularity, x2.shape, dtype, out[2].view(-1, 1))
+    shape_t = (k, -(-m // RHT_BLOCK) * RHT_BLOCK) if spec.hadamard_seed is not None else (k, m)
+    return QuantizedTensor(out[3], out[4], spec.fmt, spec.granularity, torch.Size(shape_t), dtype, out[5].view(1, -1))
+
+
+_LINES_CHECKED: dict[torch.device, bool] = {}
+
+
+def nvfp4_lines_checked(device: torch.device) -> bool:
+    """Whether :func:`nvfp4_by_lines` runs on ``device``: on its first use there it casts small problems of every
+    kind the experts' casts make (rows along K; 16 x 16 weight blocks; the tokens' transposed side with the
+    Hadamard transform and given uniform numbers; BF16 input) and must equal the reference bit for bit; else
+    one warning, and the experts' NVFP4 casts run on the reference's operations on that device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _LINES_CHECKED:
+        _LINES_CHECKED[device] = _check_lines(device)
+    return _LINES_CHECKED[device]
+
+
+def _check_lines(device: torch.device) -> bool:
+    import warnings
+
+    from lowprec.quant import hadamard_padded, nvfp4
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 96, generator=gen) * torch.linspace(0.01, 40.0, 64)[:, None]).to(device)
+    rows_amax = (torch.rand(64, generator=gen) * 50 + 0.5).to(device)
+    block_amax = (torch.rand(4, generator=gen) * 50 + 0.5).to(device)
+    rand = torch.rand(96, 64, generator=gen).to(device)
+    one, two = nvfp4(16), nvfp4(16, two_d=True)
+    e2m1 = "e2m1"
+    cases = [  # (name, got, want)
+        ("rows", lambda: nvfp4_by_lines(x, CastSpec.of(e2m1, one, "nearest"), rows_amax),
+         lambda: _reference(x, e2m1, one, global_amax=rows_amax[:, None])),
+        ("16x16 blocks, BF16", lambda: nvfp4_by_lines(x.bfloat16(), CastSpec.of(e2m1, two, "nearest"), block_amax),
+         lambda: _reference(x.bfloat16(), e2m1, two, global_amax=block_amax[:, None])),
+        ("transposed, Hadamard, stochastic",
+         lambda: nvfp4_by_lines(x, CastSpec.of(e2m1, one, "stochastic", 5), block_amax, transposed=True, rand=rand),
+         lambda: _reference(hadamard_padded(x.t(), RHT_BLOCK, 5), e2m1, one, rounding="stochastic", rand=rand,
+                            global_amax=block_amax[None, :])),
+    ]
+    for name, got, want in cases:
+        try:
+            q, r = got(), want()
+            same = (torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8)) and torch.equal(q.scale, r.scale)
+                    and torch.equal(q.global_scale, r.global_scale))
+        except Exception as e:  # Triton's compiler or resources: any failure
+            warnings.warn(f"lowprec: the Triton NVFP4 cast with a global scale per expert fails on {device} "
+                          f"({(str(e).splitlines() or [type(e).__name__])[0]}); the experts' NVFP4 casts run on "
+                          "the reference's tensor operations", stacklevel=4)
+            return False
+        if not same:
+            warnings.warn(f"lowprec: the Triton NVFP4 cast with a global scale per expert differs from the "
+                          f"reference on {device} ({name}); the experts' NVFP4 casts run on the reference's tensor "
+                          "operations", stacklevel=4)
+            return False
+    return True

@@ -228,6 +228,13 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
             g = tl.math.div_rn(1.0, big)
             if first:
                 tl.store(g_ptr, g)
+        elif RULE == 4:  # NVFP4, a global amax given per block row of x (in x's coordinates on either side)
+            lines = pid_m * (BM // BR) + tl.arange(0, BM // BR)
+            n_lines = s_cols if TRANS else s_rows  # side B stores its scales transposed
+            big = nvfp4_global_encode(tl.load(amax_ptr + lines, mask=lines < n_lines, other=0), FMAX)[:, None]
+            g = tl.math.div_rn(1.0, big)  # (BM // BR, 1)
+            if pid_k == 0:
+                tl.store(g_ptr + lines[:, None], g, mask=lines[:, None] < n_lines)
         s = scale_from_amax(_block_max(abs_bits(v), BM, BK, BR, BC), big, RULE, FMAX, EMAX)  # (BM/BR, BK/BC)
         bi = pid_m * (BM // BR) + tl.arange(0, BM // BR)
         bj = pid_k * (BK // BC) + tl.arange(0, BK // BC)
@@ -239,7 +246,7 @@ def _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scal
         else:
             tl.store(scale_ptr + bi[:, None] * s_cols + bj[None, :], s,
                      mask=(bi[:, None] < s_rows) & (bj[None, :] < s_cols))
-        if RULE == 3:  # elements are multiplied by the encode scale (divide's KIND 0), never divided
+        if RULE >= 3:  # NVFP4: elements are multiplied by the encode scale (divide's KIND 0), never divided
             r = nvfp4_encode(s, g)
             d, dead, ok = r, s != s, True
         else:
@@ -326,13 +333,13 @@ def _side_codes(x, v, pid_m, pid_k, offs_m, offs_k, M, K, h_ptr, amax_ptr, given
     v = _transform(v, h_ptr, x.dtype, HAD, TRANS, BM, BK)
     d, r, dead, ok, found = _side_scale(v, pid_m, pid_k, offs_m, offs_k, M, K, amax_ptr, given_ptr, scale_ptr,
                                         g_ptr, s_rows, s_cols, MODE, RULE, FMAX, EMAX, TRANS, BM, BK, BR, BC, not FOLD)
-    if (RULE == 1) | (RULE == 2) | (RULE == 3):
+    if RULE >= 1:
         scaled = divide(v, d, r, ok, 0)
     elif MODE == 3:
         scaled = divide(v, d, r, ok, 2)
     else:
         scaled = divide(v, d, r, ok, 1)
-    if RULE == 3:  # a block whose E4M3 scale underflowed to 0 (r = FP32 max): TE clamps its x * r
+    if RULE >= 3:  # NVFP4: a block whose E4M3 scale underflowed to 0 (r = FP32 max): TE clamps its x * r
         scaled = tl.where(r == F32_MAX, tl.minimum(tl.maximum(scaled, -FMAX), FMAX), scaled)
     nan_sign = (v.to(tl.int32, bitcast=True) >> 31) & 1  # a NaN keeps the input's sign
     if FOLD:

@@ -37,9 +37,12 @@ experts:
 
 - **NVFP4** (16-element E4M3 block scales under an FP32 global scale from the whole tensor's amax): as blocks
   above, each expert's global scale from its own operand's finite amax (the maximum of its blocks', by a
-  segmented reduction), handed to one cast of all experts' rows as one global amax per row or block column
-  (``lowprec.quant.quantize``'s ``global_amax``), through the reference's ops on every device (no Triton
-  kernel takes a global scale per group); a rotated side (the weight gradient's, random Hadamard transform in
+  segmented reduction), handed to one cast of all experts' rows as one global amax per row or block column:
+  on a GPU one Triton pass (``kernels.triton_quant.nvfp4_by_lines``, the NVFP4 cast kernel reading a global
+  amax per block row; it checks itself against the reference on its first use on a device, and where it fails
+  the casts stay on the reference, said once), elsewhere ``lowprec.quant.quantize``'s ``global_amax``
+  (``kernels.route.nvfp4_lines_backend`` chooses); the amaxes and a side's Hadamard transform are the
+  reference's tensor operations on every device; a rotated side (the weight gradient's, random Hadamard transform in
   blocks of 16 along the tokens) is transformed in the padded layout, where no block holds two experts; the
   uniform numbers of stochastic rounding are drawn from the global generator expert by expert, each expert's
   along-K side then its transposed side, with the shapes its own cast draws, so the bits are the loop's where a
@@ -62,7 +65,7 @@ import torch.nn.functional as nnf
 from lowprec import formats as F
 from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels import quantize as routed_quantize
-from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend
+from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend, nvfp4_lines_backend
 from lowprec.nn.delayed_bank import BankRows
 from lowprec.nn.plan import LayerPlan, OperandPlan
 from lowprec.quant import Granularity, QuantizedTensor, blockwise, hadamard_padded, quantize, rowwise, tensorwise
@@ -447,6 +450,23 @@ def _segment_max(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.segment_reduce(values, "max", lengths=lengths, axis=0, initial=0.0, unsafe=True)
 
 
+def _nvfp4_cast(x2: torch.Tensor, fmt: F.Format, gran: Granularity, line_amax: torch.Tensor,
+                rand: torch.Tensor | None, transposed: bool = False) -> QuantizedTensor:
+    """``x2`` along K, or ``x2.T`` along its rows where ``transposed``, cast in NVFP4 blocks, each block row of
+    ``x2`` under the global scale of its own finite amax ``line_amax`` (one per block row of ``x2``: its
+    expert's), rounded stochastically with ``rand`` where given: one Triton pass where the route says so
+    (``kernels.route.nvfp4_lines_backend``), else the reference given those global amaxes; the same bits."""
+    rounding = F.Rounding.STOCHASTIC if rand is not None else F.Rounding.NEAREST
+    spec = CastSpec.of(fmt, gran, rounding)
+    if x2.numel() and nvfp4_lines_backend(spec, x2.device) is Backend.TRITON:
+        from lowprec.kernels import triton_quant  # Triton: imported where it runs
+
+        return triton_quant.nvfp4_by_lines(x2, spec, line_amax, transposed=transposed, rand=rand)
+    if transposed:
+        return quantize(x2.t(), fmt, gran, rounding=rounding, rand=rand, global_amax=line_amax.unsqueeze(0))
+    return quantize(x2, fmt, gran, rounding=rounding, rand=rand, global_amax=line_amax.unsqueeze(1))
+
+
 def _nvfp4_rows(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity, seed: int | None,
                 rand: torch.Tensor | None) -> ExpertCast:
     """Token rows cast along K in NVFP4 blocks one row high, each expert's global scale from its own rows'
@@ -454,8 +474,7 @@ def _nvfp4_rows(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granularity, s
     x = _rotated(x2.detach(), seed)
     per_row = _finite_block_amax(x, gran).amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0], dtype=torch.float32)
     amax = _segment_max(per_row, g.lengths)  # (E,)
-    q = quantize(x, fmt, gran, rounding=F.Rounding.STOCHASTIC if rand is not None else F.Rounding.NEAREST,
-                 rand=rand, global_amax=amax[g.expert].unsqueeze(1))
+    q = _nvfp4_cast(x, fmt, gran, amax[g.expert], rand)
     return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.BLOCKS, granularity=gran, width=x2.shape[-1],
                       globals=_globals(q.global_scale, g.expert, g.n_experts), rotated=seed is not None)
 
@@ -482,8 +501,7 @@ def _nvfp4_block_tokens(x2: torch.Tensor, g: Groups, fmt: F.Format, gran: Granul
     amax = _segment_max(per_block, lengths)  # (E,)
     owner = torch.repeat_interleave(torch.arange(g.n_experts, device=x.device), lengths,
                                     output_size=x.shape[1] // bc)
-    q = quantize(x, fmt, gran, rounding=F.Rounding.STOCHASTIC if rand is not None else F.Rounding.NEAREST,
-                 rand=rand, global_amax=amax[owner].unsqueeze(0))
+    q = _nvfp4_cast(x.t(), fmt, gran, amax[owner], rand, transposed=True)  # (K, P) along P: x.t()'s side B
     starts = GG.padded_starts(g.counts, bc)
     return ExpertCast(q.data, q.scale, fmt, x2.dtype, Side.BLOCK_TOKENS, granularity=gran, starts=starts,
                       globals=_globals(q.global_scale, owner, g.n_experts), rotated=seed is not None)
@@ -500,7 +518,7 @@ def _nvfp4_weights(w: torch.Tensor, fmt: F.Format, gran: Granularity, seed: int 
         per_row = _finite_block_amax(flat, gran).amax(dim=1)  # (E * R / rows,)
         amax = per_row.view(e, -1).amax(dim=1)  # (E,)
         owner = torch.arange(e, device=w.device).repeat_interleave(r // rows)
-        q = quantize(flat, fmt, gran, global_amax=amax[owner].unsqueeze(1))
+        q = _nvfp4_cast(flat, fmt, gran, amax[owner], None)
         data, scales = q.data.view(e, r, -1), q.scale.view(e, -1, q.scale.shape[-1])
         globals_ = _globals(q.global_scale, owner, e)
     else:  # each expert's last block of rows is padded, as its own cast pads it
