@@ -265,18 +265,6 @@ def grouped_rows_backend(spec: CastSpec, device: torch.device | str) -> Backend:
     return backend_for(spec, device)
 
 
-def nvfp4_lines_backend(spec: CastSpec, device: torch.device | str) -> Backend:
-    """Whether the experts' NVFP4 casts of ``lowprec.nn.grouped_casts`` (every expert's rows under its own global
-    scale, in one cast) run on Triton (``triton_quant.nvfp4_by_lines``: where the kernels cover ``spec``, the
-    side's NVFP4 cast without its Hadamard transform, and the kernel passed its first-use check on the device)
-    or on the reference's operations given a global amax per block row."""
-    if backend_for(spec, device) is not Backend.TRITON:
-        return Backend.TORCH
-    from lowprec.kernels import triton_quant  # imports Triton: only where the device runs it
-
-    return Backend.TRITON if triton_quant.nvfp4_lines_checked(torch.device(device)) else Backend.TORCH
-
-
 def padding_backend(device: torch.device | str) -> Backend:
     """Whether experts' token rows move into the weight gradient's padded features-major layout
     (``kernels.grouped_gemm.features_padded``), and experts' weight codes into their transposed copy

@@ -41,7 +41,7 @@ experts:
   on a GPU one Triton pass (``kernels.triton_quant.nvfp4_by_lines``, the NVFP4 cast kernel reading a global
   amax per block row; it checks itself against the reference on its first use on a device, and where it fails
   the casts stay on the reference, said once), elsewhere ``lowprec.quant.quantize``'s ``global_amax``
-  (``kernels.route.nvfp4_lines_backend`` chooses); the amaxes and a side's Hadamard transform are the
+  (:func:`nvfp4_lines_backend` chooses); the amaxes and a side's Hadamard transform are the
   reference's tensor operations on every device; a rotated side (the weight gradient's, random Hadamard transform in
   blocks of 16 along the tokens) is transformed in the padded layout, where no block holds two experts; the
   uniform numbers of stochastic rounding are drawn from the global generator expert by expert, each expert's
@@ -65,7 +65,7 @@ import torch.nn.functional as nnf
 from lowprec import formats as F
 from lowprec.kernels import grouped_gemm as GG
 from lowprec.kernels import quantize as routed_quantize
-from lowprec.kernels.route import Backend, CastSpec, grouped_rows_backend, nvfp4_lines_backend
+from lowprec.kernels.route import Backend, CastSpec, backend_for, grouped_rows_backend
 from lowprec.nn.delayed_bank import BankRows
 from lowprec.nn.plan import LayerPlan, OperandPlan
 from lowprec.quant import Granularity, QuantizedTensor, blockwise, hadamard_padded, quantize, rowwise, tensorwise
@@ -450,12 +450,24 @@ def _segment_max(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return torch.segment_reduce(values, "max", lengths=lengths, axis=0, initial=0.0, unsafe=True)
 
 
+def nvfp4_lines_backend(spec: CastSpec, device: torch.device) -> Backend:
+    """Whether the experts' NVFP4 casts (every expert's rows under its own global scale, in one cast) run on
+    Triton (``kernels.triton_quant.nvfp4_by_lines``: where the kernels cover ``spec``, the side's NVFP4 cast
+    without its Hadamard transform, and the kernel passed its first-use check on the device) or on the
+    reference's operations given a global amax per block row."""
+    if backend_for(spec, device) is not Backend.TRITON:
+        return Backend.TORCH
+    from lowprec.kernels import triton_quant  # Triton: imported where it runs
+
+    return Backend.TRITON if triton_quant.nvfp4_lines_checked(device) else Backend.TORCH
+
+
 def _nvfp4_cast(x2: torch.Tensor, fmt: F.Format, gran: Granularity, line_amax: torch.Tensor,
                 rand: torch.Tensor | None, transposed: bool = False) -> QuantizedTensor:
     """``x2`` along K, or ``x2.T`` along its rows where ``transposed``, cast in NVFP4 blocks, each block row of
     ``x2`` under the global scale of its own finite amax ``line_amax`` (one per block row of ``x2``: its
     expert's), rounded stochastically with ``rand`` where given: one Triton pass where the route says so
-    (``kernels.route.nvfp4_lines_backend``), else the reference given those global amaxes; the same bits."""
+    (:func:`nvfp4_lines_backend`), else the reference given those global amaxes; the same bits."""
     rounding = F.Rounding.STOCHASTIC if rand is not None else F.Rounding.NEAREST
     spec = CastSpec.of(fmt, gran, rounding)
     if x2.numel() and nvfp4_lines_backend(spec, x2.device) is Backend.TRITON:
