@@ -93,25 +93,50 @@ def expert_gemms_section() -> Section:
     return Section("expert GEMMs", ("device", "grouped kernel", "operands", "kind", "state"), tuple(rows))
 
 
+def _nvfp4_lines_runs(dev: str) -> bool:
+    return dev != "cpu" and capability(torch.device(dev)).triton
+
+
+def expert_casts_section() -> Section:
+    """Per device: how a ``GroupedLinear``'s NVFP4 casts run (every expert under its own global scale): one
+    Triton pass on a GPU that runs Triton, with its first-use check's outcome (failed: the reference's
+    operations), else the reference's operations."""
+    rows = []
+    for dev in ["cpu", *gpus()]:
+        if not _nvfp4_lines_runs(dev):
+            rows.append((dev, "NVFP4", "reference operations", "-"))
+            continue
+        from lowprec.kernels import triton_quant  # Triton: imported where it runs
+
+        rows.append((dev, "NVFP4", "lowprec Triton, a global scale per expert",
+                     _STATES[triton_quant.lines_state(torch.device(dev))]))
+    return Section("expert casts", ("device", "format", "kernel", "state"), tuple(rows))
+
+
 def versions_section() -> Section:
     return Section("libraries", ("library", "version"), tuple(library_versions()))
 
 
 def info_sections() -> list[Section]:
-    return [devices_section(), recipe_paths_section(), expert_gemms_section(), versions_section()]
+    return [devices_section(), recipe_paths_section(), expert_gemms_section(), expert_casts_section(),
+            versions_section()]
 
 
 @main.command("info")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--check", is_flag=True, help="Run the first-use checks of the GEMM paths that check themselves "
-                                           "(folded MX, Blackwell's block-scaled, the experts' grouped GEMMs) on "
-                                           "this machine's GPUs first.")
+                                           "(folded MX, Blackwell's block-scaled, the experts' grouped GEMMs, the "
+                                           "experts' NVFP4 casts) on this machine's GPUs first.")
 def info_cmd(as_json: bool, check: bool) -> None:
     """This machine's devices, what each runs natively, each recipe's GEMM paths, library versions."""
     if check:
         for dev in gpus():
             check_paths(dev)
             GG.check_kernels(dev)
+            if _nvfp4_lines_runs(dev):
+                from lowprec.kernels import triton_quant  # Triton: imported where it runs
+
+                triton_quant.nvfp4_lines_checked(torch.device(dev))
     sections = info_sections()
     if as_json:
         data = {s.title: [dict(zip(s.headers, r)) for r in s.rows] for s in sections}

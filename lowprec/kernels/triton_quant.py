@@ -242,14 +242,24 @@ def nvfp4_by_lines(x2: torch.Tensor, spec: CastSpec, line_amax: torch.Tensor, *,
 _LINES_CHECKED: dict[torch.device, bool] = {}
 
 
+def _device_key(device: torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def lines_state(device: torch.device) -> bool | None:
+    """The outcome of :func:`nvfp4_lines_checked` on ``device``: None before it ran there (``lowprec info``)."""
+    return _LINES_CHECKED.get(_device_key(device))
+
+
 def nvfp4_lines_checked(device: torch.device) -> bool:
     """Whether :func:`nvfp4_by_lines` runs on ``device``: on its first use there it casts small problems of every
     kind the experts' casts make (rows along K; 16 x 16 weight blocks; the tokens' transposed side with the
     Hadamard transform and given uniform numbers; BF16 input) and must equal the reference bit for bit; else
     one warning, and the experts' NVFP4 casts run on the reference's operations on that device."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _device_key(device)
     if device not in _LINES_CHECKED:
         _LINES_CHECKED[device] = _check_lines(device)
     return _LINES_CHECKED[device]
@@ -258,6 +268,27 @@ def nvfp4_lines_checked(device: torch.device) -> bool:
 def _check_lines(device: torch.device) -> bool:
     import warnings
 
+    try:
+        for name, got, want in _lines_problems(device):
+            q, r = got(), want()
+            if not (torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8)) and torch.equal(q.scale, r.scale)
+                    and torch.equal(q.global_scale, r.global_scale)):
+                warnings.warn(f"lowprec: the Triton NVFP4 cast with a global scale per expert differs from the "
+                              f"reference on {device} ({name}); the experts' NVFP4 casts run on the reference's "
+                              "tensor operations", stacklevel=4)
+                return False
+    except Exception as e:  # Triton's compiler or resources, the device itself: any failure
+        warnings.warn(f"lowprec: the Triton NVFP4 cast with a global scale per expert fails on {device} "
+                      f"({(str(e).splitlines() or [type(e).__name__])[0]}); the experts' NVFP4 casts run on "
+                      "the reference's tensor operations", stacklevel=4)
+        return False
+    return True
+
+
+def _lines_problems(device: torch.device) -> list:
+    """(name, the kernel's cast, the reference's) for every kind of side the experts' casts make: rows along K;
+    16 x 16 weight blocks from BF16; the tokens' transposed side with the Hadamard transform and given uniform
+    numbers."""
     from lowprec.quant import hadamard_padded, nvfp4
 
     gen = torch.Generator().manual_seed(0)
@@ -267,7 +298,7 @@ def _check_lines(device: torch.device) -> bool:
     rand = torch.rand(96, 64, generator=gen).to(device)
     one, two = nvfp4(16), nvfp4(16, two_d=True)
     e2m1 = "e2m1"
-    cases = [  # (name, got, want)
+    return [
         ("rows", lambda: nvfp4_by_lines(x, CastSpec.of(e2m1, one, "nearest"), rows_amax),
          lambda: _reference(x, e2m1, one, global_amax=rows_amax[:, None])),
         ("16x16 blocks, BF16", lambda: nvfp4_by_lines(x.bfloat16(), CastSpec.of(e2m1, two, "nearest"), block_amax),
@@ -277,19 +308,3 @@ def _check_lines(device: torch.device) -> bool:
          lambda: _reference(hadamard_padded(x.t(), RHT_BLOCK, 5), e2m1, one, rounding="stochastic", rand=rand,
                             global_amax=block_amax[None, :])),
     ]
-    for name, got, want in cases:
-        try:
-            q, r = got(), want()
-            same = (torch.equal(q.data.view(torch.uint8), r.data.view(torch.uint8)) and torch.equal(q.scale, r.scale)
-                    and torch.equal(q.global_scale, r.global_scale))
-        except Exception as e:  # Triton's compiler or resources: any failure
-            warnings.warn(f"lowprec: the Triton NVFP4 cast with a global scale per expert fails on {device} "
-                          f"({(str(e).splitlines() or [type(e).__name__])[0]}); the experts' NVFP4 casts run on "
-                          "the reference's tensor operations", stacklevel=4)
-            return False
-        if not same:
-            warnings.warn(f"lowprec: the Triton NVFP4 cast with a global scale per expert differs from the "
-                          f"reference on {device} ({name}); the experts' NVFP4 casts run on the reference's tensor "
-                          "operations", stacklevel=4)
-            return False
-    return True

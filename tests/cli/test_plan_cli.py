@@ -201,3 +201,35 @@ def test_info_lists_the_experts_grouped_gemms_and_their_checks(fake_cuda, monkey
     assert after["cuda:0", "lowprec Triton, block scales", "features"] == "failed its check"
     assert after["cuda:0", "lowprec Triton", "features"] == "failed its check"
     assert after["cuda:0", "torch._scaled_grouped_mm", "rows"] == "checked on this device"
+
+
+def test_info_lists_the_experts_nvfp4_cast_and_its_check(fake_cuda, monkeypatch):
+    """A GPU that runs Triton casts NVFP4 experts in one Triton pass, unchecked until ``--check`` (or first use)
+    runs its check; the CPU says the reference's operations."""
+    pytest.importorskip("triton")
+    from lowprec.kernels import capability as cap
+    from lowprec.kernels import triton_quant
+
+    fake_cuda(("NVIDIA H100 80GB HBM3", (9, 0), 85.0))
+    monkeypatch.setattr(triton_quant, "_LINES_CHECKED", {})
+    monkeypatch.setattr(cap, "triton_available", lambda: True, raising=False)
+
+    def rows():
+        data = json.loads(_run("info", "--json").output)
+        return {r["device"]: (r["kernel"], r["state"]) for r in data["expert casts"]}
+
+    before = rows()
+    assert before["cpu"] == ("reference operations", "-")
+    if before["cuda:0"][0] == "reference operations":
+        pytest.skip("the fake GPU does not run Triton here")
+    assert before["cuda:0"] == ("lowprec Triton, a global scale per expert", "unchecked")
+    from lowprec.cli import info_cmd
+    from lowprec.kernels import grouped_gemm as GG
+
+    monkeypatch.setattr(info_cmd, "check_paths", lambda dev: None)  # the GEMM paths' checks: tested above
+    monkeypatch.setattr(GG, "check_kernels", lambda dev: None)
+    ran = []
+    monkeypatch.setattr(triton_quant, "_check_lines", lambda device: ran.append(device) or False)
+    assert _run("info", "--check").exit_code == 0
+    assert [str(d) for d in ran] == ["cuda:0"]
+    assert rows()["cuda:0"] == ("lowprec Triton, a global scale per expert", "failed its check")
