@@ -160,6 +160,10 @@ def main() -> None:
     C.print_table("checks: relative error against the recipe's loop", ["variant", "output", "input grad", "w2 grad"],
                   checks)
     print("grouped GEMM self-check:", grouped_gemm.grouped_status())
+    if "nvfp4" in recipes and torch.device(dev).type == "cuda":
+        print("nvfp4: its gradients round stochastically, and on a GPU the loop's Linears draw their numbers in "
+              "Triton (Philox) where the batched casts draw torch's: the gradients differ by two roundings' "
+              "spread; on the CPU they equal the loop bit for bit")
     base_ms = times["bf16 grouped_mm"]
     table = [[n, f"{times[n]:.2f}", f"{base_ms / times[n]:.2f}x"] for n in variants]
     C.print_table(f"{args.experts} experts {args.dim}->{args.width}->{args.dim}, {rows} routed rows, fwd+bwd",
