@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lowprec._checks import describe, fail
+from lowprec.kernels.first_use import device_key
 
 _TENSOR_CORE_FORMATS: tuple[tuple[tuple[int, int], tuple[str, ...]], ...] = (
     ((7, 0), ("fp16",)),  # Volta
@@ -101,9 +102,7 @@ def capability(device: torch.device | str | None = None) -> Capability:
     """The capability of ``device`` (default: the current CUDA device if there is one, else CPU)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = device_key(device)
     cap = _KNOWN.get(device)
     if cap is None:
         cap = _KNOWN[device] = _capability(device)

@@ -49,6 +49,14 @@ def relative_error(a: QuantizedTensor, b: QuantizedTensor, gemm: Gemm, emulated:
     return ((got - want).abs() / scale.clamp(min=1e-30)).max().item()
 
 
+def device_key(device: torch.device | str) -> torch.device:
+    """``device`` as a check's outcome is kept under: a CUDA device without an index is the current one."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class FirstUseCheck:
     """One path's checks: ``problems(device)`` gives named operand pairs; ``what`` names the path and
     ``otherwise`` says where its GEMMs go when a check fails, in the warning."""
@@ -58,16 +66,9 @@ class FirstUseCheck:
         self.what, self.otherwise, self.problems = what, otherwise, problems
         self._done: dict[torch.device, bool] = {}
 
-    @staticmethod
-    def _key(device: torch.device) -> torch.device:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return device
-
     def checked(self, device: torch.device, gemm: Gemm, emulated: Gemm) -> bool:
         """Whether the path runs on ``device``: checked there on the first call, remembered afterwards."""
-        key = self._key(device)
+        key = device_key(device)
         if key not in self._done:
             self._done[key] = self.run(key, gemm, emulated)
         return self._done[key]
@@ -89,10 +90,10 @@ class FirstUseCheck:
 
     def state(self, device: torch.device) -> bool | None:
         """True or False once checked on ``device``, None before."""
-        return self._done.get(self._key(device))
+        return self._done.get(device_key(device))
 
     def status(self) -> dict[str, bool]:
         return {str(d): ok for d, ok in self._done.items()}
 
 
-__all__ = ["TOLERANCE", "FirstUseCheck", "integer_operands", "relative_error"]
+__all__ = ["TOLERANCE", "FirstUseCheck", "device_key", "integer_operands", "relative_error"]

@@ -20,6 +20,7 @@ import torch
 from lowprec._checks import describe, fail
 from lowprec.kernels import triton_ops as ops
 from lowprec.kernels import triton_tiles as T
+from lowprec.kernels.first_use import device_key
 from lowprec.kernels.fold_rule import target as fold_target
 from lowprec.kernels.ops import as_operators
 from lowprec.kernels.route import CastSpec
@@ -242,16 +243,9 @@ def nvfp4_by_lines(x2: torch.Tensor, spec: CastSpec, line_amax: torch.Tensor, *,
 _LINES_CHECKED: dict[torch.device, bool] = {}
 
 
-def _device_key(device: torch.device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 def lines_state(device: torch.device) -> bool | None:
     """The outcome of :func:`nvfp4_lines_checked` on ``device``: None before it ran there (``lowprec info``)."""
-    return _LINES_CHECKED.get(_device_key(device))
+    return _LINES_CHECKED.get(device_key(device))
 
 
 def nvfp4_lines_checked(device: torch.device) -> bool:
@@ -259,7 +253,7 @@ def nvfp4_lines_checked(device: torch.device) -> bool:
     kind the experts' casts make (rows along K; 16 x 16 weight blocks; the tokens' transposed side with the
     Hadamard transform and given uniform numbers; BF16 input) and must equal the reference bit for bit; else
     one warning, and the experts' NVFP4 casts run on the reference's operations on that device."""
-    device = _device_key(device)
+    device = device_key(device)
     if device not in _LINES_CHECKED:
         _LINES_CHECKED[device] = _check_lines(device)
     return _LINES_CHECKED[device]
