@@ -19,7 +19,17 @@ import torch
 
 from lowprec import formats as F
 from lowprec import recipes as R
-from lowprec.kernels import Backend, CastRoute, CastSpec, GemmPath, capability, folds_at_cast, gemm_path, route
+from lowprec.kernels import (
+    Backend,
+    Capability,
+    CastRoute,
+    CastSpec,
+    GemmPath,
+    capability,
+    folds_at_cast,
+    gemm_path,
+    route,
+)
 from lowprec.quant import Granularity, GranularityKind
 from lowprec.quant.hadamard import RHT_SEED
 
@@ -264,10 +274,14 @@ def folded_sides(role: R.Role, paths: dict[str, GemmPath], device: torch.device)
 
 
 def gemm_plan(g: R.Gemm, device: torch.device) -> GemmPlan:
+    return gemm_plan_on(g, capability(device))
+
+
+def gemm_plan_on(g: R.Gemm, cap: Capability) -> GemmPlan:
+    """:func:`gemm_plan` on a capability (a device's, or one the planner describes)."""
     if not g.low_precision:
         return GemmPlan(HP, g.fast_accum)
-    return GemmPlan(gemm_path(g.lhs.fmt, g.lhs.granularity, g.rhs.fmt, g.rhs.granularity,
-                              capability(device)), g.fast_accum)
+    return GemmPlan(gemm_path(g.lhs.fmt, g.lhs.granularity, g.rhs.fmt, g.rhs.granularity, cap), g.fast_accum)
 
 
 def fallback_reason(in_features: int, out_features: int, recipe: R.Recipe) -> str | None:
@@ -285,16 +299,24 @@ def too_small(in_features: int, out_features: int, min_features: int) -> bool:
     return min(in_features, out_features) < min_features
 
 
+def small_rule_applies(recipe: R.Recipe, cap: Capability) -> bool:
+    """The device's small-layer rule applies to ``recipe`` on ``cap``'s device (a
+    capability): one of its GEMMs runs on the tensor cores (natively or folded), where a
+    small layer's casts cost more time than its GEMM saves. Where every GEMM is emulated, speed is not the
+    question. The planner asks the same of the GPU it plans for."""
+    if not recipe.low_precision:
+        return False
+    paths = [gemm_plan_on(getattr(recipe, g), cap).path for g in R.GEMMS]
+    return GemmPath.CUBLAS in paths or GemmPath.FOLDED in paths
+
+
 def small_reason(in_features: int, out_features: int, min_features: int | None, device: torch.device,
                  recipe: R.Recipe) -> str | None:
     """Why a layer this small stays in high precision on ``device``: where the recipe's GEMMs run
     natively, a GEMM with a dimension under ``min_features`` gains less than its casts cost. Elsewhere
     (emulation) speed is not the question, and every layer takes the recipe. None: convert."""
-    if min_features is None or not recipe.low_precision:
-        return None
-    paths = [gemm_plan(getattr(recipe, g), device).path for g in R.GEMMS]
-    fast = GemmPath.CUBLAS in paths or GemmPath.FOLDED in paths  # on the tensor cores, where casts cost time
-    if not fast or not too_small(in_features, out_features, min_features):
+    if min_features is None or not small_rule_applies(recipe, capability(device)) \
+            or not too_small(in_features, out_features, min_features):
         return None
     return (f"too small to gain on {device.type} ({in_features}x{out_features}: a dimension under "
             f"{min_features}; Policy(skip_small=False) converts it)")

@@ -145,11 +145,12 @@ def _linear_inputs(lins: list[Linear], core: list[Saved], moe: bool) -> list[Sav
     return out
 
 
-def block_saved(m: ModelSpec, moe: bool, quantized: bool = True) -> list[Saved]:
+def block_saved(m: ModelSpec, moe: bool, quantized: bool = True, min_features: int | None = None) -> list[Saved]:
     """Everything one block saves under ``recompute="none"``, per token, before any parallel split;
-    ``quantized=False``: a block kept in BF16, whose linears save their inputs in BF16."""
+    ``quantized=False``: a block kept in BF16, whose linears save their inputs in BF16; ``min_features``:
+    the small-layer rule, whose linears save theirs in BF16 too."""
     core = _attention_core(m) + _ffn_core(m, moe)
-    return core + _linear_inputs(block_linears(m, moe, quantized), core, moe)
+    return core + _linear_inputs(block_linears(m, moe, quantized, min_features), core, moe)
 
 
 def output_saved(m: ModelSpec) -> list[Saved]:
@@ -163,15 +164,15 @@ def output_saved(m: ModelSpec) -> list[Saved]:
 
 
 def block_bytes(m: ModelSpec, moe: bool, recipe: RecipeCost, recompute: str, act: Storage = BF16,
-                quantized: bool = True) -> dict[str, float]:
+                quantized: bool = True, min_features: int | None = None) -> dict[str, float]:
     """Bytes per token one block keeps until its backward, by group; ``act``: how norms and SwiGLU save
-    their inputs; ``quantized=False``: a block kept in BF16."""
+    their inputs; ``quantized=False``: a block kept in BF16; ``min_features``: the small-layer rule."""
     if recompute == "full":  # only the block's input, the residual stream
         return {"layer inputs": float(m.d_model * HP_BYTES)}
     if recompute == "selective":  # what it keeps of the norms' and SwiGLU's inputs are the block's input and
         act = BF16                # GEMM outputs, as they are: their FP8 copies are made again in backward
     out: dict[str, float] = {}
-    for s in block_saved(m, moe, quantized):
+    for s in block_saved(m, moe, quantized, min_features):
         if (recompute == "none" and not s.only_selective) or (recompute == "selective" and s.keep_selective):
             out[s.group] = out.get(s.group, 0.0) + s.bytes(recipe, act)
     return out

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from lowprec._checks import fail
+from lowprec.nn.plan import too_small
 from lowprec.plan.models import ModelSpec
 
 
@@ -100,11 +101,22 @@ def ffn_linears(m: ModelSpec, moe: bool) -> list[Linear]:
     return out
 
 
-def block_linears(m: ModelSpec, moe: bool, quantized: bool = True) -> list[Linear]:
+def _kept_small(lin: Linear, min_features: int | None) -> bool:
+    """The device's small-layer rule keeps this linear in BF16 (``lowprec.nn.plan.too_small``); experts
+    are not linears to it (``lowprec.convert_grouped``)."""
+    return min_features is not None and not lin.expert and too_small(lin.d_in, lin.d_out, min_features)
+
+
+def block_linears(m: ModelSpec, moe: bool, quantized: bool = True, min_features: int | None = None) -> list[Linear]:
     """The linears of one block: attention, then a dense (``moe=False``) or MoE feed-forward;
-    ``quantized=False``: a block the policy keeps in high precision, none of its linears quantized."""
+    ``quantized=False``: a block the policy keeps in high precision, none of its linears quantized;
+    ``min_features``: the small-layer rule where the planned GPU applies it (``RecipeCost.min_features``),
+    which keeps a linear with a dimension under it in BF16."""
     lins = attention_linears(m) + ffn_linears(m, moe)
-    return lins if quantized else [replace(lin, quantized=False) for lin in lins]
+    if not quantized:
+        return [replace(lin, quantized=False) for lin in lins]
+    return [replace(lin, quantized=False) if lin.quantized and _kept_small(lin, min_features) else lin
+            for lin in lins]
 
 
 class BlockKind(NamedTuple):
@@ -112,21 +124,28 @@ class BlockKind(NamedTuple):
     """A MoE block (else dense)."""
     quantized: bool
     """Its linears take the recipe (else the policy keeps the block in BF16)."""
+    min_features: int | None = None
+    """The small-layer rule its linears follow (:func:`block_linears`)."""
 
 
-def blocks_in(m: ModelSpec, lo: int, hi: int, hp_blocks: int = 0) -> dict[BlockKind, int]:
+def blocks_in(m: ModelSpec, lo: int, hi: int, hp_blocks: int = 0,
+              min_features: int | None = None) -> dict[BlockKind, int]:
     """How many blocks of each kind layers ``lo``..``hi - 1`` hold. Dense blocks come first; the last
-    ``hp_blocks`` are kept in BF16 (a recipe's ``hp_last_fraction``, as the default policy does)."""
+    ``hp_blocks`` are kept in BF16 (a recipe's ``hp_last_fraction``, as the default policy does);
+    ``min_features``: the small-layer rule the quantized blocks' linears follow."""
     nd, hp_from = m.n_dense_layers, m.n_layers - hp_blocks
-    spans = {BlockKind(False, True): (0, min(nd, hp_from)), BlockKind(False, False): (min(nd, hp_from), nd),
-             BlockKind(True, True): (nd, max(nd, hp_from)), BlockKind(True, False): (max(nd, hp_from), m.n_layers)}
+    q, hp = min_features, None
+    spans = {BlockKind(False, True, q): (0, min(nd, hp_from)),
+             BlockKind(False, False, hp): (min(nd, hp_from), nd),
+             BlockKind(True, True, q): (nd, max(nd, hp_from)),
+             BlockKind(True, False, hp): (max(nd, hp_from), m.n_layers)}
     counts = {k: max(0, min(hi, b) - max(lo, a)) for k, (a, b) in spans.items()}
     return {k: n for k, n in counts.items() if n}
 
 
-def block_kinds(m: ModelSpec, hp_blocks: int = 0) -> list[tuple[BlockKind, int]]:
+def block_kinds(m: ModelSpec, hp_blocks: int = 0, min_features: int | None = None) -> list[tuple[BlockKind, int]]:
     """``(kind, number of blocks)`` for each kind of block the model has."""
-    return list(blocks_in(m, 0, m.n_layers, hp_blocks).items())
+    return list(blocks_in(m, 0, m.n_layers, hp_blocks, min_features).items())
 
 
 def block_norm_params(m: ModelSpec) -> int:
@@ -150,9 +169,10 @@ class ParamCount:
     norms: int
 
 
-def count_params(m: ModelSpec, hp_blocks: int = 0) -> ParamCount:
-    """``hp_blocks``: the last blocks kept in BF16, whose linears are not counted as quantized."""
-    blocks = [(n, block_linears(m, *kind)) for kind, n in block_kinds(m, hp_blocks)]
+def count_params(m: ModelSpec, hp_blocks: int = 0, min_features: int | None = None) -> ParamCount:
+    """``hp_blocks``: the last blocks kept in BF16, whose linears are not counted as quantized;
+    ``min_features``: the small-layer rule (:func:`block_linears`)."""
+    blocks = [(n, block_linears(m, *kind)) for kind, n in block_kinds(m, hp_blocks, min_features)]
     total = sum(n * sum(lin.numel for lin in lins) for n, lins in blocks)
     active = sum(n * sum(lin.active_numel for lin in lins) for n, lins in blocks)
     quant = sum(n * sum(lin.numel for lin in lins if lin.quantized) for n, lins in blocks)

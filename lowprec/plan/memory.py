@@ -218,7 +218,7 @@ def _block_params(m: ModelSpec, kind: BlockKind, recipe: RecipeCost, tp: int, ep
 def stage_blocks(m: ModelSpec, recipe: RecipeCost, pp: int, stage: int) -> dict[BlockKind, int]:
     """The blocks of each kind on ``stage``: the last ones the recipe keeps in BF16 sit on the last stages."""
     lo, hi = stage * m.n_layers // pp, (stage + 1) * m.n_layers // pp
-    return blocks_in(m, lo, hi, recipe.hp_blocks(m.n_layers))
+    return blocks_in(m, lo, hi, recipe.hp_blocks(m.n_layers), recipe.min_features)
 
 
 def _stage_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -> _Params:
@@ -318,14 +318,14 @@ def _activations(m: ModelSpec, recipe: RecipeCost, par: Parallel, train: Trainin
     scale = train.tokens * in_flight / par.tp
     groups: dict[str, float] = {}
     for kind, n in counts.items():
-        for group, per_token in block_bytes(m, kind.moe, recipe, train.recompute, train.act, kind.quantized).items():
+        for group, per_token in block_bytes(m, kind.moe, recipe, train.recompute, train.act, *kind[1:]).items():
             groups[group] = groups.get(group, 0.0) + per_token * n
     where = f"{in_flight} micro-batch(es) x {train.tokens} tokens" + (f" / tp {par.tp}" if par.tp > 1 else "")
     n = sum(counts.values())
     out = [Component(f"activations: {g}", b * scale, f"{count(b)} B/token summed over {n} layers x {where}")
            for g, b in groups.items() if b]
     if train.recompute == "full" and sum(counts.values()):
-        worst = max(sum(block_bytes(m, kind.moe, recipe, "none", train.act, kind.quantized).values())
+        worst = max(sum(block_bytes(m, kind.moe, recipe, "none", train.act, *kind[1:]).values())
                     for kind in counts)
         out.append(Component("activations: recomputed block", worst * train.tokens / par.tp,
                              f"{count(worst)} B/token, one block rebuilt at a time"))

@@ -9,7 +9,7 @@ from lowprec.plan.gpus import GPU, get_gpu
 from lowprec.plan.layers import ParamCount, check_parallel_fits, count_params
 from lowprec.plan.memory import Parallel, StageMemory, Training, fewest_gpus, memory_per_gpu
 from lowprec.plan.models import ModelSpec, get_model
-from lowprec.plan.recipes import RecipeCost, get_recipe
+from lowprec.plan.recipes import RecipeCost, get_recipe, on_gpu
 from lowprec.plan.throughput import FlopTerm, Throughput, flop_terms, throughput
 from lowprec.plan.trainable import trainer_refusals
 from lowprec.plan.units import GB
@@ -86,7 +86,8 @@ class Plan:
 
 def plan(config: PlanConfig) -> Plan:
     """Plan training ``config.model`` with ``config.recipe`` on ``config.gpu`` accelerators."""
-    m, recipe, gpu, train = get_model(config.model), get_recipe(config.recipe), get_gpu(config.gpu), config.training
+    m, gpu, train = get_model(config.model), get_gpu(config.gpu), config.training
+    recipe = on_gpu(get_recipe(config.recipe), gpu.capability)
     check_parallel_fits(m, config.tp, config.ep)
     layout = dict(tp=config.tp, pp=config.pp, ep=config.ep, zero=config.zero)
     fewest = fewest_gpus(m, recipe, gpu.memory_gb, train, **layout)
@@ -99,7 +100,7 @@ def plan(config: PlanConfig) -> Plan:
     tokens_per_step = train.tokens * par.dp * max(train.grad_accum, par.pp)
     tp_out = throughput(terms, gpus=gpus, mfu=config.mfu, tokens_per_step=tokens_per_step,
                         tokens=config.tokens, price_per_gpu_hour=config.price_per_gpu_hour)
-    params = count_params(m, recipe.hp_blocks(m.n_layers))
+    params = count_params(m, recipe.hp_blocks(m.n_layers), recipe.min_features)
     return Plan(config=config, model=m, params=params, recipe=recipe, gpu=gpu, parallel=par, memory=mem,
                 fewest_gpus=fewest, flops=tuple(terms), throughput=tp_out,
                 trainer_refusals=trainer_refusals(par, train))

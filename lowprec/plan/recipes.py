@@ -19,16 +19,18 @@ row-wise 1 + 4/K (one FP32 per row of K elements), FP8 per-tensor 1 + 4/numel.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from lowprec import formats as F
 from lowprec import recipes as R
 from lowprec._checks import describe, fail
+from lowprec.kernels import Capability
 from lowprec.nn.fp8_convert import storage_for
-from lowprec.nn.plan import operand_plan, recasts_weight_t
+from lowprec.nn.plan import operand_plan, recasts_weight_t, small_rule_applies
 from lowprec.nn.saved import SavedActivations
+from lowprec.policy import Policy
 from lowprec.quant import Granularity, ScaleRule
 
 TENSOR = "tensor"
@@ -171,6 +173,9 @@ class RecipeCost:
     """How fprop's, dgrad's and wgrad's ``(lhs, rhs)`` casts are stored: an emulated GEMM's cast traffic."""
     hp_last_fraction: float = 0.0
     """Fraction of the last blocks the default policy keeps in BF16 (``Recipe.hp_last_fraction``)."""
+    min_features: int | None = None
+    """The default policy's small-layer rule on the planned GPU (:func:`on_gpu`): a linear with a
+    dimension under it stays in BF16; None where the rule does not apply (every GEMM emulated there)."""
 
     def hp_blocks(self, n_layers: int) -> int:
         """How many of ``n_layers`` last blocks the default policy keeps in BF16 for this recipe, as
@@ -220,6 +225,13 @@ def cost_of(recipe: R.Recipe) -> RecipeCost:
         operands=tuple((storage_of(g.lhs), storage_of(g.rhs)) for g in (recipe.fprop, recipe.dgrad, recipe.wgrad)),
         hp_last_fraction=recipe.hp_last_fraction,
     )
+
+
+def on_gpu(cost: RecipeCost, cap: Capability) -> RecipeCost:
+    """``cost`` as the default policy converts a model on a device of capability ``cap``: with the small-layer
+    rule (``lowprec.policy.Policy.min_features``) where it applies there (``lowprec.nn.plan.small_rule_applies``)."""
+    applies = cost.recipe is not None and cost.quantizes and small_rule_applies(cost.recipe, cap)
+    return replace(cost, min_features=Policy().min_features if applies else None)
 
 
 def get_recipe(recipe: str | R.Recipe | RecipeCost) -> RecipeCost:

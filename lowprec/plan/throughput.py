@@ -94,8 +94,8 @@ class _Elements:
     weights: float
 
 
-def _elements(m: ModelSpec, hp_blocks: int, tokens: int) -> _Elements:
-    lins: list[tuple[int, Linear]] = [(n, lin) for kind, n in block_kinds(m, hp_blocks)
+def _elements(m: ModelSpec, hp_blocks: int, tokens: int, min_features: int | None) -> _Elements:
+    lins: list[tuple[int, Linear]] = [(n, lin) for kind, n in block_kinds(m, hp_blocks, min_features)
                                       for lin in block_linears(m, *kind) if lin.quantized]
     return _Elements(inputs=sum(n * lin.d_in * lin.active for n, lin in lins),
                      outputs=sum(n * lin.d_out * lin.active for n, lin in lins),
@@ -110,8 +110,10 @@ def _traffic(s: Storage, row: int, wide: int) -> float:
 
 def _linear_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, tokens: int, p_q: float,
                   recompute: bool = False) -> list[FlopTerm]:
+    if not p_q:  # every linear kept in BF16 (the small-layer rule, a recipe that quantizes nothing)
+        return []
     paths = gemm_paths(recipe.recipe, gpu.capability)
-    e = _elements(m, recipe.hp_blocks(m.n_layers), tokens)
+    e = _elements(m, recipe.hp_blocks(m.n_layers), tokens, recipe.min_features)
     # (lhs, rhs) elements per token: fprop input x weight, dgrad grad_output x weight.T, wgrad grad_output.T x input.T
     sides = ((e.inputs, e.weights), (e.outputs, e.weights), (e.outputs, e.inputs))
     out = []
@@ -142,27 +144,32 @@ def _linear_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, tokens: int, p_q: 
     return out
 
 
-def _hp_linear_params(m: ModelSpec, hp_blocks: int) -> tuple[float, float]:
-    """(router, BF16-block linear) active parameters: the block linears that run in BF16."""
+def _hp_linear_params(m: ModelSpec, hp_blocks: int, min_features: int | None) -> tuple[float, float, float]:
+    """(router, BF16-block linear, small linear) active parameters: the block linears that run in BF16."""
     routers = sum(n * lin.active_numel for kind, n in block_kinds(m) for lin in block_linears(m, kind.moe)
                   if not lin.quantized)
-    hp = count_params(m, hp_blocks).quantized_active
-    return routers, count_params(m).quantized_active - hp
+    every = count_params(m).quantized_active
+    small = every - count_params(m, 0, min_features).quantized_active
+    kept = every - small - count_params(m, hp_blocks, min_features).quantized_active
+    return routers, kept, small
 
 
 def flop_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, seq: int, recompute: str,
                tokens: int | None = None) -> list[FlopTerm]:
     """``tokens``: per micro-batch (default ``seq``), over which a weight's casts are spread."""
     hp_blocks = recipe.hp_blocks(m.n_layers)
-    p_q = count_params(m, hp_blocks).quantized_active
+    p_q = count_params(m, hp_blocks, recipe.min_features).quantized_active
     head = m.vocab * m.d_model
-    routers, kept = _hp_linear_params(m, hp_blocks)
+    routers, kept, small = _hp_linear_params(m, hp_blocks, recipe.min_features)
     attn_fwd = 2 * seq * m.n_heads * (m.qk_head_dim + m.v_head_dim) * m.n_layers
     attn_formula = f"2 x s {seq} x h {m.n_heads} x (d_qk {m.qk_head_dim} + d_v {m.v_head_dim}) x L {m.n_layers}"
     terms = _linear_terms(m, recipe, gpu, tokens or seq, p_q)
     if kept:
         terms.append(_hp_term(gpu, f"linears of the last {hp_blocks} blocks (bf16 by policy)", 6 * kept,
                               f"6 x {count(kept)} active params"))
+    if small:
+        terms.append(_hp_term(gpu, f"linears with a dimension under {recipe.min_features} (bf16 by policy)",
+                              6 * small, f"6 x {count(small)} active params"))
     terms += [
         _hp_term(gpu, "LM head and routers", 6 * (head + routers),
                  f"6 x ({count(head)} head + {count(routers)} router params)"),
@@ -170,8 +177,9 @@ def flop_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, seq: int, recompute: 
     ]
     if recompute == "full":
         terms += _linear_terms(m, recipe, gpu, tokens or seq, p_q, recompute=True)
-        terms.append(_hp_term(gpu, "recompute: bf16 linears, routers and attention", 2 * (routers + kept) + attn_fwd,
-                              f"2 x {count(routers + kept)} + " + attn_formula, True))
+        terms.append(_hp_term(gpu, "recompute: bf16 linears, routers and attention",
+                              2 * (routers + kept + small) + attn_fwd,
+                              f"2 x {count(routers + kept + small)} + " + attn_formula, True))
     return terms
 
 

@@ -12,6 +12,7 @@ from lowprec.plan.memory import Parallel, Training, memory_per_gpu, stage_memory
 from lowprec.plan.models import ModelSpec
 from lowprec.plan.planner import PlanConfig, plan
 from lowprec.plan.recipes import RECIPES, ROW, TENSOR, cost_of, gemm_format, get_recipe, storage_of
+from lowprec.policy import Policy
 from lowprec.quant import blockwise, columnwise, mx, nvfp4, quantize, rowwise, tensorwise
 
 K, N = 4096, 1024  # a weight (N, K) reduced over K
@@ -139,9 +140,27 @@ def test_a_stochastically_rounded_weight_transpose_is_saved_per_micro_batch_in_f
 
 
 def test_plan_accepts_a_user_recipe_object():
-    p = plan(PlanConfig(model=TINY, recipe=_user_recipe(), gpu="h100", gpus=1))
+    # on an A100 the FP8 GEMMs are emulated, so the small-layer rule does not apply: the tiny linears take it
+    p = plan(PlanConfig(model=TINY, recipe=_user_recipe(), gpu="a100", gpus=1))
     assert p.recipe == cost_of(_user_recipe())
     assert {t.gemm for t in p.flops if t.name.startswith("linears")} == {"fp8"}
+
+
+def test_the_plan_keeps_small_linears_in_bf16_where_the_gemms_run_on_tensor_cores():
+    """The default policy's small-layer rule, as convert applies it on the device: on an H100 (FP8 tensor
+    cores) every linear of the tiny model has a dimension under 1024 and stays in BF16, in the FLOPs and in
+    memory; on an A100 (emulated) they all take the recipe."""
+    h100 = plan(PlanConfig(model=TINY, recipe=_user_recipe(), gpu="h100", gpus=1))
+    assert h100.recipe == replace(cost_of(_user_recipe()), min_features=Policy().min_features)
+    assert not any(t.name.startswith("linears:") for t in h100.flops)
+    a100 = plan(PlanConfig(model=TINY, recipe=_user_recipe(), gpu="a100", gpus=1))
+    assert a100.params.quantized > 0 and a100.recipe.min_features is None and h100.params.quantized == 0
+    small = [t for t in h100.flops if t.name.startswith("linears with a dimension under 1024")]
+    assert len(small) == 1 and small[0].gemm == "bf16" and small[0].flops == 6 * a100.params.quantized_active
+    bf16 = plan(PlanConfig(model=TINY, recipe="bf16", gpu="h100", gpus=1)).memory.components
+    assert {x.name: x.bytes for x in h100.memory.components if x.bytes} == {x.name: x.bytes for x in bf16 if x.bytes}
+    bf16 = plan(PlanConfig(model=TINY, recipe="bf16", gpu="h100", gpus=1))
+    assert bf16.recipe.min_features is None
 
 
 def test_unknown_and_wrong_type_recipes_are_refused():
