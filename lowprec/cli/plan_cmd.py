@@ -51,7 +51,10 @@ def _show(table: Callable[[], str]) -> Callable:
 @click.option("--fp8-weights", is_flag=True,
               help="Quantized linears' weights stored in FP8 (no BF16 copy), as lowprec train --fp8-weights.")
 @click.option("--tokens", type=float, default=None, help="Tokens to train on (e.g. 15e12), for days and cost.")
-@click.option("--mfu", type=float, default=0.4, show_default=True, help="Fraction of dense peak achieved.")
+@click.option("--mfu", type=float, default=None,
+              help="Fraction of each GEMM format's dense peak the whole step achieves. Default: the step's parts "
+                   "(GEMMs, experts, casts, attention, other kernels, optimizer) at the fractions measured on an "
+                   "H200 (docs/plan.md).")
 @click.option("--price-per-gpu-hour", type=float, default=None, help="US dollars per GPU-hour, for the cost.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 @click.option("--list-gpus", is_flag=True, expose_value=False, is_eager=True, callback=_show(gpu_table),
@@ -61,7 +64,7 @@ def _show(table: Callable[[], str]) -> Callable:
 def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp: int, pp: int, ep: int,
              seq: int, micro_batch: int, grad_accum: int, recompute: str, optimizer: str, optim_states: str,
              master_weights: bool, grad_dtype: str, fp8_weights: bool, fp8_activations: str | None,
-             tokens: float | None, mfu: float, price_per_gpu_hour: float | None, as_json: bool) -> None:
+             tokens: float | None, mfu: float | None, price_per_gpu_hour: float | None, as_json: bool) -> None:
     """Memory per GPU by component, whether it fits, the fewest GPUs that fit, and time and cost."""
     training = Training(seq=seq, micro_batch=micro_batch, grad_accum=grad_accum, recompute=recompute,
                         optimizer=optimizer, optim_states=optim_states, master_weights=master_weights,

@@ -375,3 +375,10 @@ def fewest_gpus(m: ModelSpec, recipe: RecipeCost, capacity_gb: float, train: Tra
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
     return tp * pp * ep * lo
+
+
+def updated_params(m: ModelSpec, recipe: RecipeCost, par: Parallel, stage: int) -> float:
+    """Parameters whose optimizer update one GPU of ``stage`` runs: its shard under ZeRO 1 and above."""
+    p = _stage_params(m, recipe, par, stage)
+    div, div_e = (par.dp, par.dp // par.ep) if par.zero >= 1 else (1, 1)
+    return p.dense / div + p.expert / div_e

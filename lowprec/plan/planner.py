@@ -10,6 +10,7 @@ from lowprec.plan.layers import ParamCount, check_parallel_fits, count_params
 from lowprec.plan.memory import Parallel, StageMemory, Training, fewest_gpus, memory_per_gpu
 from lowprec.plan.models import ModelSpec, get_model
 from lowprec.plan.recipes import RecipeCost, get_recipe, on_gpu
+from lowprec.plan.step_time import StepTime, step_time
 from lowprec.plan.throughput import FlopTerm, Throughput, flop_terms, throughput
 from lowprec.plan.trainable import trainer_refusals
 from lowprec.plan.units import GB
@@ -40,8 +41,9 @@ class PlanConfig:
     training: Training = Training()
     tokens: float | None = None
     """Tokens to train on, for days and cost."""
-    mfu: float = 0.4
-    """Fraction of each GEMM format's dense peak the run achieves."""
+    mfu: float | None = None
+    """Fraction of each GEMM format's dense peak the whole step achieves; None: the step's parts at the
+    fractions measured for them (``lowprec.plan.step_time``)."""
     price_per_gpu_hour: float | None = None
 
     def __post_init__(self) -> None:
@@ -52,7 +54,7 @@ class PlanConfig:
         _check_number("tokens", self.tokens, positive=True)
         _check_number("price_per_gpu_hour", self.price_per_gpu_hour, positive=False)
         _check_number("mfu", self.mfu, positive=True)
-        if self.mfu > 1:
+        if self.mfu is not None and self.mfu > 1:
             fail("mfu", "a fraction in (0, 1]", self.mfu)
         if not isinstance(self.training, Training):
             fail("training", "a lowprec.plan.Training", describe(self.training), TypeError)
@@ -72,6 +74,8 @@ class Plan:
     """Fewest GPUs that fit with this tp, pp, ep and ZeRO stage; None if no count does."""
     flops: tuple[FlopTerm, ...]
     throughput: Throughput
+    step: StepTime | None
+    """The step's parts where no ``mfu`` was given."""
     trainer_refusals: tuple[str, ...] = ()
     """One line per option ``lowprec train`` cannot run in this layout (``lowprec.plan.trainable``)."""
 
@@ -98,9 +102,11 @@ def plan(config: PlanConfig) -> Plan:
     # one optimizer step runs grad_accum micro-batches per data-parallel rank, and at least the pp
     # that fill a 1F1B pipeline
     tokens_per_step = train.tokens * par.dp * max(train.grad_accum, par.pp)
-    tp_out = throughput(terms, gpus=gpus, mfu=config.mfu, tokens_per_step=tokens_per_step,
-                        tokens=config.tokens, price_per_gpu_hour=config.price_per_gpu_hour)
+    step = None if config.mfu is not None else step_time(m, recipe, gpu, train, par, mem.stage, tokens_per_step)
+    tp_out = throughput(terms, gpus=gpus, mfu=config.mfu, step_s=step.step_s if step else None,
+                        tokens_per_step=tokens_per_step, tokens=config.tokens,
+                        price_per_gpu_hour=config.price_per_gpu_hour)
     params = count_params(m, recipe.hp_blocks(m.n_layers), recipe.min_features)
     return Plan(config=config, model=m, params=params, recipe=recipe, gpu=gpu, parallel=par, memory=mem,
-                fewest_gpus=fewest, flops=tuple(terms), throughput=tp_out,
+                fewest_gpus=fewest, flops=tuple(terms), throughput=tp_out, step=step,
                 trainer_refusals=trainer_refusals(par, train))

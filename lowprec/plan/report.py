@@ -44,8 +44,15 @@ def plan_to_dict(p: Plan) -> dict:
                   for f in p.flops],
         "trainer_refusals": list(p.trainer_refusals),
         "throughput": {
-            "formula": "tokens/s = gpus x mfu / sum(flops_per_token / peak)",
+            "formula": ("tokens/s = gpus x mfu / sum(flops_per_token / peak)" if p.step is None else
+                        "tokens/s = tokens_per_step / sum(parts' seconds per step on one GPU)"),
             "mfu": c.mfu, "model_flops_per_token": t.model_flops_per_token,
+            "implied_mfu": _implied_mfu(p),
+            "step_parts": None if p.step is None else [
+                {"name": x.name, "seconds": x.seconds, "how": x.how} for x in p.step.parts],
+            "fractions": None if p.step is None else {
+                "measured_on": p.step.efficiency.gpu, "this_gpu": p.step.measured,
+                "source": p.step.efficiency.source, "pipeline_factor": p.step.bubble},
             "effective_peak_tflops": t.effective_peak_tflops, "tokens_per_s": t.tokens_per_s,
             "tokens_per_step": t.tokens_per_step, "step_s": t.step_s, "tokens": t.tokens, "days": t.days,
             "gpu_hours": t.gpu_hours, "price_per_gpu_hour": c.price_per_gpu_hour, "cost": t.cost,
@@ -78,10 +85,32 @@ def _trainer_lines(p: Plan) -> list[str]:
     return ["", "lowprec train cannot run this layout as planned:"] + [f"  {line}" for line in p.trainer_refusals]
 
 
+def _implied_mfu(p: Plan) -> float:
+    """Model FLOPs per second per GPU over the BF16 peak: the MFU benchmarks report."""
+    return p.throughput.model_flops_per_token * p.throughput.tokens_per_s / p.parallel.gpus / (
+        p.gpu.peak("bf16")[0] * 1e12)
+
+
+def _step_lines(p: Plan) -> list[str]:
+    if p.step is None:
+        return []
+    s = p.step
+    where = (f"measured on this GPU ({s.efficiency.source})" if s.measured else
+             f"measured on the {s.efficiency.gpu.upper()}, assumed for the {p.gpu.key.upper()} ({s.efficiency.source})")
+    rows = [[x.name, f"{1e3 * x.seconds:,.1f}", f"{100 * x.seconds / s.step_s:.0f}%", x.how] for x in s.parts]
+    rows.append(["step", f"{1e3 * s.step_s:,.1f}", "100%", "" if s.bubble == 1 else
+                 f"compute x {s.bubble:.3g} for the pipeline's bubble"])
+    notes = [f"fractions of peak {where}; communication not modelled"
+             + ("" if p.parallel.gpus == 1 else ": a bound for more than one GPU")]
+    return ["", "step time on one GPU by part (--mfu replaces this by one fraction)",
+            format_table(["part", "ms", "share", "how"], rows)] + notes
+
+
 def _time_lines(p: Plan) -> list[str]:
     t = p.throughput
+    how = (f"at MFU {p.config.mfu:g}" if p.step is None else f"implied MFU {_implied_mfu(p):.0%} of the BF16 peak")
     lines = [f"{t.tokens_per_s:,.0f} tokens/s on {p.parallel.gpus} GPUs "
-             f"(blended peak {t.effective_peak_tflops:,.0f} TFLOP/s per GPU at MFU {p.config.mfu:g}); "
+             f"(blended peak {t.effective_peak_tflops:,.0f} TFLOP/s per GPU; {how}); "
              f"step of {t.tokens_per_step:,} tokens: {t.step_s:.3g} s"]
     if t.days is not None:
         line = f"{t.tokens:.3g} tokens: {t.days:,.1f} days, {t.gpu_hours:,.0f} GPU-hours"
@@ -113,8 +142,8 @@ def format_plan(p: Plan) -> str:
     return "\n".join(head + [format_table(["component", "GB", "formula"], rows), "", _fit_line(p)]
                      + _trainer_lines(p) + ["",
                              "FLOPs per token by GEMM format",
-                             format_table(["part", "format", "peak TFLOP/s", "GFLOP", "formula"], flops), ""]
-                     + _time_lines(p))
+                             format_table(["part", "format", "peak TFLOP/s", "GFLOP", "formula"], flops)]
+                     + _step_lines(p) + [""] + _time_lines(p))
 
 
 def gpu_table() -> str:

@@ -102,7 +102,7 @@ def _elements(m: ModelSpec, hp_blocks: int, tokens: int, min_features: int | Non
                      weights=sum(n * lin.numel for n, lin in lins) / tokens)
 
 
-def _traffic(s: Storage, row: int, wide: int) -> float:
+def cast_and_widen_bytes(s: Storage, row: int, wide: int) -> float:
     """Bytes one element's cast moves: written (read BF16, write it) and widened (read it, write ``wide``)."""
     lp = s.bytes_per_element(row, math.inf)
     return (HP_BYTES + lp) + (lp + wide)
@@ -126,7 +126,7 @@ def _linear_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, tokens: int, p_q: 
         if gp.path is Path.EMULATED:
             tflops, listed = gpu.peak(gp.emulated_in)
             wide = 4 if gp.emulated_in == "fp32" else HP_BYTES
-            cast = n_l * _traffic(lhs, m.d_model, wide) + n_r * _traffic(rhs, m.d_model, wide)
+            cast = n_l * cast_and_widen_bytes(lhs, m.d_model, wide) + n_r * cast_and_widen_bytes(rhs, m.d_model, wide)
             out.append(FlopTerm(name, flops, fmt, tflops, listed, formula + f" + {count(cast)} B of cast traffic",
                                 recompute, gp.path, gp.emulated_in, cast, gpu.hbm_tb_s))
             continue
@@ -154,6 +154,11 @@ def _hp_linear_params(m: ModelSpec, hp_blocks: int, min_features: int | None) ->
     return routers, kept, small
 
 
+def attention_fwd_flops(m: ModelSpec, seq: int) -> float:
+    """Attention's scores and weighted values in one forward, per token, all layers."""
+    return 2 * seq * m.n_heads * (m.qk_head_dim + m.v_head_dim) * m.n_layers
+
+
 def flop_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, seq: int, recompute: str,
                tokens: int | None = None) -> list[FlopTerm]:
     """``tokens``: per micro-batch (default ``seq``), over which a weight's casts are spread."""
@@ -161,7 +166,7 @@ def flop_terms(m: ModelSpec, recipe: RecipeCost, gpu: GPU, seq: int, recompute: 
     p_q = count_params(m, hp_blocks, recipe.min_features).quantized_active
     head = m.vocab * m.d_model
     routers, kept, small = _hp_linear_params(m, hp_blocks, recipe.min_features)
-    attn_fwd = 2 * seq * m.n_heads * (m.qk_head_dim + m.v_head_dim) * m.n_layers
+    attn_fwd = attention_fwd_flops(m, seq)
     attn_formula = f"2 x s {seq} x h {m.n_heads} x (d_qk {m.qk_head_dim} + d_v {m.v_head_dim}) x L {m.n_layers}"
     terms = _linear_terms(m, recipe, gpu, tokens or seq, p_q)
     if kept:
@@ -199,13 +204,21 @@ class Throughput:
     cost: float | None
 
 
-def throughput(terms: list[FlopTerm], *, gpus: int, mfu: float, tokens_per_step: int,
-               tokens: float | None = None, price_per_gpu_hour: float | None = None) -> Throughput:
-    if not 0 < mfu <= 1:
-        fail("mfu", "a fraction in (0, 1]", mfu)
+def throughput(terms: list[FlopTerm], *, gpus: int, tokens_per_step: int, mfu: float | None = None,
+               step_s: float | None = None, tokens: float | None = None,
+               price_per_gpu_hour: float | None = None) -> Throughput:
+    """Tokens/s, days and cost from the FLOPs and either an ``mfu`` (time per token ``sum(flops / peak) /
+    mfu + cast traffic``) or the ``step_s`` a step takes (``lowprec.plan.step_time``)."""
+    if (mfu is None) == (step_s is None):
+        fail("mfu", "exactly one of mfu and step_s", (mfu, step_s))
     model_flops = sum(t.flops for t in terms if not t.recompute)
-    seconds_per_token = sum(t.seconds for t in terms) / mfu + sum(t.cast_seconds for t in terms)  # one GPU
-    tokens_per_s = gpus / seconds_per_token
+    if mfu is not None:
+        if not 0 < mfu <= 1:
+            fail("mfu", "a fraction in (0, 1]", mfu)
+        seconds_per_token = sum(t.seconds for t in terms) / mfu + sum(t.cast_seconds for t in terms)  # one GPU
+        tokens_per_s = gpus / seconds_per_token
+    else:
+        tokens_per_s = tokens_per_step / step_s
     # the blended peak: model FLOPs over the time they take at 100% of every peak, cast traffic included
     peak = model_flops / sum(t.seconds + t.cast_seconds for t in terms if not t.recompute) / 1e12
     days = gpu_hours = cost = None
