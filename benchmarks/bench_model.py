@@ -121,17 +121,24 @@ def memory_options(name: str) -> tuple[str, set[str], str]:
     return recipe, options, states
 
 
-def planned_gib(size: Size, name: str, params: str, recompute: str, gpu: str) -> float | None:
-    """The peak ``lowprec.plan`` predicts for the variant on one ``gpu``; None where it models no such step:
-    FP32 parameters under autocast, torchao, inputs recast in backward."""
+def planned(size: Size, name: str, recompute: str, gpu: str):
+    """``lowprec.plan``'s plan of the variant's step on one ``gpu`` (BF16 parameters with FP32 masters); None
+    where it models no such step: torchao, inputs recast in backward."""
     recipe, options, states = memory_options(name)
-    if params != "bf16-master" or name.startswith("torchao:") or "recast" in options:
+    if name.startswith("torchao:") or "recast" in options:
         return None
     training = Training(seq=size.seq_len, micro_batch=size.batch, recompute=recompute, optim_states=states,
                         fp8_weights="fp8w" in options,
                         saved_activations=fp8_activations("1x128") if "fp8act" in options else None)
-    config = PlanConfig(model=reference_spec("bench", size.config), recipe=recipe, gpu=gpu, gpus=1, training=training)
-    return plan(config).memory.total / 2**30
+    return plan(PlanConfig(model=reference_spec("bench", size.config), recipe=recipe, gpu=gpu, gpus=1,
+                           training=training))
+
+
+def planned_gib(size: Size, name: str, params: str, recompute: str, gpu: str) -> float | None:
+    """The peak ``lowprec.plan`` predicts for the variant on one ``gpu``; None where it models no such step:
+    FP32 parameters under autocast, torchao, inputs recast in backward."""
+    p = planned(size, name, recompute, gpu) if params == "bf16-master" else None
+    return None if p is None else p.memory.total / 2**30
 
 
 def place(base: nn.Module, name: str, dtype: torch.dtype, convert_on: str,

@@ -1,7 +1,10 @@
 """Benchmark 7: where a whole training step's time and memory go, BF16 against lowprec and torchao.
 
-    python benchmarks/bench_profile.py --out results/ [--size 1b] [--mode compiled] [--params fp32-autocast]
-        [--variants bf16,lowprec:fp8-current,torchao:tensorwise] [--steps 3] [--recompute none|selective|full]
+    python benchmarks/bench_profile.py --out results/ [--size 1b] [--mode compiled|eager|cudagraphs]
+        [--params fp32-autocast] [--variants bf16,lowprec:fp8-current,torchao:tensorwise] [--steps 3]
+        [--recompute none|selective|full] [--gpu h200]
+    python benchmarks/bench_profile.py --size moe-1b --mode cudagraphs --params bf16-master \
+        --variants bf16,lowprec:fp8-current           # where the mixture of experts' step goes
     python benchmarks/bench_profile.py --size tiny --mode eager --steps 1     # dry run, any machine
 
 The step is ``bench_model.py``'s, on the same model and batch. Per variant, after the first step and two
@@ -18,6 +21,11 @@ is their share of the GEMM FLOPs (the LM head stays BF16). A recipe's figure aga
 says how much of the gap is casts and how much is arithmetic the recipe does not touch. Beside it, the
 least memory traffic of per-tensor FP8 casts made as separate kernels (an amax pass, then one pass
 writing every copy), and its time at ``--hbm-tb-s``: what such casts cost at best.
+
+Last, ``lowprec plan``'s step for each variant on ``--gpu`` (``lowprec.plan.step_time``: GEMMs, casts,
+attention, other kernels, recomputation, optimizer), each part beside the profiled kinds it stands for: where
+the planner's time model misses a step, this says which part. Under ``--mode cudagraphs`` the step replays
+CUDA graphs, which allocate nothing: no saved bytes or peak are read there.
 """
 from __future__ import annotations
 
@@ -31,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from _common import DEVICE, environment, print_table, sync, write_json
 from _models import SIZES
-from bench_model import TORCHAO_MISSING, check_variant, lowprec_options, make_step, place, torchao_float8
+from bench_model import TORCHAO_MISSING, check_variant, lowprec_options, make_step, place, planned, torchao_float8
 
 from lowprec.plan.gpus import get_gpu
 from lowprec.train.model import build_model
@@ -41,6 +49,10 @@ KINDS = (  # (kind, pattern on the kernel's name), the first match wins
     ("attention", r"flash|fmha|sdpa|attention|attn"),
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|^aten::(mm|addmm|bmm|_scaled_mm|matmul|linear)$"),
     ("lowprec casts", r"^(cast_kernel|amax_kernel|dequant_kernel)"),
+    # torch's own gathers, scatters and sorts: a mixture of experts' routing, the embedding's lookup
+    # (inductor's fused kernels stay "inductor fused" whatever they index)
+    ("gather/scatter/sort", r"^(?!triton_).*(sort|topk|bincount|histc|cumsum|scan|scatter|gather|"
+                            r"index_?(add|put|select|elementwise)|nonzero)"),
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("inductor fused", r"^triton_"),
     ("copies", r"memcpy|memset|copy_|direct_copy"),
@@ -91,11 +103,13 @@ def profile_variant(base, size, name: str, args, tokens) -> dict:
     model, what, _ = place(base, name, dtype, "device", args.recompute)
     options = lowprec_options(name)[1] if name.startswith("lowprec:") else set()
     states = next((o.removesuffix("states") for o in options if o.endswith("states")), None)
-    step, _opt = make_step(model, args.params, args.mode == "compiled", tokens, states)
+    graphs = args.mode == "cudagraphs"
+    step, _opt = make_step(model, args.params, args.mode != "eager", tokens, states, graphs)
     for _ in range(3):  # compiles, creates the optimizer state, settles
         step()
     sync(DEVICE)
-    saved = saved_bytes(step, model, tokens, args)
+    # replays allocate nothing, so under CUDA graphs the allocator's counters say nothing of the step
+    saved = None if graphs else saved_bytes(step, model, tokens, args)
     issue = []
     # the CPU's time to issue a step: near the wall time, the step is CPU-bound (fp32-autocast only: the
     # bf16-master step synchronises in its optimizer's finiteness check, so there it is the whole step)
@@ -143,7 +157,8 @@ def profile_variant(base, size, name: str, args, tokens) -> dict:
            "unprofiled_step_ms": sorted(walls)[len(walls) // 2],
            "lowprec_ops": {n: {"calls_per_step": len(t) / args.steps, "cpu_us": sum(t) / len(t)}
                            for n, t in ops.items()},
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" else None,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if DEVICE == "cuda" and not graphs else None,
+           "planned_ms": planned_parts(size, name, args),
            "top_kernels": sorted(per_kernel.items(), key=lambda kv: -kv[1])[:20]}
     del model, step, _opt, prof
     gc.collect()
@@ -197,6 +212,42 @@ def saved_bytes(step, model, tokens, args) -> float | None:
     return (after - before) / 2**30
 
 
+PLANNED_KINDS = (  # the profile's kinds each of the planner's parts (lowprec.plan.step_time) stands for
+    ("GEMMs", ("gemm",)),
+    ("casts", ("lowprec casts",)),
+    ("attention", ("attention",)),
+    ("other kernels", ("inductor fused", "gather/scatter/sort", "copies", OTHER)),
+    ("recomputation", ()),
+    ("optimizer step", ("optimizer",)),
+)
+
+
+def planned_parts(size, name: str, args) -> dict[str, float] | None:
+    """Milliseconds per step of each part the planner gives the variant's step on ``--gpu`` (BF16 parameters
+    with FP32 masters, whatever ``--params`` says), keyed as :data:`PLANNED_KINDS`; None where it plans none."""
+    p = planned(size, name, args.recompute, args.gpu)
+    if p is None or p.step is None:
+        return None
+    out = {group: 0.0 for group, _ in PLANNED_KINDS}
+    for part in p.step.parts:
+        group = next(g for g, _ in PLANNED_KINDS if part.name.startswith(g))
+        out[group] += 1e3 * part.seconds
+    return out
+
+
+def planned_rows(results: dict) -> list[list[str]]:
+    """Per variant the planner has a step for: each part planned against the profiled kinds it stands for."""
+    rows = []
+    for name, r in results.items():
+        plan_ms = r.get("planned_ms")
+        if not plan_ms or "kinds_ms" not in r:
+            continue
+        measured = {g: sum(r["kinds_ms"].get(k, 0.0) for k in kinds) for g, kinds in PLANNED_KINDS}
+        rows.append([name] + [f"{plan_ms[g]:.1f} / {measured[g]:.1f}" for g, _ in PLANNED_KINDS]
+                    + [f"{sum(plan_ms.values()):.1f} / {r['unprofiled_step_ms']:.1f}"])
+    return rows
+
+
 def report(size, results: dict, args) -> None:
     kinds = [k for k, _ in KINDS] + [OTHER]
     bf = results.get("bf16", {})
@@ -240,6 +291,11 @@ def report(size, results: dict, args) -> None:
                               for n, v in r["lowprec_ops"].items()) or "no lowprec op calls"
             print(f"{name}: the CPU issues a step in {r['cpu_issue_ms']:.1f} ms (wall {r['step_ms']:.1f}); "
                   f"optimizer.step alone {r['optimizer_wall_ms']:.1f} ms from idle to idle; {calls}")
+    rows = planned_rows(results)
+    if rows:
+        print_table(f"lowprec plan's step on {args.gpu} against this profile, ms per step (planned / profiled; "
+                    "recomputation is inside the profiled kinds; the step unprofiled)",
+                    ["variant"] + [g for g, _ in PLANNED_KINDS] + ["step"], rows)
     for name, r in results.items():
         if "top_kernels" in r:
             print_table(f"{name}: longest kernels, ms per step", ["kernel", "ms", "kind"],
@@ -250,7 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
     ap.add_argument("--size", default="1b", choices=sorted(SIZES))
-    ap.add_argument("--mode", default="compiled", choices=("compiled", "eager"))
+    ap.add_argument("--mode", default="compiled", choices=("compiled", "eager", "cudagraphs"),
+                    help="cudagraphs: compiled with mode=\"reduce-overhead\", as bench_model.py's mode")
     ap.add_argument("--params", default="fp32-autocast", choices=("fp32-autocast", "bf16-master"))
     ap.add_argument("--variants", default="bf16,lowprec:fp8-current,torchao:tensorwise",
                     type=lambda s: [check_variant(v) for v in s.split(",")])
@@ -258,6 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--recompute", default="none", choices=[m.value for m in Recompute],
                     help="checkpoint every block of every variant as bench_model.py's --recompute does")
     ap.add_argument("--fp8-gemm-speedup", type=float, default=1.9)
+    ap.add_argument("--gpu", default="h200", help="the accelerator table's row lowprec plan's step is planned on")
     ap.add_argument("--hbm-tb-s", type=float, default=get_gpu("h200").hbm_tb_s,
                     help="the memory bandwidth the cast traffic is timed at (default: the H200's)")
     args = ap.parse_args(argv)

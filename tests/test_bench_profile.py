@@ -31,6 +31,12 @@ def prof_fixture():
     ("Memcpy DtoD (Device -> Device)", "copies"),
     ("adamw_kernel", "optimizer"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::AbsFunctor<float>>", "other torch kernels"),
+    ("void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<Policy900, false, long, int>", "gather/scatter/sort"),
+    ("void at::native::index_elementwise_kernel<128, 4, gpu_index_kernel>", "gather/scatter/sort"),
+    ("void at::native::indexSelectLargeIndex<c10::BFloat16, long, unsigned int, 2, 2, -2, true>",
+     "gather/scatter/sort"),
+    ("void at::native::_scatter_gather_elementwise_kernel<128, 8>", "gather/scatter/sort"),
+    ("triton_poi_fused_index_put_new_zeros_3", "inductor fused"),
 ])
 def test_kernels_sorted_by_kind(prof, name, kind):
     assert prof.kind_of(name) == kind
@@ -80,6 +86,10 @@ def test_dry_run_profiles_each_variant(prof, tmp_path):
         assert r["top_kernels"] and all(ms >= 0 for _, ms in r["top_kernels"])
         assert 0 < r["optimizer_wall_ms"] < r["cpu_issue_ms"]  # the update alone, within the step
     assert "int8" not in results["bf16"]["conversion"]
+    # the planner's parts beside the profile's: a step of the same model planned for the H200
+    planned = results["bf16"]["planned_ms"]
+    assert set(planned) == {g for g, _ in prof.PLANNED_KINDS} and planned["GEMMs"] > 0 < planned["optimizer step"]
+    assert prof.planned_rows(results)[0][0] == "bf16"
     assert 0 < results["ceiling"]["speedup"] < 1.9
     saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master.json").read_text())
     assert set(saved["results"]) == {"bf16", "lowprec:fp8-current+int8states", "ceiling", "cast_traffic"}
@@ -102,3 +112,16 @@ def test_dry_run_profiles_a_recompute_mode(prof, tmp_path, monkeypatch):
     assert results["bf16"]["step_ms"] > 0
     saved = json.loads((tmp_path / "bench_profile_tiny_eager_bf16-master_recompute-selective.json").read_text())
     assert saved["args"]["recompute"] == "selective"
+
+
+def test_cudagraphs_mode_compiles_with_graphs_and_reads_no_memory(prof, tmp_path, monkeypatch):
+    seen = []
+
+    def make_step(model, params, compiled, tokens, states=None, graphs=False):
+        seen.append((compiled, graphs))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(prof, "make_step", make_step)
+    results = prof.main(["--size", "tiny", "--mode", "cudagraphs", "--params", "bf16-master", "--steps", "1",
+                         "--variants", "bf16", "--out", str(tmp_path)])
+    assert seen == [(True, True)] and "stop here" in results["bf16"]["error"]
