@@ -1,6 +1,7 @@
 """``lowprec plan``: memory per GPU, GPUs needed, and time and cost to train a model with a recipe."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ from lowprec.plan.gpus import GPUS
 from lowprec.plan.memory import Training
 from lowprec.plan.planner import PlanConfig, plan
 from lowprec.plan.recipes import GRAD_BYTES, OPTIMIZERS, RECIPES
-from lowprec.plan.report import format_plan, gpu_table, model_table, plan_to_dict
+from lowprec.plan.report import format_comparison, format_plan, gpu_table, model_table, plan_to_dict
 
 
 def _show(table: Callable[[], str]) -> Callable:
@@ -27,7 +28,8 @@ def _show(table: Callable[[], str]) -> Callable:
 
 @main.command("plan")
 @click.option("--model", required=True, help="A preset (see --list-models) or a Hugging Face config.json / its folder.")
-@click.option("--recipe", default="bf16", show_default=True, help="One of " + ", ".join(RECIPES) + ".")
+@click.option("--recipe", default="bf16", show_default=True,
+              help="One of " + ", ".join(RECIPES) + "; several, comma-separated, plan each beside the first.")
 @click.option("--gpu", default="h100", show_default=True, help="One of " + ", ".join(GPUS) + ".")
 @click.option("--gpus", type=int, default=None, help="GPUs to plan for [default: the fewest that fit].")
 @click.option("--zero", type=int, default=0, show_default=True, help="ZeRO stage 0-3.")
@@ -72,5 +74,10 @@ def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp:
                         saved_activations=saved_activations(fp8_activations) if fp8_activations else None)
     config = PlanConfig(model=model, recipe=recipe, gpu=gpu, gpus=gpus, tp=tp, pp=pp, ep=ep, zero=zero,
                         training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
+    names = [r.strip() for r in recipe.split(",")]
+    if len(names) > 1:
+        plans = [plan(dataclasses.replace(config, recipe=r)) for r in names]
+        click.echo(json.dumps([plan_to_dict(p) for p in plans], indent=2) if as_json else format_comparison(plans))
+        return
     result = plan(config)
     click.echo(json.dumps(plan_to_dict(result), indent=2) if as_json else format_plan(result))

@@ -146,6 +146,31 @@ def format_plan(p: Plan) -> str:
                      + _step_lines(p) + [""] + _time_lines(p))
 
 
+def format_comparison(plans: list[Plan]) -> str:
+    """Several recipes' plans of one model and layout side by side, each against the first."""
+    base = plans[0]
+    m, par = base.model, base.parallel
+    head = (f"{m.name} ({base.params.total / 1e9:.2f}B params), {par.gpus} x {base.gpu.key} (tp {par.tp}, "
+            f"pp {par.pp}, ep {par.ep}, ZeRO-{par.zero}), seq {base.config.training.seq} x micro-batch "
+            f"{base.config.training.micro_batch}: each recipe against {base.recipe.name}")
+    rows = []
+    for p in plans:
+        t = p.throughput
+        row = [p.recipe.name, f"{p.memory.total / GB:.1f}", f"{p.memory.total / base.memory.total:.2f}x",
+               "yes" if p.fits else "no", "-" if p.fewest_gpus is None else str(p.fewest_gpus),
+               f"{t.tokens_per_s:,.0f}", f"{t.tokens_per_s / base.throughput.tokens_per_s:.2f}x"]
+        if t.days is not None:
+            row.append(f"{t.days:,.1f}" + ("" if t.cost is None else f" (${t.cost:,.0f})"))
+        rows.append(row)
+    cols = ["recipe", "GB per GPU", "memory", "fits", "fewest GPUs", "tokens/s", "speed"]
+    cols += ["days (cost)"] if base.throughput.days is not None else []
+    how = (f"at MFU {base.config.mfu:g}" if base.step is None else
+           "step time by parts at fractions of peak measured on the " + base.step.efficiency.gpu.upper()
+           + ("" if base.step.measured else f", assumed for the {base.gpu.key.upper()}"))
+    return "\n".join([head, "", format_table(cols, rows), "", f"speed {how}; `lowprec plan` with one recipe "
+                                                            "shows each plan's components"])
+
+
 def gpu_table() -> str:
     rows = [[g.key, g.name, f"{g.memory_gb:g}", f"{g.hbm_tb_s:g}", f"{g.link_gb_s:g}",
              " ".join(f"{f}={v:g}" for f, v in g.peaks), g.source + (f" ({g.note})" if g.note else "")]

@@ -233,3 +233,24 @@ def test_info_lists_the_experts_nvfp4_cast_and_its_check(fake_cuda, monkeypatch)
     assert _run("info", "--check").exit_code == 0
     assert [str(d) for d in ran] == ["cuda:0"]
     assert rows()["cuda:0"] == ("lowprec Triton, a global scale per expert", "failed its check")
+
+
+def test_plan_sets_several_recipes_side_by_side():
+    """``--recipe a,b,c``: each recipe planned in the same layout, its memory and speed against the first's,
+    the same figures as planning each alone."""
+    args = ["plan", "--model", "llama-3-8b", "--gpu", "h200", "--gpus", "8", "--zero", "1", "--tokens", "1e12"]
+    r = _run(*args, "--recipe", "bf16,fp8-current,mxfp8")
+    assert r.exit_code == 0, r.output
+    rows = {line.split()[0]: line.split() for line in r.output.splitlines()
+            if line.split() and line.split()[0] in ("bf16", "fp8-current", "mxfp8")}
+    assert set(rows) == {"bf16", "fp8-current", "mxfp8"} and rows["bf16"][2] == "1.00x"
+    alone = {name: json.loads(_run(*args, "--recipe", name, "--json").output)["throughput"]["tokens_per_s"]
+             for name in rows}
+    for name, row in rows.items():
+        assert row[5] == f"{alone[name]:,.0f}"
+        assert row[6] == f"{alone[name] / alone['bf16']:.2f}x"
+    assert "measured on the H200" in r.output
+    many = json.loads(_run(*args, "--recipe", "bf16,fp8-current", "--json").output)
+    assert [p["recipe"]["name"] for p in many] == ["bf16", "fp8-current"]
+    bad = _run(*args, "--recipe", "bf16,fp3")
+    assert bad.exit_code != 0 and "recipe: expected one of bf16" in bad.output

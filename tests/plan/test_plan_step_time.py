@@ -2,6 +2,7 @@
 (benchmarks/results, read as the benchmarks wrote them), and its mechanics by hand."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from lowprec import recipes as R
 from lowprec.cli import main
 from lowprec.plan.efficiency import H200, Curve, efficiency_for
 from lowprec.plan.memory import Training
@@ -146,8 +148,9 @@ def test_experts_are_timed_by_their_measured_speed_or_said_to_be_modelled():
                                                                                           rel=1e-3)
     # attention's projections k/v (1024 -> 512) and the shared expert (512 wide) stay BF16: the small-layer rule
     assert "GEMMs: linears in bf16" in fp8 and "GEMMs: linears in fp8" in fp8
-    mxfp4 = [x.name for x in _planned("moe-1b", sz, "mxfp4", "none").step.parts]
-    assert any(n.startswith("GEMMs: routed experts (modelled, not measured) in mxfp4") for n in mxfp4)
+    mine = dataclasses.replace(R.get("fp8-current"), name="my-fp8")  # a user's recipe: its experts not measured
+    parts = [x.name for x in _planned("moe-1b", sz, mine, "none").step.parts]
+    assert "GEMMs: routed experts (modelled, not measured) in fp8" in parts
 
 
 def test_a_gpu_without_measured_fractions_takes_the_h200s_and_says_so():
