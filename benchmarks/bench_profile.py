@@ -41,7 +41,7 @@ from _common import DEVICE, environment, print_table, sync, write_json
 from _models import SIZES
 from bench_model import TORCHAO_MISSING, check_variant, lowprec_options, make_step, place, planned, torchao_float8
 
-from lowprec.plan.gpus import get_gpu
+from lowprec.plan.gpus import GPUS, get_gpu
 from lowprec.train.model import build_model
 from lowprec.train.recompute import Recompute
 
@@ -51,7 +51,7 @@ KINDS = (  # (kind, pattern on the kernel's name), the first match wins
     ("lowprec casts", r"^(cast_kernel|amax_kernel|dequant_kernel)"),
     # torch's own gathers, scatters and sorts: a mixture of experts' routing, the embedding's lookup
     # (inductor's fused kernels stay "inductor fused" whatever they index)
-    ("gather/scatter/sort", r"^(?!triton_).*(sort|topk|bincount|histc|cumsum|scan|scatter|gather|"
+    ("gather/scatter/sort", r"^(?!triton_)(?!.*nccl).*(sort|topk|bincount|histc|cumsum|scan|scatter|gather|"
                             r"index_?(add|put|select|elementwise)|nonzero)"),
     ("optimizer", r"multi_tensor|adam|foreach"),
     ("inductor fused", r"^triton_"),
@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--recompute", default="none", choices=[m.value for m in Recompute],
                     help="checkpoint every block of every variant as bench_model.py's --recompute does")
     ap.add_argument("--fp8-gemm-speedup", type=float, default=1.9)
-    ap.add_argument("--gpu", default="h200", help="the accelerator table's row lowprec plan's step is planned on")
+    ap.add_argument("--gpu", default="h200", choices=sorted(GPUS),
+                    help="the accelerator table's row lowprec plan's step is planned on")
     ap.add_argument("--hbm-tb-s", type=float, default=get_gpu("h200").hbm_tb_s,
                     help="the memory bandwidth the cast traffic is timed at (default: the H200's)")
     args = ap.parse_args(argv)

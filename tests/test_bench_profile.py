@@ -37,6 +37,7 @@ def prof_fixture():
      "gather/scatter/sort"),
     ("void at::native::_scatter_gather_elementwise_kernel<128, 8>", "gather/scatter/sort"),
     ("triton_poi_fused_index_put_new_zeros_3", "inductor fused"),
+    ("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "other torch kernels"),
 ])
 def test_kernels_sorted_by_kind(prof, name, kind):
     assert prof.kind_of(name) == kind

@@ -76,7 +76,8 @@ def plan_cmd(model: str, recipe: str, gpu: str, gpus: int | None, zero: int, tp:
                         training=training, tokens=tokens, mfu=mfu, price_per_gpu_hour=price_per_gpu_hour)
     names = [r.strip() for r in recipe.split(",")]
     if len(names) > 1:
-        plans = [plan(dataclasses.replace(config, recipe=r)) for r in names]
+        first = plan(dataclasses.replace(config, recipe=names[0]))  # the others on as many GPUs as the first
+        plans = [first] + [plan(dataclasses.replace(config, recipe=r, gpus=first.parallel.gpus)) for r in names[1:]]
         click.echo(json.dumps([plan_to_dict(p) for p in plans], indent=2) if as_json else format_comparison(plans))
         return
     result = plan(config)

@@ -9,7 +9,8 @@ whole-step speeds the model is then held against (``tests/plan/test_plan_step_ti
 * ``gemm``: dense GEMMs (cuBLAS) at 70% of the BF16 peak: 116.3 ms of GEMM kernels for 8.07e13 FLOPs in the
   1B step, 385.6 ms for 2.67e14 in the 3B step (runs 9 and 11, ``bench_profile.py``: 694 and 692 TFLOP/s);
   FP8 per tensor at 66% of the FP8 peak (run 9: 57 ms for the 1B step's 7.42e13 FP8 FLOPs; its BF16 LM head
-  is the other 8 ms of its 64.8).
+  is the other 8 ms of its 64.8). FP32 GEMMs (emulation off the tensor cores) are taken at BF16's fraction of
+  their own peak, not measured; other low-precision formats (MX, NVFP4 where native) at FP8's.
 * ``attention``: FlashAttention at 68.7% of the BF16 peak at sequence 2048 and 75.9% at 4096 (the same
   profiles: 19.4 and 85.5 ms), on the planner's attention FLOPs (the causal mask not credited).
 * ``grouped``: the routed experts of one block, fwd+bwd, SwiGLU included, compiled with CUDA graphs: BF16's
@@ -107,7 +108,7 @@ _MOE_1B, _MIXTRAL = 2.15e9, 4.81e11
 
 H200 = Efficiency(
     gpu=MEASURED_ON,
-    gemm=(("bf16", 0.70), ("fp16", 0.70), ("fp8", 0.66)),
+    gemm=(("bf16", 0.70), ("fp16", 0.70), ("fp32", 0.70), ("fp8", 0.66)),
     gemm_other=0.66,
     attention=Curve(((2048, 0.687), (4096, 0.759))),
     grouped=Curve(((_MOE_1B, 0.357), (_MIXTRAL, 0.634))),

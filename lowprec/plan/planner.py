@@ -102,7 +102,7 @@ def plan(config: PlanConfig) -> Plan:
     # one optimizer step runs grad_accum micro-batches per data-parallel rank, and at least the pp
     # that fill a 1F1B pipeline
     tokens_per_step = train.tokens * par.dp * max(train.grad_accum, par.pp)
-    step = None if config.mfu is not None else step_time(m, recipe, gpu, train, par, mem.stage, tokens_per_step)
+    step = None if config.mfu is not None else step_time(m, recipe, gpu, train, par, tokens_per_step)
     tp_out = throughput(terms, gpus=gpus, mfu=config.mfu, step_s=step.step_s if step else None,
                         tokens_per_step=tokens_per_step, tokens=config.tokens,
                         price_per_gpu_hour=config.price_per_gpu_hour)

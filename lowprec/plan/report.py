@@ -24,12 +24,13 @@ def plan_to_dict(p: Plan) -> dict:
         "model": {"name": p.model.name, "params": p.params.total, "active_params": p.params.active,
                   "quantized_params": p.params.quantized, "layers": p.model.n_layers, "source": p.model.source},
         "recipe": {"name": p.recipe.name, "gemms": dict(zip(R.GEMMS, p.recipe.gemms)),
-                   "note": p.recipe.note},
+                   "note": p.recipe.note, "min_features": p.recipe.min_features},
         "gpu": {"name": p.gpu.key, "memory_gb": p.gpu.memory_gb, "source": p.gpu.source, "note": p.gpu.note},
         "parallel": {"gpus": par.gpus, "tp": par.tp, "pp": par.pp, "ep": par.ep, "dp": par.dp, "zero": par.zero},
         "training": {"seq": train.seq, "micro_batch": train.micro_batch, "grad_accum": train.grad_accum,
                      "recompute": train.recompute, "optimizer": train.optimizer, "grad_dtype": train.grad_dtype,
                      "optim_states": train.optim_states, "master_weights": train.master_weights,
+                     "fp8_weights": train.fp8_weights,
                      "saved_activations": str(train.saved_activations) if train.saved_activations else None},
         "memory": {
             "stage": p.memory.stage,
@@ -47,7 +48,7 @@ def plan_to_dict(p: Plan) -> dict:
             "formula": ("tokens/s = gpus x mfu / sum(flops_per_token / peak)" if p.step is None else
                         "tokens/s = tokens_per_step / sum(parts' seconds per step on one GPU)"),
             "mfu": c.mfu, "model_flops_per_token": t.model_flops_per_token,
-            "implied_mfu": _implied_mfu(p),
+            "bf16_peak_fraction": _bf16_peak_fraction(p),
             "step_parts": None if p.step is None else [
                 {"name": x.name, "seconds": x.seconds, "how": x.how} for x in p.step.parts],
             "fractions": None if p.step is None else {
@@ -85,8 +86,9 @@ def _trainer_lines(p: Plan) -> list[str]:
     return ["", "lowprec train cannot run this layout as planned:"] + [f"  {line}" for line in p.trainer_refusals]
 
 
-def _implied_mfu(p: Plan) -> float:
-    """Model FLOPs per second per GPU over the BF16 peak: the MFU benchmarks report."""
+def _bf16_peak_fraction(p: Plan) -> float:
+    """Model FLOPs per second per GPU over the BF16 peak: what the benchmarks report as MFU (above 1 where FP8
+    GEMMs carry the step: their peak is twice BF16's)."""
     return p.throughput.model_flops_per_token * p.throughput.tokens_per_s / p.parallel.gpus / (
         p.gpu.peak("bf16")[0] * 1e12)
 
@@ -99,7 +101,7 @@ def _step_lines(p: Plan) -> list[str]:
              f"measured on the {s.efficiency.gpu.upper()}, assumed for the {p.gpu.key.upper()} ({s.efficiency.source})")
     rows = [[x.name, f"{1e3 * x.seconds:,.1f}", f"{100 * x.seconds / s.step_s:.0f}%", x.how] for x in s.parts]
     rows.append(["step", f"{1e3 * s.step_s:,.1f}", "100%", "" if s.bubble == 1 else
-                 f"compute x {s.bubble:.3g} for the pipeline's bubble"])
+                 f"pipeline stage {s.stage}, the slowest; its compute x {s.bubble:.3g} for 1F1B's bubble"])
     notes = [f"fractions of peak {where}; communication not modelled"
              + ("" if p.parallel.gpus == 1 else ": a bound for more than one GPU")]
     return ["", "step time on one GPU by part (--mfu replaces this by one fraction)",
@@ -108,7 +110,8 @@ def _step_lines(p: Plan) -> list[str]:
 
 def _time_lines(p: Plan) -> list[str]:
     t = p.throughput
-    how = (f"at MFU {p.config.mfu:g}" if p.step is None else f"implied MFU {_implied_mfu(p):.0%} of the BF16 peak")
+    how = (f"at MFU {p.config.mfu:g}" if p.step is None else
+           f"model FLOPs at {_bf16_peak_fraction(p):.0%} of the BF16 peak")
     lines = [f"{t.tokens_per_s:,.0f} tokens/s on {p.parallel.gpus} GPUs "
              f"(blended peak {t.effective_peak_tflops:,.0f} TFLOP/s per GPU; {how}); "
              f"step of {t.tokens_per_step:,} tokens: {t.step_s:.3g} s"]

@@ -210,7 +210,7 @@ def throughput(terms: list[FlopTerm], *, gpus: int, tokens_per_step: int, mfu: f
     """Tokens/s, days and cost from the FLOPs and either an ``mfu`` (time per token ``sum(flops / peak) /
     mfu + cast traffic``) or the ``step_s`` a step takes (``lowprec.plan.step_time``)."""
     if (mfu is None) == (step_s is None):
-        fail("mfu", "exactly one of mfu and step_s", (mfu, step_s))
+        fail("mfu, step_s", "exactly one of the two", f"mfu={mfu}, step_s={step_s}")
     model_flops = sum(t.flops for t in terms if not t.recompute)
     if mfu is not None:
         if not 0 < mfu <= 1:

@@ -19,10 +19,13 @@ from lowprec.plan.planner import PlanConfig, plan
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
-# (model, result file, its key, recompute, recipes, bound): every compiled whole step of bench_model.py the
-# fractions were not read from. The bound is the issue's 10% where the plan meets it; the MoE FP8 recipes
-# are planned 12-16% fast (about 8 ms of moe-1b's 93 ms step are in no part: docs/plan.md), and held there
-# so that the model cannot drift further unnoticed.
+# (model, result file, its key, recompute, recipes, bound): the compiled whole steps of bench_model.py on the
+# H200. The dense BF16 ones are in-sample: the fractions come from profiles of the same 1B and 3B steps
+# (runs 9 and 11), so they check that the parts add up to the step rather than predict it; fp8-current's
+# 1B step gave the FP8 fraction. The others predict: 3B fp8-current, the recompute modes, every moe-1b
+# step. The bound is the issue's 10% where the plan meets it; the MoE FP8 recipes are planned 12-16% fast
+# (about 8 ms of moe-1b's 93 ms step are in no part: docs/plan.md) and held there, so that the model cannot
+# drift further unnoticed.
 MEASURED = [
     ("1b", "bench_model_1b_compiled_bf16-master-run14.json", "1b / compiled / bf16-master", "none",
      {"bf16": 0.10, "fp8-current": 0.10}),
@@ -44,6 +47,10 @@ MEASURED = [
      {"fp8-blockwise": 0.16}),
     ("moe-1b", "bench_model_moe-1b_cudagraphs-run79.json", "moe-1b / cudagraphs / bf16-master", "none",
      {"mxfp8": 0.13}),
+    # MX folded onto FP8 tensor cores: the folds cost about three times their bytes (BENCHMARKS.md run 22), which
+    # the plan does not model; it is 26% fast here (docs/plan.md)
+    ("1b", "bench_model_1b_compiled_mxfp8-run53.json", "1b / compiled / fp32-autocast", "none",
+     {"bf16": 0.10, "mxfp8": 0.30}),
 ]
 
 
@@ -90,7 +97,7 @@ def test_the_parts_add_up_to_the_step_and_the_tokens_per_second():
     assert p.throughput.step_s == pytest.approx(s.step_s)
     assert p.throughput.tokens_per_s == pytest.approx(p.throughput.tokens_per_step / s.step_s)
     names = [x.name for x in s.parts]
-    assert {"GEMMs: linears in fp8", "casts (amax, cast, both orientations)", "attention",
+    assert {"GEMMs: linears in fp8", "casts (amax, cast, every orientation)", "attention",
             "optimizer step"} <= set(names)
 
 
@@ -170,7 +177,7 @@ def test_mfu_replaces_the_parts_by_one_fraction():
     t = out["throughput"]
     assert t["mfu"] is None and t["step_parts"] and t["fractions"]["this_gpu"] is True
     assert math.isclose(sum(x["seconds"] for x in t["step_parts"]), t["step_s"], rel_tol=1e-9)
-    assert 0 < t["implied_mfu"] < 1
+    assert 0 < t["bf16_peak_fraction"] < 1
 
 
 def test_fp8_primary_weights_read_as_stored_are_not_cast():
@@ -188,3 +195,62 @@ def test_a_model_whose_linears_all_stay_bf16_plans_as_bf16():
     a = plan(PlanConfig(model=tiny, recipe="fp8-current", gpu="h200", gpus=1, training=Training(seq=256)))
     b = plan(PlanConfig(model=tiny, recipe="bf16", gpu="h200", gpus=1, training=Training(seq=256)))
     assert a.step.step_s == pytest.approx(b.step.step_s)
+
+
+def test_experts_take_their_measured_speed_only_where_their_gemms_run_as_they_did_when_measured():
+    """The H200's measured experts stand for a preset whose GEMMs take the same paths on the planned GPU; on
+    an A100 (FP8 emulated) or a B200 (NVFP4 native) the experts are modelled from their paths, and say so."""
+    def expert_parts(gpu: str, recipe: str) -> list[str]:
+        p = plan(PlanConfig(model="mixtral-8x7b", recipe=recipe, gpu=gpu, gpus=8, training=Training(seq=4096)))
+        return [x.name for x in p.step.parts if "routed experts" in x.name]
+
+    assert expert_parts("h200", "fp8-current") == ["GEMMs: routed experts in fp8-current (grouped)"]
+    assert expert_parts("h100", "fp8-current") == ["GEMMs: routed experts in fp8-current (grouped)"]
+    assert expert_parts("a100", "fp8-current") == ["GEMMs: routed experts (modelled, not measured) in fp8 "
+                                                   "(emulated in bf16)"]
+    # on a B200 NVFP4 is native: its experts are modelled; those of the last blocks, kept in BF16, are measured
+    assert expert_parts("b200", "nvfp4") == ["GEMMs: routed experts (modelled, not measured) in nvfp4",
+                                             "GEMMs: routed experts in bf16 (grouped)"]
+    assert expert_parts("h200", "bf16") == ["GEMMs: routed experts in bf16 (grouped)"]
+
+
+def test_a_pipeline_is_as_slow_as_its_slowest_stage():
+    """The last stage holds the LM head and the loss: with 8 stages of llama-3-8b's 32 blocks it is the slowest,
+    and the step is its own, not the average stage's."""
+    def plan8(pp: int):
+        return plan(PlanConfig(model="llama-3-8b", gpu="h200", gpus=8, pp=pp,
+                               training=Training(seq=4096, grad_accum=8)))
+
+    piped, flat = plan8(8), plan8(1)
+    assert piped.step.stage == 7
+    head = {x.name: x.seconds for x in piped.step.parts}["GEMMs: LM head and routers in bf16"]
+    flat_head = {x.name: x.seconds for x in flat.step.parts}["GEMMs: LM head and routers in bf16"]
+    # both GPUs work on 32768 tokens a step (one of 8 data-parallel ranks, or the one pipeline): the last stage
+    # runs all of their head, as the flat plan's GPU does, and waits out 1F1B's bubble, (8 + 7) / 8
+    assert head == pytest.approx(flat_head * 15 / 8)
+    assert piped.step.step_s > sum(x.seconds for x in flat.step.parts) / 8
+
+
+def test_casts_of_weights_kept_for_a_step_count_once_per_step():
+    def casts_per_token(**kw) -> float:
+        p = plan(PlanConfig(model="llama-3-8b", recipe="fp8-current", gpu="h200", gpus=1,
+                            training=Training(seq=4096, **kw)))
+        return next(x.seconds for x in p.step.parts if x.name.startswith("casts")) / p.throughput.tokens_per_step
+
+    assert casts_per_token(grad_accum=8) < casts_per_token()
+
+
+def test_expert_parallel_ranks_cast_their_own_experts_weights():
+    mine = dataclasses.replace(R.get("fp8-current"), name="my-fp8")  # modelled experts, casts counted
+    def casts(ep: int) -> float:
+        p = plan(PlanConfig(model="qwen3-30b-a3b", recipe=mine, gpu="h200", gpus=8, ep=ep, training=Training(seq=4096)))
+        return next(x.seconds for x in p.step.parts if x.name.startswith("casts"))
+
+    assert casts(8) < casts(1)
+
+
+def test_the_comparison_plans_every_recipe_on_the_first_ones_gpus():
+    r = CliRunner().invoke(main, ["plan", "--model", "llama-2-7b", "--gpu", "h100", "--zero", "1", "--seq", "8192",
+                                  "--recipe", "bf16,fp8-current,nvfp4", "--json"])
+    plans = json.loads(r.output)
+    assert len({p["parallel"]["gpus"] for p in plans}) == 1
