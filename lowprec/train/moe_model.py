@@ -12,8 +12,10 @@ routed experts are three ``lowprec.nn.GroupedLinear``s (``w1`` gate, ``w3`` up, 
 the names of the dense feed-forward), which ``convert`` binds to the recipe; under ``torch.compile`` they
 run in the graph where they need no count on the host (BF16, and fp8-current or fp8-rowwise on an sm90 GPU),
 outside it otherwise (see [Note: experts under torch.compile] in ``lowprec.nn.routing``).
-Each pair's output is put back in token order by a gather (no scatter-add, so the combine is deterministic
-on any device), multiplied by its weight and summed over the token's ``top_k`` experts. The shared experts
+Each pair's output is put back in token order by a gather, multiplied by its weight and summed over the
+token's ``top_k`` experts. The dispatch and the combine are permutations whose gradients are gathers too (no
+second sort, no accumulation by index: [Note: dispatch and combine] in ``lowprec.nn.dispatch``), so the layer
+is deterministic on any device. The shared experts
 are one dense SwiGLU of ``n_shared`` experts' width, added to every token.
 
 Under expert parallelism (:func:`parallelize_experts`; see [Note: expert parallelism] in
@@ -51,6 +53,7 @@ from lowprec._checks import describe, fail
 from lowprec.convert_hf_moe import HFGroupedExperts
 from lowprec.distributed.expert_parallel import ExpertParallel, shard_experts, shard_grouped
 from lowprec.nn import GroupedLinear, SwiGLU
+from lowprec.nn.dispatch import combine, dispatch, inverse_permutation
 from lowprec.nn.grouped import route
 from lowprec.nn.recomputation import recomputing
 from lowprec.nn.routing import expert_counts, outside_graphs
@@ -148,9 +151,10 @@ class MoEFeedForward(nn.Module):
         counts = expert_counts(pairs, self.experts.w1.num_experts)  # (E,)
         if self.balance_rate > 0 and self.training and torch.is_grad_enabled() and not recomputing():
             self.expert_load += counts
-        rows = flat[order // self.top_k]  # (N*k, D) in expert order
+        inverse = inverse_permutation(order)
+        rows = dispatch(flat, order, inverse, self.top_k)  # (N*k, D) in expert order
         y = self._run_experts(rows, counts)  # (N*k, D)
-        y = y[order.argsort()].view(B * T, self.top_k, D)  # (N, k, D) back in token order
+        y = combine(y, order, inverse).view(B * T, self.top_k, D)  # (N, k, D) back in token order
         out = (y * weights.to(y.dtype).unsqueeze(-1)).sum(dim=1)  # (N, D)
         if self.shared is not None:
             out = out + self.shared(flat)

@@ -1,0 +1,69 @@
+"""A mixture of experts' token dispatch and combine as row permutations whose gradients are gathers too.
+
+[Note: dispatch and combine]
+A MoE layer sends each token's ``k`` copies to its experts in expert order, ``rows = x[order // k]``, and
+brings the experts' outputs back in token order, ``y[inverse]``, where ``order`` sorts the ``N * k`` (token,
+slot) pairs by expert and ``inverse`` undoes it. Written as advanced indexing, autograd differentiates both
+into ``index_put_(..., accumulate=True)``, which on a GPU sorts its indices again and accumulates row by row,
+and the inverse permutation itself was a second sort (``order.argsort()``). Both are unnecessary: ``order`` is
+a permutation, so
+
+* the inverse is one scatter of ``arange`` (no sort);
+* the gradient of the dispatch is ``grad_rows[inverse]`` viewed ``(N, k, D)`` and summed over the ``k``
+  copies: a gather and a reduction, each token's copies summed in slot order, the same on every run;
+* the gradient of the combine is ``grad[order]``: a gather.
+
+:func:`dispatch` and :func:`combine` compute the same forward values as the indexing (bit for bit: they
+are the same gathers) and these gradients; the dispatch's gradient sums each token's ``k`` copies in one
+reduction rather than one accumulation after another, so its last bits may differ from the indexing's
+(``tests/nn/test_dispatch.py``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[order[i]] = i`` for a permutation ``order`` of ``0..n-1`` (1-D int64): one scatter."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        d = grad.shape[-1]
+        return grad.index_select(0, inverse).view(-1, ctx.k, d).sum(dim=1), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(order)
+        return y.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None
+
+
+def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    """``x[order // k]``: ``(N, D)`` tokens to ``(N * k, D)`` rows in expert order, where pair ``i`` of
+    ``order`` (a permutation of the ``N * k`` (token, slot) pairs, ``inverse`` its inverse) is token ``i // k``'s
+    slot ``i % k``; see [Note: dispatch and combine]."""
+    return _Dispatch.apply(x, order, inverse, k)
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``y[inverse]``: the experts' ``(N * k, D)`` outputs back in (token, slot) order."""
+    return _Combine.apply(y, order, inverse)
+
+
+__all__ = ["combine", "dispatch", "inverse_permutation"]
