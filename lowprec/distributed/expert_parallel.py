@@ -50,7 +50,7 @@ from lowprec.distributed.fp8_comm import BLOCK, PACKED_ROW, pack, padded_len, un
 from lowprec.distributed.replica_grads import summed_over
 from lowprec.distributed.traffic import labelled
 from lowprec.nn import GroupedLinear
-from lowprec.nn.dispatch import combine, dispatch, inverse_permutation
+from lowprec.nn.dispatch import combine, dispatch, expert_order, inverse_permutation
 from lowprec.nn.routing import outside_graphs
 
 
@@ -120,7 +120,7 @@ class ExpertParallel:
         # (R, D) ordered by source rank, then local expert
         rows = _AllToAll.apply(x, send, recv, self.group, self.fp8, "ep_dispatch")
         expert_of = torch.arange(local, device=x.device).repeat(w).repeat_interleave(got.flatten())
-        order = expert_of.argsort(stable=True)  # (R,) grouped by local expert, each in rank order
+        order = expert_order(expert_of, local)  # (R,) grouped by local expert, each in rank order
         inverse = inverse_permutation(order)  # gathers both ways (see [Note: dispatch and combine])
         y = combine(experts(dispatch(rows, order, inverse, 1), got.sum(0).cumsum(0)), order, inverse)  # by source rank
         return _AllToAll.apply(y, recv, send, self.group, False, "ep_combine")  # (T, D_out) in x's order

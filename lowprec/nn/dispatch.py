@@ -8,7 +8,8 @@ into ``index_put_(..., accumulate=True)``, which on a GPU sorts its indices agai
 and the inverse permutation itself was a second sort (``order.argsort()``). Both are unnecessary: ``order`` is
 a permutation, so
 
-* the inverse is one scatter of ``arange`` (no sort);
+* the inverse is one scatter of ``arange`` (no sort); the sort that makes ``order`` sorts 16-bit keys
+  (:func:`expert_order`);
 * the gradient of the dispatch is ``grad_rows[inverse]`` viewed ``(N, k, D)`` and summed over the ``k``
   copies: a gather and a reduction, each token's copies summed in slot order, the same on every run;
 * the gradient of the combine is ``grad[order]``: a gather.
@@ -21,6 +22,16 @@ reduction rather than one accumulation after another, so its last bits may diffe
 from __future__ import annotations
 
 import torch
+
+
+def expert_order(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The (token, slot) pairs sorted by expert, stably (1-D int64): ``experts.argsort(stable=True)`` of the
+    flattened ``(N, k)`` experts, sorted as keys of the narrowest integer type that holds ``n_experts``, so
+    a GPU's radix sort makes 2 passes over 16-bit keys rather than 8 over 64-bit ones (the same order: a
+    stable sort of the same values)."""
+    keys = experts.flatten()
+    narrow = torch.int16 if n_experts <= torch.iinfo(torch.int16).max else torch.int32
+    return keys.to(narrow).argsort(stable=True)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -66,4 +77,4 @@ def combine(y: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torc
     return _Combine.apply(y, order, inverse)
 
 
-__all__ = ["combine", "dispatch", "inverse_permutation"]
+__all__ = ["combine", "dispatch", "expert_order", "inverse_permutation"]

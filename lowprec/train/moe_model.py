@@ -53,7 +53,7 @@ from lowprec._checks import describe, fail
 from lowprec.convert_hf_moe import HFGroupedExperts
 from lowprec.distributed.expert_parallel import ExpertParallel, shard_experts, shard_grouped
 from lowprec.nn import GroupedLinear, SwiGLU
-from lowprec.nn.dispatch import combine, dispatch, inverse_permutation
+from lowprec.nn.dispatch import combine, dispatch, expert_order, inverse_permutation
 from lowprec.nn.grouped import route
 from lowprec.nn.recomputation import recomputing
 from lowprec.nn.routing import expert_counts, outside_graphs
@@ -147,7 +147,7 @@ class MoEFeedForward(nn.Module):
         flat = x.reshape(B * T, D)  # (N, D)
         weights, experts = self.route(flat)  # (N, k)
         pairs = experts.flatten()  # (N*k,) the expert of each (token, slot)
-        order = pairs.argsort(stable=True)  # (N*k,) pairs grouped by expert
+        order = expert_order(pairs, self.experts.w1.num_experts)  # (N*k,) pairs grouped by expert
         counts = expert_counts(pairs, self.experts.w1.num_experts)  # (E,)
         if self.balance_rate > 0 and self.training and torch.is_grad_enabled() and not recomputing():
             self.expert_load += counts

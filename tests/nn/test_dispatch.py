@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowprec.nn.dispatch import combine, dispatch, inverse_permutation
+from lowprec.nn.dispatch import combine, dispatch, expert_order, inverse_permutation
 from lowprec.train.moe_model import MoEConfig, MoEFeedForward
 
 
@@ -112,3 +112,10 @@ def test_compiled_without_a_graph_break():
     eager = torch.autograd.grad(f(x), x)[0]
     compiled = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(x), x)[0]
     assert torch.equal(eager, compiled)
+
+
+@pytest.mark.parametrize("n_experts", [1, 8, 300, 40000])
+def test_the_expert_order_is_the_stable_sort_of_the_experts(n_experts):
+    g = torch.Generator().manual_seed(n_experts)
+    experts = torch.randint(n_experts, (257, 4), generator=g)  # many ties: stability decides the order
+    assert torch.equal(expert_order(experts, n_experts), experts.flatten().argsort(stable=True))
