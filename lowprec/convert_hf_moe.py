@@ -22,8 +22,9 @@ that the class's own ``_apply_gate`` runs on it, and computes:
 2. the first projection as a ``GroupedLinear`` over the sorted tokens, the model's activation, and the
    down projection as a second ``GroupedLinear``;
 3. each pair's output times its routing weight, cast to the tokens' dtype, and each token's k outputs
-   summed one after another in the order of their experts' indices, gathered back (no atomics: the same
-   on any device).
+   summed one after another in the order of their experts' indices, gathered back; the dispatch and the
+   gather back are permutations whose gradients are gathers too ([Note: dispatch and combine] in
+   ``lowprec.nn.dispatch``), so backward is the same on any device too.
 Without a recipe this is the eager loop's arithmetic (the same rows for each expert's GEMMs, the same
 products, the same sums in the same order), so a model gives the eager implementation's logits bit for bit;
 transformers' default ``grouped_mm`` implementation sums differently (each token's k outputs in FP32).
@@ -51,6 +52,7 @@ from lowprec._checks import describe, fail
 from lowprec.conversion_report import LayerReport
 from lowprec.nn import GroupedLinear
 from lowprec.nn.delayed import DelayedState
+from lowprec.nn.dispatch import combine, dispatch, expert_order, inverse_permutation
 from lowprec.nn.linear import OptionalExtraState, drop_empty_extra_state
 from lowprec.nn.plan import Kept
 from lowprec.nn.routing import expert_counts, outside_graphs
@@ -177,15 +179,15 @@ class HFGroupedExperts(OptionalExtraState):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         tokens, k = self._check(hidden_states, top_k_index, top_k_weights)
         expert = top_k_index.t().reshape(-1)  # (k*T,): slot by slot, as the eager loop takes them
-        order = torch.argsort(expert, stable=True)  # (S,) pairs grouped by expert
+        order = expert_order(expert, self.num_experts)  # (S,) pairs grouped by expert, stably
         if not torch.compiler.is_compiling():  # a graph cannot read the indices (see lowprec.nn.routing)
             outside = expert[(expert < 0) | (expert >= self.num_experts)]
             if outside.numel():
                 fail("top_k_index", f"expert indices in [0, {self.num_experts})", int(outside[0]))
         counts = expert_counts(expert, self.num_experts)  # (E,)
-        rows = hidden_states[order % tokens]  # (S, H)
+        rows = dispatch(hidden_states, order, inverse_permutation(order), k, slot_major=True)  # (S, H)
         y = self._run_experts(rows, counts)  # (S, H)
-        y = (y * top_k_weights.t().reshape(-1)[order, None]).to(hidden_states.dtype)
+        y = (y * top_k_weights.t().reshape(-1).index_select(0, order)[:, None]).to(hidden_states.dtype)
         return _combine(y, order, top_k_index)
 
     def _run_experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -230,9 +232,7 @@ def _combine(y: torch.Tensor, order: torch.Tensor, top_k_index: torch.Tensor) ->
     rank = top_k_index.argsort(dim=-1, stable=True).argsort(dim=-1)  # (T, k): the place of each choice by expert index
     slot, token = order // tokens, order % tokens
     place = token * k + rank[token, slot]  # (S,) where each sorted pair goes in (T, k)
-    source = torch.empty_like(place)
-    source[place] = torch.arange(place.numel(), device=place.device)
-    y = y[source].view(tokens, k, -1)  # (T, k, H)
+    y = combine(y, place, inverse_permutation(place)).view(tokens, k, -1)  # (T, k, H)
     out = y[:, 0]
     for j in range(1, k):
         out = out + y[:, j]

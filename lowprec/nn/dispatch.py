@@ -41,16 +41,20 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int,
+                slot_major: bool) -> torch.Tensor:
         ctx.save_for_backward(inverse)
-        ctx.k = k
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        ctx.k, ctx.slot_major = k, slot_major
+        token = order % x.shape[0] if slot_major else torch.div(order, k, rounding_mode="floor")
+        return x.index_select(0, token)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
+        pairs = grad.index_select(0, inverse)  # (N * k, D) in pair order
         d = grad.shape[-1]
-        return grad.index_select(0, inverse).view(-1, ctx.k, d).sum(dim=1), None, None, None
+        summed = pairs.view(ctx.k, -1, d).sum(dim=0) if ctx.slot_major else pairs.view(-1, ctx.k, d).sum(dim=1)
+        return summed, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -65,11 +69,13 @@ class _Combine(torch.autograd.Function):
         return grad.index_select(0, order), None, None
 
 
-def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:
+def dispatch(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int,
+             slot_major: bool = False) -> torch.Tensor:
     """``x[order // k]``: ``(N, D)`` tokens to ``(N * k, D)`` rows in expert order, where pair ``i`` of
     ``order`` (a permutation of the ``N * k`` (token, slot) pairs, ``inverse`` its inverse) is token ``i // k``'s
-    slot ``i % k``; see [Note: dispatch and combine]."""
-    return _Dispatch.apply(x, order, inverse, k)
+    slot ``i % k``; ``slot_major``: pair ``i`` is token ``i % N``'s slot ``i // N`` (``x[order % N]``, the
+    pairs slot by slot, as transformers' experts take them). See [Note: dispatch and combine]."""
+    return _Dispatch.apply(x, order, inverse, k, slot_major)
 
 
 def combine(y: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:

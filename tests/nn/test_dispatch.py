@@ -119,3 +119,18 @@ def test_the_expert_order_is_the_stable_sort_of_the_experts(n_experts):
     g = torch.Generator().manual_seed(n_experts)
     experts = torch.randint(n_experts, (257, 4), generator=g)  # many ties: stability decides the order
     assert torch.equal(expert_order(experts, n_experts), experts.flatten().argsort(stable=True))
+
+
+def test_slot_major_pairs_dispatch_as_transformers_take_them():
+    """Pairs slot by slot (pair i: token i % N, slot i // N): ``x[order % N]`` forward, each token's copies summed
+    backward."""
+    n, k, d = 20, 3, 4
+    g = torch.Generator().manual_seed(5)
+    experts = torch.rand(n, 6, generator=g).topk(k, dim=1).indices.t().reshape(-1)  # slot by slot
+    order = expert_order(experts, 6)
+    inv = inverse_permutation(order)
+    x = torch.randn(n, d, dtype=torch.float64)
+    assert torch.equal(dispatch(x, order, inv, k, slot_major=True), x[order % n])
+    (ours,) = _grads(lambda t: dispatch(t, order, inv, k, slot_major=True), x)
+    (ref,) = _grads(lambda t: t[order % n], x)
+    assert torch.equal(ours, ref)
