@@ -124,7 +124,7 @@ H200 = Efficiency(
     ),
     hbm=0.70,
     elementwise=9.6,
-    source="one H200, compiled steps and layers (BENCHMARKS.md runs 9, 11, 75-86)",
+    source="one H200, compiled steps and layers (BENCHMARKS.md runs 9, 11, 75-87)",
 )
 
 MEASURED: dict[str, Efficiency] = {H200.gpu: H200}
