@@ -83,9 +83,6 @@ class _Parts:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.how.setdefault(name, how)
 
-    def total(self) -> float:
-        return sum(self.seconds.values())
-
 
 @dataclass(frozen=True, slots=True)
 class _Setting:
@@ -102,6 +99,8 @@ class _Setting:
     """A weight's casts per micro-batch: 1, 1 / grad_accum where the step keeps them (``cached_weight_casts``),
     0 for FP8 primary weights the GEMMs read as stored."""
     par: Parallel
+    experts_measured: Curve | None
+    """The recipe's experts' measured speed against BF16's where it stands on this GPU (:func:`_measured_experts`)."""
 
 
 def _flops_seconds(flops: float, tflops: float, fraction: float) -> float:
@@ -170,16 +169,14 @@ def _gemms(parts: _Parts, s: _Setting, lin: Linear, n: int, what: str, fraction:
         parts.add("casts (amax, cast, every orientation)", native / hbm, f"HBM x {s.eff.hbm:g}")
 
 
-def _measured_experts(s: _Setting) -> Curve | None:
-    """The measured speed of the recipe's experts against BF16's, where it applies on the planned GPU: a preset
-    recipe as it is, whose GEMMs take there the paths they took where they were measured; else None."""
-    r = s.recipe.recipe
-    if s.paths is None:
-        return s.eff.grouped_relative("bf16")
-    if r is None or r.name not in R.names() or R.get(r.name) != r:
+def _measured_experts(recipe: RecipeCost, paths: tuple[GemmPath, ...] | None, eff: Efficiency) -> Curve | None:
+    """The measured speed of the recipe's experts against BF16's, where it applies on the planned GPU (whose
+    GEMM paths are ``paths``): a preset recipe as it is, whose GEMMs take there the paths they took where they
+    were measured; else None."""
+    r = recipe.recipe
+    if paths is None or r is None or r.name not in R.names() or R.get(r.name) != r:
         return None
-    where = GPUS[s.eff.gpu].capability
-    return s.eff.grouped_relative(r.name) if gemm_paths(r, where) == s.paths else None
+    return eff.grouped_relative(r.name) if gemm_paths(r, GPUS[eff.gpu].capability) == paths else None
 
 
 def _experts(parts: _Parts, s: _Setting, lin: Linear, n: int, cast_input: bool) -> None:
@@ -187,12 +184,13 @@ def _experts(parts: _Parts, s: _Setting, lin: Linear, n: int, cast_input: bool) 
     rows = s.tokens * lin.active * s.par.ep / lin.copies  # an expert's rows on its rank
     per_call = 2 * rows * lin.d_in * lin.d_out / lin.shards(s.par.tp)
     fraction = s.eff.grouped.at(per_call)
-    relative = _measured_experts(s) if lin.quantized or s.paths is None else s.eff.grouped_relative("bf16")
+    in_bf16 = not lin.quantized or s.paths is None
+    relative = s.eff.grouped_relative("bf16") if in_bf16 else s.experts_measured
     if relative is None:  # not measured: its GEMM paths at the grouped fraction, with the dense linears' casts
         _gemms(parts, s, lin, n, "routed experts (modelled, not measured)", lambda fmt: fraction, cast_input)
         return
     speed = relative.at(per_call)
-    name = s.recipe.name if lin.quantized and s.paths is not None else "bf16"
+    name = "bf16" if in_bf16 else s.recipe.name
     how = f"bf16 grouped at {fraction:.3g} of peak ({per_call:.3g} FLOPs per expert GEMM)"
     parts.add(f"GEMMs: routed experts in {name} (grouped)",
               _flops_seconds(6 * lin.d_in * lin.d_out * lin.active * n, s.gpu.peak("bf16")[0], fraction) / speed,
@@ -226,18 +224,18 @@ def _stage_parts(m: ModelSpec, s: _Setting, train: Training, blocks: dict[BlockK
     if layers:
         parts.add("attention", _flops_seconds(3 * attn_fwd, bf16, attn), f"bf16 peak x {attn:.3g} at seq {train.seq}")
     bf16_cost = RECIPES["bf16"]
-    saved = sum(n * sum(x.bytes(bf16_cost) for x in block_saved(m, kind.moe, quantized=False)
-                        if not x.only_selective and x.name != EXPERT_SWIGLU)
-                for kind, n in blocks.items()) + (sum(x.bytes(bf16_cost) for x in output_saved(m)) if head else 0.0)
-    other = s.eff.elementwise * saved / (s.gpu.hbm_tb_s * 1e12)
+    in_blocks = sum(n * sum(x.bytes(bf16_cost) for x in block_saved(m, kind.moe, quantized=False)
+                            if not x.only_selective and x.name != EXPERT_SWIGLU) for kind, n in blocks.items())
+    saved = in_blocks + (sum(x.bytes(bf16_cost) for x in output_saved(m)) if head else 0.0)
+    per_byte = s.eff.elementwise / (s.gpu.hbm_tb_s * 1e12)  # seconds of the other kernels per saved byte
+    other = per_byte * saved
     parts.add("other kernels (norms, activations, routing, loss)", other,
               f"{s.eff.elementwise:g} x {saved / 1e6:.3g} MB saved per token at the HBM bandwidth")
     if train.recompute == "full":  # the blocks' GEMMs (not the head's) and casts, attention, the blocks' kernels
-        block_other = s.eff.elementwise * (saved - (sum(x.bytes(bf16_cost) for x in output_saved(m)) if head else 0.0))
         forward = sum(v for k, v in parts.seconds.items()
                       if k.startswith(("GEMMs: linears", "GEMMs: routed", "casts"))) / 3
         parts.add("recomputation (full: each block's forward again)",
-                  forward + _flops_seconds(attn_fwd, bf16, attn) + block_other / (s.gpu.hbm_tb_s * 1e12) / 3,
+                  forward + _flops_seconds(attn_fwd, bf16, attn) + per_byte * in_blocks / 3,
                   "a third of the blocks' GEMMs and casts, of attention and of their other kernels")
     elif train.recompute == "selective":
         parts.add("recomputation (selective: the other kernels' forward)", other / 3, "a third of the other kernels")
@@ -251,7 +249,8 @@ def step_time(m: ModelSpec, recipe: RecipeCost, gpu: GPU, train: Training, par: 
     paths = gemm_paths(recipe.recipe, gpu.capability) if recipe.recipe is not None and recipe.quantizes else None
     weight_casts = 0.0 if train.fp8_weights and recipe.fp8_weight_direct else (
         1 / train.grad_accum if train.grad_accum > 1 else 1.0)
-    setting = _Setting(recipe, paths, gpu, eff, train.tokens, weight_casts, par)
+    setting = _Setting(recipe, paths, gpu, eff, train.tokens, weight_casts, par,
+                       _measured_experts(recipe, paths, eff))
     micro = max(train.grad_accum, par.pp)
     bubble = (micro + par.pp - 1) / micro
     per_gpu = tokens_per_step / (par.dp * par.tp)  # tokens a stage's GPU works on, its tp share of each
