@@ -4,13 +4,14 @@
 Each record is judged against floors of the format its operand was cast to, read from the format
 table (:mod:`lowprec.formats`), so that what a format does by design is never a flag:
 
-* underflow: flagged above ``UNDERFLOW_SCALE / sqrt(binades)``, where ``binades = log2(max /
-  (min_subnormal / 2))`` is how far below its block's largest value an element survives the cast.
-  A format that keeps fewer binades flushes more of a healthy operand's small elements, though less
-  than in proportion (much of what a wide format flushes was numerically zero to begin with): E2M1
-  keeps 4.6 binades (floor 0.93: in a 300-step run of the small model on an H200, NVFP4 flushed up to
-  0.49 of a SwiGLU output and MXFP4, whose blocks of 32 hold larger outliers, up to 0.71), E4M3 18.8
-  (0.46: up to 0.15 of an attention projection's gradient in the reference runs), E5M2 32.8 (0.35),
+* underflow: flagged above ``UNDERFLOW_SCALE / sqrt(reach)``, where ``reach = log2(max /
+  (min_subnormal / 2))``, the format's ``binades`` plus one (the values between half the smallest
+  subnormal and it round up rather than flush), is how far below its block's largest value an element
+  survives the cast. A format that reaches fewer binades down flushes more of a healthy operand's small
+  elements, though less than in proportion (much of what a wide format flushes was numerically zero to
+  begin with): E2M1 reaches 4.6 binades (floor 0.93: in a 300-step run of the small model on an H200,
+  NVFP4 flushed up to 0.49 of a SwiGLU output and MXFP4, whose blocks of 32 hold larger outliers, up to
+  0.71), E4M3 18.8 (0.46: up to 0.15 of an attention projection's gradient in the reference runs), E5M2 32.8 (0.35),
   BF16 262 (0.12);
 * saturation: flagged above ``SATURATION_FLOOR`` (5%) in every format, since clipping is the scale's
   doing, not the format's: current scaling never clips, a delayed scale behind a growing amax clips up
@@ -50,16 +51,17 @@ from lowprec.telemetry.stats import OperandStats
 TROUBLE_THRESHOLD = 1.0
 """A layer scoring this or more is flagged and suggested for high precision (see [Note: the trouble score])."""
 UNDERFLOW_SCALE = 2.0
-"""Underflow floor times the square root of the binades a format keeps below a block's largest value."""
+"""Underflow floor times the square root of the binades a format reaches below a block's largest value."""
 SATURATION_FLOOR = 0.05
 """The fraction of an operand's elements clipped, in any format, above which it is flagged."""
 SQNR_ALLOWANCE_DB = 30.0
 """How far under its format's ideal SQNR a record may fall before it is flagged."""
 
 
-def binades(fmt: F.Format) -> float:
-    """How many binades below a block's largest value an element of ``fmt`` survives the cast."""
-    return math.log2(fmt.max / (fmt.min_subnormal / 2))
+def reach(fmt: F.Format) -> float:
+    """How many binades below a block's largest value an element of ``fmt`` survives the cast: its dynamic
+    range (``binades``) and the half binade under its smallest subnormal, which rounds up to it."""
+    return fmt.binades + 1
 
 
 def ideal_sqnr_db(fmt: F.Format) -> float:
@@ -83,13 +85,13 @@ class Floors:
 
 def _lenient() -> F.Format:
     """The element format whose floors are widest: the one keeping the fewest binades (E2M1)."""
-    return min((f for f in F.FORMATS.values() if f.kind is F.Kind.FLOAT), key=binades)
+    return min((f for f in F.FORMATS.values() if f.kind is F.Kind.FLOAT), key=reach)
 
 
 def floors(fmt: F.Format | None) -> Floors:
     """The floors of an operand cast to ``fmt`` (None: unknown, judged by the most lenient)."""
     f = fmt if fmt is not None else _lenient()
-    return Floors(fmt, min(1.0, UNDERFLOW_SCALE / math.sqrt(binades(f))), SATURATION_FLOOR,
+    return Floors(fmt, min(1.0, UNDERFLOW_SCALE / math.sqrt(reach(f))), SATURATION_FLOOR,
                   ideal_sqnr_db(f) - SQNR_ALLOWANCE_DB)
 
 

@@ -21,9 +21,9 @@ from lowprec.telemetry.trouble import (
     SQNR_ALLOWANCE_DB,
     TROUBLE_THRESHOLD,
     UNDERFLOW_SCALE,
-    binades,
     floors,
     rank_layers,
+    reach,
     suggest_policy,
 )
 from tests.nn.common import make_linear, randn
@@ -40,8 +40,9 @@ RECORDS = [_rec("a", 1, 30.0), _rec("b", 1, 28.0, underflow=0.2), _rec("c", 1, 3
 
 
 def test_the_floors_follow_the_format_table():
-    # binades kept below a block's largest value: log2(max / (min_subnormal / 2))
-    assert binades(E2M1) == pytest.approx(math.log2(6 / 0.25)) and binades(E4M3) == pytest.approx(math.log2(448 * 1024))
+    # binades reached below a block's largest value: log2(max / (min_subnormal / 2)), one past the table's range
+    assert reach(E2M1) == pytest.approx(math.log2(6 / 0.25)) and reach(E4M3) == pytest.approx(math.log2(448 * 1024))
+    assert reach(E4M3) == pytest.approx(E4M3.binades + 1)
     e2m1, e4m3 = floors(E2M1), floors(E4M3)
     assert e2m1.underflow == pytest.approx(UNDERFLOW_SCALE / math.sqrt(math.log2(24)))  # 0.93
     assert e4m3.underflow == pytest.approx(UNDERFLOW_SCALE / math.sqrt(math.log2(448 * 1024)))  # 0.46
