@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec._checks import describe, fail
+from lowprec._files import check_writable, with_default_mode
 from lowprec.nn.saved import SavedActivations, fp8_activations
 from lowprec.policy import Policy
 
@@ -96,13 +97,14 @@ def policy_from_dict(data: Any, where: str = "policy") -> Policy:
 
 def save_policy(policy: Policy, path: str | Path) -> Path:
     """Write ``policy`` to ``path`` atomically (a reader never sees half a file)."""
-    path = Path(path)
+    path = check_writable("path", path, directory=False)
     text = json.dumps({"format": FORMAT, "version": VERSION, "policy": policy_to_dict(policy)}, indent=1) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        with_default_mode(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -8,6 +8,8 @@ import click
 import torch
 
 from lowprec import recipes
+from lowprec._checks import check_positive_int
+from lowprec._files import check_writable
 from lowprec.cli.app import check_device, main
 from lowprec.cli.train_cmd import one_line_warnings
 from lowprec.policy_file import load_policy, policy_to_dict, save_policy
@@ -44,6 +46,10 @@ def check_cmd(model: str, recipe: str, data: str | None, token_dtype: str, vocab
     are flagged and a policy keeping them in high precision is suggested."""
     recipes.get(recipe)
     check_device(device)
+    for name, value in (("--batches", batches), ("--batch-size", batch_size), ("--seq-len", seq_len)):
+        check_positive_int(name, value)
+    if write_policy is not None:  # before the model is built and checked, not after
+        check_writable("--write-policy", write_policy, directory=False)
     with one_line_warnings():
         policy = load_policy(policy_file) if policy_file is not None else None
         tokens = load_data(data, token_dtype=token_dtype, vocab_size=vocab_size)

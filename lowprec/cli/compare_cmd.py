@@ -9,6 +9,7 @@ from typing import Any
 import click
 from tqdm import tqdm
 
+from lowprec._files import check_writable
 from lowprec.cli.app import main
 from lowprec.cli.train_cmd import Defaults, config_from_options, launched, training_options
 from lowprec.distributed.launch import Ranks
@@ -72,6 +73,7 @@ def compare_cmd(recipe_list: str, out: str, fail_on: str, seeds: int, recipe_see
     check_seeds(seeds, recipe_seeds)
     names = parse_recipes(recipe_list)  # unknown recipes and models are refused before anything is built
     check_model_spec(opts["model"])
+    check_writable("--out", out, directory=True)  # before five recipes train, not at the report's first write
     # the whole of --out is this comparison's (each recipe's run locks its own runs/<recipe> too)
     with launched(opts, "compare") as (device, main), run_directory_lock(out, Ranks.of(opts["parallel"])):
         cfg = config_from_options(names[0], opts, device=device)

@@ -43,7 +43,7 @@ def export_cmd(source: str, fmt: str, scheme: str | None, out: str, model_spec: 
         fail("--calibrate", "a positive number of batches", n_calibrate)
     if data_path is not None and n_calibrate is None:
         fail("--data", "--calibrate N with it (--data is the data to calibrate on)", repr(data_path))
-    check_out(Path(out), overwrite)
+    check_out(Path(out), overwrite, "--out")
     trained = load_trained(source, model_spec)
     batches, used = None, None
     if n_calibrate is not None:  # a format without calibrated activations only notes it: no data is read for it

@@ -7,6 +7,7 @@ import click
 
 from lowprec import recipes
 from lowprec._checks import fail
+from lowprec._files import check_writable
 from lowprec.cli.app import main
 from lowprec.policy_file import CONVERT_SMALL
 from lowprec.telemetry.records import FILENAME, read_records
@@ -28,6 +29,8 @@ def inspect_cmd(run_dir: str, out: str | None) -> None:
     from lowprec.telemetry.report import write_report  # matplotlib: only this command pays for it
 
     directory = Path(run_dir)
+    if out is not None:
+        check_writable("--out", out, directory=False)
     if not directory.is_dir():
         fail("RUN_DIR", "a run directory of lowprec train", f"{run_dir!r} (not a directory)")
     if not (directory / FILENAME).is_file() and (directory / "log.csv").is_file():

@@ -15,6 +15,7 @@ import torch
 
 from lowprec import recipes
 from lowprec._checks import fail
+from lowprec._files import check_writable
 from lowprec.cli.app import check_device, main
 from lowprec.convert import SmallLayersWarning
 from lowprec.distributed.grad_comm import GradComm
@@ -262,10 +263,9 @@ def _policy_option(path: str | None) -> dict[str, Any] | None:
 
 
 def _check_out(out: Path, resume: bool) -> None:
-    """Refuses an ``--out`` that names a file, or that does not exist with ``--resume``, before anything is made."""
-    if out.exists() and not out.is_dir():
-        fail("--out", "a directory for logs and checkpoints, or a path where one can be made",
-             f"{str(out)!r}, an existing file")
+    """Refuses an ``--out`` that names a file or cannot be written, or that does not exist with ``--resume``,
+    before anything is made."""
+    check_writable("--out", out, directory=True)
     if resume and not out.is_dir():
         fail("--resume", "--out naming the directory of the run to continue", f"--out {str(out)!r}, which does "
              "not exist (start without --resume)")

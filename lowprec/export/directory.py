@@ -17,15 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lowprec._checks import fail
+from lowprec._files import check_writable, with_default_mode
 from lowprec.state.files import fsync_dir
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """Refuses ``out`` naming a file, or a directory holding files without ``overwrite``."""
-    if out.exists() and not out.is_dir():
-        fail("out_dir", "a directory to write the model into", f"{str(out)!r}, an existing file")
+def check_out(out: Path, overwrite: bool, name: str = "out_dir") -> None:
+    """Refuses ``out`` (the argument ``name``) naming a file, a directory holding files without
+    ``overwrite``, or a path where no directory can be written."""
+    check_writable(name, out, directory=True)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        fail("out_dir", "a new or empty directory (or overwrite=True, --overwrite)", f"{str(out)!r}, which holds "
+        fail(name, "a new or empty directory (or overwrite=True, --overwrite)", f"{str(out)!r}, which holds "
              "files")
 
 
@@ -44,6 +45,8 @@ def write_directory(out: Path, fill: Callable[[Path], None], overwrite: bool = F
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         fill(tmp)
+        for path in (tmp, *tmp.rglob("*")):  # mkdtemp's 0700 would keep a serving engine's user out
+            with_default_mode(path)
         _flush(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")

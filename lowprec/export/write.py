@@ -159,6 +159,9 @@ def export(model: nn.Module, out_dir: str | Path, format: str = "hf", scheme: st
     Returns the report (also written as ``export_report.json``): each linear, what it was written as, and
     whether its codes are the trained ones, the master's, or it was kept in high precision and why.
     """
+    if not isinstance(model, nn.Module):
+        fail("model", "a torch.nn.Module (lowprec's reference decoder or a Hugging Face causal LM)",
+             describe(model), TypeError)
     layout = get_layout(format, scheme)  # an unknown format or scheme is refused before any work
     out = Path(out_dir)
     check_out(out, overwrite)

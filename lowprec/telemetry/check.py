@@ -25,6 +25,7 @@ import copy
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as nnf
@@ -122,6 +123,18 @@ def _shape(m: Linear | GroupedLinear) -> str:
 
 
 @torch.no_grad()
+def _pair(batch: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``i`` as ``(tokens, targets)``: two integer tensors of one shape. A bare tensor of tokens would
+    otherwise unpack along its first dimension, and a batch of two rows be taken for a pair."""
+    if (not isinstance(batch, (tuple, list)) or len(batch) != 2
+            or not all(isinstance(t, torch.Tensor) and not t.is_floating_point() for t in batch)
+            or batch[0].shape != batch[1].shape):
+        fail(f"batches[{i}]", "a pair (tokens, targets) of integer tensors of one shape (B, T)",
+             describe(batch) if not isinstance(batch, (tuple, list))
+             else f"a {type(batch).__name__} of " + ", ".join(describe(t) for t in batch), TypeError)
+    return batch[0], batch[1]
+
+
 def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
           policy: Policy | None = None, floor_db: float = DEFAULT_FLOOR_DB) -> CheckReport:
     """Validate ``recipe`` on ``model`` (high precision, unconverted; left as it is) on ``batches`` of
@@ -148,7 +161,8 @@ def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torc
 
     handles = [m.register_forward_hook(hook(n)) for n, m in layers.items()]
     try:
-        for tokens, targets in batches:
+        for batch in batches:
+            tokens, targets = _pair(batch, n_batches)
             n_batches += 1
             out = lp(tokens)  # (B, T, vocab); the hooks compare every layer on the way
             want = ref(tokens)

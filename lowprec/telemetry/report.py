@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lowprec import formats as F
+from lowprec._files import check_writable
 from lowprec._html import inline_png
 from lowprec.policy_file import policy_to_dict, save_policy
 from lowprec.telemetry.experts import split_expert
@@ -113,6 +114,7 @@ def write_report(records: list[OperandStats], out: Path, title: str,
                  threshold: float = TROUBLE_THRESHOLD) -> tuple[Path, list[LayerTrouble]]:
     """Write ``out`` (the HTML), its heatmaps beside it (``<stem>_sqnr.png``, ...) and the suggested
     policy (``suggested_policy.json``, there too); the policy file's path and the ranking."""
+    check_writable("out", out, directory=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     images = []
     for figure, suffix, caption, worst, cmap in HEATMAPS:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lowprec._checks import fail
+from lowprec._files import check_writable
 from lowprec.distributed.launch import Ranks
 
 try:
@@ -37,9 +38,7 @@ class RunDirectoryLocked(OSError):
 
 def _acquire(directory: Path) -> int:
     """The descriptor of the directory's lock file, locked; :class:`RunDirectoryLocked` if another holds it."""
-    if directory.exists() and not directory.is_dir():  # mkdir's bare FileExistsError would not say which option
-        fail("out_dir", "a directory, or a path where one can be made", f"{str(directory)!r}, an existing file",
-             NotADirectoryError)
+    check_writable("out_dir", directory, directory=True)  # mkdir's bare OSError would not say which argument
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:

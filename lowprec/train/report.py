@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowprec._checks import fail
+from lowprec._files import check_writable
 from lowprec._html import inline_png
 from lowprec._table import format_table
 from lowprec.convert import Coverage
@@ -274,7 +275,7 @@ class CompareReport:
         # matplotlib takes a second to import: only the commands that draw should pay for it
         from lowprec.train.plot import loss_curves_png
 
-        out = Path(out_dir)
+        out = check_writable("out_dir", out_dir, directory=True)
         out.mkdir(parents=True, exist_ok=True)
         png = loss_curves_png(self.curves(), f"{self.context['model']['name']} model, "
                                              f"data sha256 {self.context['data']['fingerprint'][:12]}")

@@ -44,8 +44,7 @@ def test_an_out_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "f").write_text("")
     # it was a bare "FileExistsError: [Errno 17] File exists"
     assert _one_line("train", "--out", str(tmp_path / "f"), "--seq-len", "16", *SMALL) == (
-        f"Error: --out: expected a directory for logs and checkpoints, or a path where one can be made, got "
-        f"'{tmp_path / 'f'}', an existing file")
+        f"Error: --out: expected a directory lowprec can write, got '{tmp_path / 'f'}', an existing file")
 
 
 def test_resume_without_a_run_directory_is_refused_and_makes_nothing(tmp_path):

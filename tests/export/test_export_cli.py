@@ -100,7 +100,7 @@ def test_existing_out_is_refused_unless_overwrite(tiny_fp8_current, tmp_path):
     out.mkdir()
     (out / "x").write_text("x")
     result = _invoke("export", tiny_fp8_current.run_dir, "--format", "hf", "--out", out)
-    assert result.exit_code == 1 and result.output.startswith("Error: out_dir: expected a new or empty directory")
+    assert result.exit_code == 1 and result.output.startswith("Error: --out: expected a new or empty directory")
     result = _invoke("export", tiny_fp8_current.run_dir, "--format", "hf", "--out", out, "--overwrite")
     assert result.exit_code == 0 and not (out / "x").exists()
 

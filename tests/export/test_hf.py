@@ -122,6 +122,13 @@ def test_rope_permutation_keeps_the_codes_where_the_scales_allow(granularity, ke
     assert torch.equal(moved.scale, again.scale)
 
 
+def test_a_model_that_is_no_module_is_named(tmp_path):
+    # it was "AttributeError: 'str' object has no attribute 'named_parameters'"
+    with pytest.raises(TypeError, match=r"^model: expected a torch.nn.Module .*, got 'runs/x' \(str\)$"):
+        export("runs/x", tmp_path / "out", "hf")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_out_dir_with_files_is_refused_unless_overwrite(tiny_fp8_current, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

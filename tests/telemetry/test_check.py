@@ -117,6 +117,16 @@ def test_check_refuses_a_non_finite_floor():
         check(Toy(), "fp8-current", _batches(1), floor_db=math.nan)
 
 
+@pytest.mark.parametrize("batch", ["tokens", "one", "float targets", "short targets"])
+def test_check_refuses_a_batch_that_is_not_a_pair_of_token_tensors(batch):
+    tokens, targets = _batches(1)[0]
+    bad = {"tokens": tokens, "one": (tokens,), "float targets": (tokens, targets.float()),
+           "short targets": (tokens, targets[:, :-1])}[batch]
+    # a bare (2, T) tensor of tokens used to unpack into two rows taken for (tokens, targets)
+    with pytest.raises(TypeError, match=r"^batches\[1\]: expected a pair \(tokens, targets\) of integer tensors"):
+        check(Toy(), "fp8-current", [(tokens, targets), bad])
+
+
 @pytest.mark.usefixtures("native_small_rule")
 def test_check_measures_the_small_layers_a_native_device_keeps_for_speed():
     # where fp8-current runs natively the default policy keeps both 64/128-wide layers in BF16: the check

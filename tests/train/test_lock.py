@@ -87,5 +87,4 @@ def test_a_file_where_the_run_directory_should_be_is_named(tmp_path):
     # it was mkdir's bare FileExistsError
     with pytest.raises(NotADirectoryError) as e, run_directory_lock(tmp_path / "f"):
         pass
-    assert str(e.value) == (f"out_dir: expected a directory, or a path where one can be made, got "
-                            f"'{tmp_path / 'f'}', an existing file")
+    assert str(e.value) == f"out_dir: expected a directory lowprec can write, got '{tmp_path / 'f'}', an existing file"
