@@ -17,8 +17,11 @@ sees after the line is torchrun's own report of the failed ranks, which lowprec 
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+import warnings
+from collections.abc import Iterator
 
 import click
 import torch
@@ -66,13 +69,26 @@ def _said_once(e: click.ClickException) -> click.ClickException:
     return click.ClickException(f"rank {rank}: {e.format_message()}")
 
 
+@contextlib.contextmanager
+def one_line_warnings(show: bool = True) -> Iterator[None]:
+    """Warnings (e.g. "GEMMs are emulated on cpu") as one ``warning: ...`` line each, without source lines;
+    none at all without ``show`` (ranks other than 0, whose warnings rank 0 gives too)."""
+    with warnings.catch_warnings():  # restores the default display on exit
+        if show:
+            warnings.showwarning = lambda message, *_args, **_kw: click.echo(f"warning: {message}", err=True)
+        else:
+            warnings.simplefilter("ignore")
+        yield
+
+
 class _Group(click.Group):
     """Turns bad input (and running out of memory) into a one-line message and exit code 1, not a traceback;
-    under torchrun from rank 0 alone."""
+    under torchrun from rank 0 alone. Every command's warnings are one line each (:func:`one_line_warnings`)."""
 
     def invoke(self, ctx: click.Context):
         try:
-            return super().invoke(ctx)
+            with one_line_warnings():
+                return super().invoke(ctx)
         except click.ClickException as e:
             raise _said_once(e) from None
         except Exception as e:

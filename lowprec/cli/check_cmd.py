@@ -11,7 +11,6 @@ from lowprec import recipes
 from lowprec._checks import check_positive_int
 from lowprec._files import check_writable
 from lowprec.cli.app import check_device, main
-from lowprec.cli.train_cmd import one_line_warnings
 from lowprec.policy_file import load_policy, policy_to_dict, save_policy
 from lowprec.telemetry.check import DEFAULT_FLOOR_DB, check
 from lowprec.train.config import default_device
@@ -50,14 +49,13 @@ def check_cmd(model: str, recipe: str, data: str | None, token_dtype: str, vocab
         check_positive_int(name, value)
     if write_policy is not None:  # before the model is built and checked, not after
         check_writable("--write-policy", write_policy, directory=False)
-    with one_line_warnings():
-        policy = load_policy(policy_file) if policy_file is not None else None
-        tokens = load_data(data, token_dtype=token_dtype, vocab_size=vocab_size)
-        net, _ = load_model(model, vocab_size=tokens.vocab_size, seed=seed)
-        dev = torch.device(device or default_device())
-        net.to(dev)
-        val = [(x.to(dev), y.to(dev)) for x, y in tokens.val_batches(batches, batch_size, seq_len)]
-        report = check(net, recipe, val, policy=policy, floor_db=floor_db)
+    policy = load_policy(policy_file) if policy_file is not None else None
+    tokens = load_data(data, token_dtype=token_dtype, vocab_size=vocab_size)
+    net, _ = load_model(model, vocab_size=tokens.vocab_size, seed=seed)
+    dev = torch.device(device or default_device())
+    net.to(dev)
+    val = [(x.to(dev), y.to(dev)) for x, y in tokens.val_batches(batches, batch_size, seq_len)]
+    report = check(net, recipe, val, policy=policy, floor_db=floor_db)
     suggested = policy_to_dict(report.policy)
     if write_policy is not None:
         save_policy(report.policy, write_policy)

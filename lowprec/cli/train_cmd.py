@@ -16,7 +16,7 @@ import torch
 from lowprec import recipes
 from lowprec._checks import fail
 from lowprec._files import check_writable
-from lowprec.cli.app import check_device, main
+from lowprec.cli.app import check_device, main, one_line_warnings
 from lowprec.convert import SmallLayersWarning
 from lowprec.distributed.grad_comm import GradComm
 from lowprec.distributed.launch import Parallel, Ranks, check_launch, process_group
@@ -281,18 +281,6 @@ def _check_policy_patterns(cfg: TrainConfig, model: torch.nn.Module) -> None:
         raise ValueError(unmatched)
 
 
-@contextlib.contextmanager
-def one_line_warnings(show: bool = True) -> Iterator[None]:
-    """Warnings (e.g. "GEMMs are emulated on cpu") as one ``warning: ...`` line each, without source lines;
-    none at all without ``show`` (ranks other than 0, whose warnings rank 0 gives too)."""
-    with warnings.catch_warnings():  # restores the default display on exit
-        if show:
-            warnings.showwarning = lambda message, *_args, **_kw: click.echo(f"warning: {message}", err=True)
-        else:
-            warnings.simplefilter("ignore")
-        yield
-
-
 def _small_text(w: SmallLayersWarning, dtype: str) -> str:
     under = w.min_features if w.min_features is not None else "policy.min_features"
     return (f"{w.kept} of {w.linears} linears stay in {dtype} on {w.device}, too small to gain from {w.recipe} "
@@ -398,13 +386,18 @@ def _print_result(result: RunResult, out: str, as_json: bool, data_sha256: str, 
 
 
 def _failure(result: RunResult, skipped: list[bool], cfg: TrainConfig) -> str | None:
-    """Why a run failed, though it ended: it diverged, or every step it ran was skipped; else None."""
+    """Why a run failed, though it ended: it diverged, every step it ran was skipped, or its model's final
+    validation loss is not finite (weights gone non-finite in a step that was taken); else None."""
     if result.diverged:
         return (f"the run diverged: {cfg.max_skips_in_row} steps in a row were skipped (non-finite loss or "
                 "gradients)")
     if skipped and all(skipped):
         return (f"every step of this run was skipped ({len(skipped)} of {len(skipped)}: non-finite loss or "
                 "gradients), so the weights did not change")
+    vals = [r["val_loss"] for r in result.history if r.get("val_loss") is not None]
+    if vals and not math.isfinite(vals[-1]):
+        return (f"the final validation loss is {vals[-1]} (the model's weights or outputs are no longer "
+                "finite: lower --lr, or see log.csv for the step where the loss left finite values)")
     return None
 
 

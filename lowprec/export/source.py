@@ -53,11 +53,17 @@ class TrainedModel:
 
 
 def _checkpoint_path(path: str | Path) -> Path:
-    """A checkpoint's JSON or directory, or a run directory (its ``checkpoints``)."""
+    """A checkpoint's JSON or directory, or a run directory (its ``checkpoints``). A checkpoint's tensors
+    file (``step_*.safetensors``) stands for the JSON beside it, which holds its checksum and settings."""
     p = Path(path)
     if not p.exists():
         fail("checkpoint", "a run directory of lowprec train or a checkpoint (step_*.json or its directory)",
              f"{str(p)!r}, which does not exist", FileNotFoundError)
+    if p.is_file() and p.suffix == ".safetensors":
+        if not p.with_suffix(".json").is_file():
+            fail("checkpoint", f"a checkpoint's step_*.json (the tensors file {p.name} is read through it)",
+                 f"{str(p)!r}, with no {p.with_suffix('.json').name} beside it", FileNotFoundError)
+        return p.with_suffix(".json")
     return p / "checkpoints" if (p / "checkpoints").is_dir() else p
 
 

@@ -23,7 +23,7 @@ __all__ = ["REQUIRED_FIELDS", "check_fields", "from_hf_config", "load_hf_config"
 
 
 class _Config:
-    """Typed reads from a config dict, with errors naming the file and the key."""
+    """Typed reads from a config dict, with errors naming the argument and the key (``model.hidden_size``)."""
 
     def __init__(self, cfg: dict, where: str) -> None:
         self.cfg, self.where = cfg, where
@@ -34,11 +34,11 @@ class _Config:
     def get_int(self, key: str, default: Any = ...) -> int:
         if not self.has(key):
             if default is ...:
-                fail(f"{self.where}: {key}", "an int", "nothing (the key is missing)")
+                fail(f"{self.where}.{key}", "an int", "nothing (the key is missing)")
             return default
         value = self.cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            fail(f"{self.where}: {key}", "a non-negative int", describe(value))
+            fail(f"{self.where}.{key}", "a non-negative int", describe(value))
         return value
 
 
@@ -70,12 +70,13 @@ def _mla(c: _Config) -> MLASpec | None:
                    v_head_dim=c.get_int("v_head_dim"))
 
 
-def from_hf_config(cfg: dict, name: str = "hf-model") -> ModelSpec:
-    """A :class:`ModelSpec` from the dict of a Hugging Face ``config.json``."""
+def from_hf_config(cfg: dict, name: str = "hf-model", *, where: str = "cfg", got: str = "one") -> ModelSpec:
+    """A :class:`ModelSpec` named ``name`` from the dict of a Hugging Face ``config.json``; errors name the
+    argument ``where`` (and ``got``, the config as the user gave it)."""
     if not isinstance(cfg, dict):
-        fail("config", "a dict (the parsed config.json)", describe(cfg), TypeError)
-    check_fields(cfg, name)
-    c = _Config(cfg.get("text_config") or cfg, name)
+        fail(where, "a dict (the parsed config.json)", describe(cfg), TypeError)
+    check_fields(cfg, where, got=got)
+    c = _Config(cfg.get("text_config") or cfg, where)
     d, heads, layers = c.get_int("hidden_size"), c.get_int("num_attention_heads"), c.get_int("num_hidden_layers")
     return ModelSpec(
         name=name, vocab=c.get_int("vocab_size"), d_model=d, n_layers=layers, n_heads=heads,
@@ -96,4 +97,4 @@ def load_hf_config(path: str | Path) -> ModelSpec:
         cfg = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         fail("model", "a config.json holding valid JSON", f"{str(p)!r} ({e.msg} at line {e.lineno})")
-    return from_hf_config(cfg, name=p.parent.name or p.stem)
+    return from_hf_config(cfg, name=p.parent.name or p.stem, where="model", got=repr(str(p)))

@@ -78,7 +78,7 @@ def _rows_through(path: Path, last_step: int) -> list[list[str]]:
     dropped: the file is a record of the run, and resuming must not fail on it)."""
     if not path.is_file():
         return []
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8", errors="replace") as f:  # a corrupt byte spoils its row only
         rows = list(csv.reader(f))[1:]
     kept = []
     for row in rows:
@@ -96,12 +96,16 @@ def read_records(path: Path, name: str = "telemetry") -> list[OperandStats]:
     path = Path(path)
     if not path.is_file():
         fail(name, f"a file {path.name} (written by lowprec train --telemetry-every N)", f"none at {str(path)!r}")
-    with path.open(newline="") as f:
-        reader = csv.reader(f)
-        header = next(reader, None)
-        if header is None or tuple(header) not in (COLUMNS, _BEFORE_FORMAT):
-            fail(name, f"{path.name} with the columns {', '.join(COLUMNS)}", f"{header!r} in {str(path)!r}")
-        return [_parse(row, i, path, name, len(header)) for i, row in enumerate(reader, start=2)]
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            if header is None or tuple(header) not in (COLUMNS, _BEFORE_FORMAT):
+                fail(name, f"{path.name} with the columns {', '.join(COLUMNS)}", f"{header!r} in {str(path)!r}")
+            return [_parse(row, i, path, name, len(header)) for i, row in enumerate(reader, start=2)]
+    except UnicodeDecodeError as e:
+        fail(name, f"{path.name} as UTF-8 text (a CSV lowprec train wrote)", f"{str(path)!r}, whose byte "
+             f"{e.start:,} is not UTF-8 (a corrupt or foreign file)")
 
 
 def _parse(row: list[str], line: int, path: Path, name: str, columns: int) -> OperandStats:

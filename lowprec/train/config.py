@@ -20,6 +20,11 @@ from lowprec.telemetry.control import ControlConfig
 from lowprec.train.recompute import Recompute
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ADAM_BETAS = (0.9, 0.95)
+"""The trainer's AdamW betas."""
+LR_MAX = torch.finfo(torch.float32).max * (1 - ADAM_BETAS[0])
+"""Adam's first step moves a weight by ``lr / (1 - beta1)`` (its bias correction), a float32 scalar in torch's
+kernels: a larger ``lr`` overflows it there, a traceback rather than a skipped step."""
 
 
 def default_device() -> str:
@@ -145,6 +150,9 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 fail(name, "a positive finite number", describe(value))
+        if self.lr >= LR_MAX:
+            fail("lr", f"a positive number under {LR_MAX:.3g} (Adam's first step, lr / (1 - beta1), must fit float32)",
+                 describe(self.lr))
         for name in ("min_lr_ratio", "weight_decay"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 <= value <= 1:

@@ -195,7 +195,12 @@ def token_file_data(path: Path, token_dtype: str = "uint16", val_fraction: float
     every id below ``vocab_size`` (see :func:`load_data`)."""
     _check_vocab_size(vocab_size)
     if path.suffix == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+        try:
+            tokens = np.load(path, mmap_mode="r")  # allow_pickle stays off: a token file holds no objects
+        except (ValueError, OSError, EOFError) as e:
+            why = str(e).split(". ")[0].split("\n")[0]  # numpy's first sentence: "mmap length is greater ..."
+            fail("data", "a .npy file of token ids, as numpy.save writes it", f"{str(path)!r}, which numpy "
+                 f"cannot read ({why})")
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             fail("data", "a 1-D integer array in the .npy file", f"dtype {tokens.dtype}, shape {tokens.shape}")
     else:

@@ -34,5 +34,6 @@ def check_fields(cfg: dict, where: str, aliases: Mapping[str, str] | None = None
     missing = missing_fields(cfg, aliases)
     if missing:
         model_type = (cfg.get("text_config") or cfg).get("model_type")
-        fail(where, f"a config.json stating every field of a {model_type!r} model's shape (lowprec fills in "
-             "no model's defaults)", f"{got} without " + ", ".join(missing))
+        whose = f"a {model_type!r} model's shape" if model_type else "its model's shape and its model_type"
+        fail(where, f"a config.json stating every field of {whose} (lowprec fills in no model's defaults)",
+             f"{got} without " + ", ".join(missing))

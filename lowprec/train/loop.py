@@ -59,7 +59,7 @@ from lowprec.telemetry import Telemetry
 from lowprec.telemetry.sample import warn_nothing_to_sample
 from lowprec.train import graphs, step_control
 from lowprec.train.checkpoint import latest_checkpoint
-from lowprec.train.config import TrainConfig
+from lowprec.train.config import ADAM_BETAS, TrainConfig
 from lowprec.train.data import TokenData
 from lowprec.train.lock import run_directory_lock
 from lowprec.train.logs import RunLog
@@ -90,7 +90,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, recipe: recipes.Recipe) 
     # torch's AdamW for FP32 moments; AdamWLP stores them in fewer bits (lowprec.optim.states)
     adamw, states = (torch.optim.AdamW, {}) if cfg.optim_states == "fp32" else (AdamWLP, {"states": cfg.optim_states})
     masters = low_precision_params and cfg.master_weights
-    return Optimizer([g for g in groups if g["params"]], adamw, lr=cfg.lr, betas=(0.9, 0.95),
+    return Optimizer([g for g in groups if g["params"]], adamw, lr=cfg.lr, betas=ADAM_BETAS,
                      master_weights=masters, stochastic_rounding=low_precision_params and not masters,
                      seed=cfg.seed, loss_scale=loss_scale, max_grad_norm=cfg.max_grad_norm,
                      skip_spikes=cfg.on_spike != "log", **states)

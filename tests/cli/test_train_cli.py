@@ -182,6 +182,22 @@ def test_a_damaged_or_unfitting_checkpoint_is_one_line(cli_run, tmp_path, damage
     _one_line_error(_invoke("train", "--steps", "3", "--out", str(out), "--resume", *SMALL), error)
 
 
+def test_a_run_that_ends_with_a_non_finite_validation_loss_fails(tmp_path):
+    # an lr of 1e20: the first step is taken and its weights leave finite values, the later ones are skipped;
+    # the run ended "val loss nan, 3 skipped steps" with exit status 0
+    result = _invoke("train", "--steps", "4", "--lr", "1e20", "--out", str(tmp_path), *SMALL)
+    assert result.exit_code == FAILED_RUN_STATUS, result.output
+    assert result.stderr.strip().splitlines()[-1].startswith("Error: the final validation loss is nan (the model's "
+                                                              "weights or outputs are no longer finite: lower --lr")
+
+
+def test_an_lr_whose_first_adam_step_overflows_float32_is_refused(tmp_path):
+    # it was a traceback from torch's Adam: "value cannot be converted to type float without overflow"
+    _one_line_error(_invoke("train", "--steps", "2", "--lr", "1e38", "--out", str(tmp_path), *SMALL),
+                    "Error: lr: expected a positive number under 3.4e+37 (Adam's first step, lr / (1 - beta1), must "
+                    "fit float32), got 1e+38 (float)")
+
+
 def test_a_run_whose_steps_are_all_skipped_fails(tmp_path, monkeypatch):
     def nan_model(*args, **kwargs):
         model, spec = load_model(*args, **kwargs)

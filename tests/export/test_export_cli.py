@@ -50,6 +50,24 @@ def test_a_checkpoint_file_exports_too(moe_fp8_blockwise, tmp_path):
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)["layers"]
     assert {r["name"]: r["how"] for r in rows}["model.layers.1.mlp.experts.0.up_proj"] == "as trained"
+    # its tensors file stands for it (it was refused as "a corrupt or truncated file", which it is not)
+    tensors = _invoke("export", ckpt.with_suffix(".safetensors"), "--format", "fp8", "--out", tmp_path / "t", "--json")
+    assert tensors.exit_code == 0, tensors.output
+    assert json.loads(tensors.output)["layers"] == rows
+
+
+def test_a_warning_is_one_line(tiny_fp8_current, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # as a user's shell has it
+        result = _invoke("export", tiny_fp8_current.run_dir, "--format", "compressed-tensors", "--scheme", "nvfp4",
+                         "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    # it was Python's "<path>:113: UserWarning: lowprec: ..." and the source line under it
+    said = [line for line in result.stderr.splitlines() if "weight-only" in line]
+    assert len(said) == 1 and said[0].startswith("warning: lowprec: compressed-tensors nvfp4 written weight-only")
+    assert "UserWarning" not in result.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -93,6 +111,11 @@ def test_missing_or_corrupt_checkpoint_is_one_line(tiny_fp8_current, tmp_path):
     assert result.exit_code == 1 and result.output.startswith("Error: checkpoint: ")
     assert "corrupt" in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / ckpt.with_suffix(".safetensors").name).write_bytes(ckpt.with_suffix(".safetensors").read_bytes())
+    result = _invoke("export", alone / ckpt.with_suffix(".safetensors").name, "--format", "hf", "--out", tmp_path / "out")
+    assert result.exit_code == 1 and result.output.startswith("Error: checkpoint: expected a checkpoint's step_*.json")
 
 
 def test_existing_out_is_refused_unless_overwrite(tiny_fp8_current, tmp_path):

@@ -93,8 +93,20 @@ def test_missing_fields_are_all_named_in_one_line(tmp_path, cfg, missing):
     with pytest.raises(ValueError) as e:
         load_hf_config(tmp_path)
     model_type = (cfg.get("text_config") or cfg)["model_type"]
-    assert str(e.value) == (f"{tmp_path.name}: expected a config.json stating every field of a {model_type!r} "
-                            f"model's shape (lowprec fills in no model's defaults), got one without {missing}")
+    # the argument is --model (it was named after the config's folder)
+    assert str(e.value) == (f"model: expected a config.json stating every field of a {model_type!r} "
+                            f"model's shape (lowprec fills in no model's defaults), got "
+                            f"'{tmp_path / 'config.json'}' without {missing}")
+    with pytest.raises(ValueError, match=r"^cfg: expected a config.json stating every field of a .*, got one without"):
+        from_hf_config(cfg)
+
+
+def test_a_config_without_model_type_asks_for_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(ValueError) as e:  # it read "every field of a None model's shape"
+        load_hf_config(tmp_path)
+    assert str(e.value).startswith("model: expected a config.json stating every field of its model's shape and its "
+                                   "model_type (lowprec fills in no model's defaults), got ")
 
 
 def test_a_type_outside_the_table_states_width_depth_heads_and_vocabulary():
@@ -106,7 +118,7 @@ def test_a_type_outside_the_table_states_width_depth_heads_and_vocabulary():
 
 
 def test_wrong_type_and_bad_json_and_missing_file(tmp_path):
-    with pytest.raises(ValueError, match=r"num_hidden_layers: expected a non-negative int, got '32' \(str\)"):
+    with pytest.raises(ValueError, match=r"^cfg.num_hidden_layers: expected a non-negative int, got '32' \(str\)"):
         from_hf_config({**LLAMA_3_8B, "num_hidden_layers": "32"})
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="valid JSON"):

@@ -122,9 +122,12 @@ def test_inspect_writes_the_report_heatmaps_and_policy(tmp_path):
     ("step,layer,gemm,operand,amax,scale,underflow,saturation,sqnr_db\n1,a,fprop,input,1.0,1,2,0,30\n",
      "RUN_DIR: expected rows of 9 fields"),
     ("step,layer,gemm,operand,amax,scale,underflow,saturation,sqnr_db\n", "RUN_DIR: expected a telemetry.csv holding"),
+    (b"step,layer\xff\xfe\n", "RUN_DIR: expected telemetry.csv as UTF-8 text (a CSV lowprec train wrote), got "),
 ])
 def test_a_missing_or_corrupt_csv_is_one_line_naming_run_dir(tmp_path, content, expected):
-    if content is not None:
+    if isinstance(content, bytes):  # it was "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff ..."
+        (tmp_path / "telemetry.csv").write_bytes(content)
+    elif content is not None:
         (tmp_path / "telemetry.csv").write_text(content)
     result = CliRunner().invoke(main, ["inspect", str(tmp_path)])
     assert result.exit_code == 1 and result.output.startswith(f"Error: {expected}"), result.output

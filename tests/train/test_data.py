@@ -101,6 +101,11 @@ def test_text_directory_is_read_sorted_skipping_binaries_and_hidden(tmp_path):
     assert "3 files" in data.source
 
 
+def _truncate(path, n: int):
+    path.write_bytes(path.read_bytes()[:n])
+    return path
+
+
 @pytest.mark.parametrize("make, kwargs, exc, match", [
     (lambda d: d / "missing.txt", {}, FileNotFoundError, "data: expected an existing file or directory, got '"),
     (lambda d: (d / "x.bin").write_bytes(b"abc") and d / "x.bin", {}, ValueError, "multiple of 2 \\(uint16\\)"),
@@ -109,6 +114,11 @@ def test_text_directory_is_read_sorted_skipping_binaries_and_hidden(tmp_path):
     (lambda d: np.save(d / "x.npy", np.zeros((4, 4), np.int32)) or d / "x.npy", {}, ValueError,
      "data: expected a 1-D integer array"),
     (lambda d: (d / "x.txt").write_bytes(b"\xff\xfe\xfa") and d / "x.txt", {}, ValueError, "not UTF-8 text"),
+    # numpy's own errors were "mmap length is greater than file size" and "... allow_pickle=..."
+    (lambda d: np.save(d / "x.npy", np.arange(100, dtype=np.uint16)) or _truncate(d / "x.npy", 150), {}, ValueError,
+     "data: expected a .npy file of token ids, as numpy.save writes it, got '.*', which numpy cannot read \\(mmap"),
+    (lambda d: (d / "x.npy").write_bytes(b"not numpy at all") and d / "x.npy", {}, ValueError,
+     "data: expected a .npy file of token ids, as numpy.save writes it, got '.*', which numpy cannot read"),
     (lambda d: (d / "empty").mkdir() or d / "empty", {}, ValueError, "data: expected text to train on"),
 ])
 def test_bad_data_is_refused_with_the_argument_named(tmp_path, make, kwargs, exc, match):
