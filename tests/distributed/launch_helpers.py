@@ -24,7 +24,7 @@ import torch.distributed.fsdp
 import torch.multiprocessing as mp
 from click.testing import CliRunner
 
-from lowprec.cli import main
+from lowprec.cli import app, main
 from lowprec.train.config import TrainConfig
 from lowprec.train.model import ModelConfig
 
@@ -98,6 +98,9 @@ def _cli_rank_main(rank: int, args: list[str], world_size: int, port: int, out: 
                        "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
+    # after bad input a rank other than 0 waits for torchrun to stop it (app's [Note: one error line under
+    # torchrun]); no torchrun stops these ranks, so they would each wait the whole 20 s for nothing
+    app.OTHER_RANK_WAIT_S = 0.5
     result = CliRunner().invoke(main, args)
     error = None if result.exception is None or isinstance(result.exception, SystemExit) else repr(result.exception)
     (out / f"cli_{rank}.json").write_text(json.dumps({"exit_code": result.exit_code, "stdout": result.stdout,

@@ -113,8 +113,9 @@ def test_missing_or_corrupt_checkpoint_is_one_line(tiny_fp8_current, tmp_path):
     assert not (tmp_path / "out").exists()
     alone = tmp_path / "alone"
     alone.mkdir()
-    (alone / ckpt.with_suffix(".safetensors").name).write_bytes(ckpt.with_suffix(".safetensors").read_bytes())
-    result = _invoke("export", alone / ckpt.with_suffix(".safetensors").name, "--format", "hf", "--out", tmp_path / "out")
+    tensors = alone / ckpt.with_suffix(".safetensors").name
+    tensors.write_bytes(ckpt.with_suffix(".safetensors").read_bytes())
+    result = _invoke("export", tensors, "--format", "hf", "--out", tmp_path / "out")
     assert result.exit_code == 1 and result.output.startswith("Error: checkpoint: expected a checkpoint's step_*.json")
 
 
