@@ -60,4 +60,3 @@ class Choice(enum.Enum):
         if isinstance(value, cls):
             return value
         return cls(check_choice(name, value, [m.value for m in cls]))
-

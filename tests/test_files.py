@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -113,3 +114,52 @@ def test_an_export_is_readable_by_others(tmp_path, umask_022):
     assert _mode(out) == 0o755  # it was mkdtemp's 0700, which kept a serving engine's user out
     files = list(out.rglob("*"))
     assert files and all(_mode(p) == (0o755 if p.is_dir() else 0o644) for p in files)
+
+
+def test_the_umask_is_read_as_it_is():
+    from lowprec._files import umask
+
+    old = os.umask(0o027)
+    try:
+        assert umask() == 0o027
+        assert os.umask(0o027) == 0o027  # and left as it was
+    finally:
+        os.umask(old)
+
+
+def test_an_output_made_beside_its_path_is_probed_there(tmp_path, monkeypatch):
+    # an export's files are made in a directory beside --out and renamed into place: an existing, writable,
+    # empty --out in a parent that takes no file would have failed after all the work
+    import tempfile
+
+    out = tmp_path / "out"
+    out.mkdir()
+    real = tempfile.mkstemp
+
+    def parent_refuses(*args, dir=None, **kwargs):
+        if Path(dir) == tmp_path:
+            raise PermissionError(13, "Permission denied")
+        return real(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", parent_refuses)
+    assert check_writable("--out", out, directory=True) == out  # a run directory's files go inside it
+    with pytest.raises(PermissionError, match=rf"^--out: expected a directory lowprec can write, got '{out}': "
+                                              rf"'{tmp_path}' takes no new file \(Permission denied\)$"):
+        check_writable("--out", out, directory=True, beside=True)
+
+
+def test_an_export_into_the_current_directory_is_refused_before_any_work(tmp_path, monkeypatch):
+    # it was "PosixPath('.') has an empty name", after all the work; replacing the directory a shell stands
+    # in would leave it in a deleted one
+    from lowprec.export import export
+    from lowprec.train.models import load_model
+
+    here = tmp_path / "here"
+    (here / "below").mkdir(parents=True)
+    monkeypatch.chdir(here / "below")
+    model = load_model("tiny", vocab_size=256, seed=0)[0]
+    for out in (".", "..", str(here)):
+        with pytest.raises(ValueError, match=r"^out_dir: expected a directory other than the current one or one "
+                                             r"above it \(an export replaces its directory whole\), got "):
+            export(model, out, "hf")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["below", "here"]

@@ -33,13 +33,15 @@ def inspect_cmd(run_dir: str, out: str | None) -> None:
         check_writable("--out", out, directory=False)
     if not directory.is_dir():
         fail("RUN_DIR", "a run directory of lowprec train", f"{run_dir!r} (not a directory)")
+    path = Path(out) if out is not None else directory / REPORT
+    if out is None:  # the report goes into the run directory (--out writes it elsewhere)
+        check_writable("RUN_DIR", path, directory=False)
     if not (directory / FILENAME).is_file() and (directory / "log.csv").is_file():
         click.echo(f"{run_dir}: no {FILENAME}, nothing to inspect: {_why_no_telemetry(directory)}")
         return
     records = read_records(directory / FILENAME, "RUN_DIR")
     if not records:
         fail("RUN_DIR", f"a {FILENAME} holding sampled steps", f"an empty {FILENAME} in {run_dir!r}")
-    path = Path(out) if out is not None else directory / REPORT
     policy_path, ranked = write_report(records, path, f"lowprec inspect: {directory.name}")
     flagged = [t for t in ranked if t.score >= TROUBLE_THRESHOLD]
     click.echo(f"{path}: {len(ranked)} layers, {len(flagged)} flagged")

@@ -55,7 +55,8 @@ TELEMETRY_EVERY_MAX = 500
 """The default interval's ceiling: a sampled step costs about 9 plain ones (the 1B compiled step
 on the H200, docs/telemetry.md), so every 500 steps keeps telemetry under 2% of a long run's time."""
 FAILED_RUN_STATUS = 3
-"""The exit status of a ``train`` that ended but failed: diverged, or every step it ran skipped."""
+"""The exit status of a ``train`` that ended but failed: diverged, every step it ran skipped, or a final
+validation loss that is not finite."""
 
 
 def _options(d: Defaults) -> list[Callable]:
@@ -145,7 +146,8 @@ def _options(d: Defaults) -> list[Callable]:
                      metavar="DB", help="With --auto-precision: an operand's SQNR under this is trouble."),
         click.option("--auto-saturation-max", type=float, default=_CONTROL_DEFAULTS.saturation_ceiling,
                      show_default=True, metavar="FRACTION",
-                     help="With --auto-precision: a larger fraction of an operand's elements saturated is trouble."),
+                     help="With --auto-precision: a larger fraction of an operand's elements saturated is trouble "
+                          "(1 or more: saturation never is)."),
         click.option("--hp-final-fraction", type=float, default=0.0, show_default=True, metavar="F",
                      help="Run the last F of the steps (0 <= F < 1) with every converted layer in BF16."),
         click.option("--on-spike", type=click.Choice(["log", "skip", "rollback"]), default="log", show_default=True,

@@ -17,14 +17,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lowprec._checks import fail
-from lowprec._files import check_writable, with_default_mode
+from lowprec._files import check_writable, umask, with_default_mode
 from lowprec.state.files import fsync_dir
 
 
 def check_out(out: Path, overwrite: bool, name: str = "out_dir") -> None:
     """Refuses ``out`` (the argument ``name``) naming a file, a directory holding files without
     ``overwrite``, or a path where no directory can be written."""
-    check_writable(name, out, directory=True)
+    check_writable(name, out, directory=True, beside=True)  # its files are made beside it, then renamed
+    cwd = Path.cwd().resolve()
+    if out.resolve() == cwd or out.resolve() in cwd.parents:
+        fail(name, "a directory other than the current one or one above it (an export replaces its directory "
+             "whole)", f"{str(out)!r}")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         fail(name, "a new or empty directory (or overwrite=True, --overwrite)", f"{str(out)!r}, which holds "
              "files")
@@ -32,7 +36,7 @@ def check_out(out: Path, overwrite: bool, name: str = "out_dir") -> None:
 
 def _flush(directory: Path) -> None:
     for path in directory.iterdir():
-        with open(path, "rb+") as f:
+        with open(path, "rb") as f:  # fsync takes a read-only descriptor: a umask without owner write is no bar
             os.fsync(f.fileno())
     fsync_dir(directory)
 
@@ -45,8 +49,9 @@ def write_directory(out: Path, fill: Callable[[Path], None], overwrite: bool = F
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
         fill(tmp)
+        mask = umask()
         for path in (tmp, *tmp.rglob("*")):  # mkdtemp's 0700 would keep a serving engine's user out
-            with_default_mode(path)
+            with_default_mode(path, mask)
         _flush(tmp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")

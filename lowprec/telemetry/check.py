@@ -122,7 +122,6 @@ def _shape(m: Linear | GroupedLinear) -> str:
     return f"{m.num_experts} experts x {shape}" if isinstance(m, GroupedLinear) else shape
 
 
-@torch.no_grad()
 def _pair(batch: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch ``i`` as ``(tokens, targets)``: two integer tensors of one shape. A bare tensor of tokens would
     otherwise unpack along its first dimension, and a batch of two rows be taken for a pair."""
@@ -135,6 +134,7 @@ def _pair(batch: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[0], batch[1]
 
 
+@torch.no_grad()
 def check(model: nn.Module, recipe: str | R.Recipe, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
           policy: Policy | None = None, floor_db: float = DEFAULT_FLOOR_DB) -> CheckReport:
     """Validate ``recipe`` on ``model`` (high precision, unconverted; left as it is) on ``batches`` of

@@ -80,9 +80,6 @@ class ControlConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 fail(name, "a finite number >= 0", describe(v))
-        for name in ("saturation_ceiling", "underflow_ceiling"):  # fractions of an operand's elements
-            if getattr(self, name) > 1:
-                fail(name, "a fraction in [0, 1] (of an operand's elements)", describe(getattr(self, name)))
         for name in ("settle_steps", "spikes_to_widen", "spike_window"):
             check_positive_int(name, getattr(self, name))
         f = self.hp_final_fraction
