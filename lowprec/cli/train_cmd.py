@@ -291,10 +291,11 @@ def _small_text(w: SmallLayersWarning, dtype: str) -> str:
 
 
 @contextlib.contextmanager
-def small_layers_line(dtype: str, said: list[SmallLayersWarning]) -> Iterator[None]:
+def small_layers_line(dtype: str, said: list[SmallLayersWarning], show_it: bool = True) -> Iterator[None]:
     """The conversion's warning of the layers too small to gain as this command's one line, naming the option
-    that converts them; each such warning is kept in ``said`` for the run's summary. Other warnings pass on to
-    the display in force (:func:`one_line_warnings`)."""
+    that converts them, shown where ``show_it`` (rank 0; the others would repeat it); each such warning is kept
+    in ``said`` for the run's summary. Other warnings pass on to the display in force
+    (:func:`one_line_warnings`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("always", SmallLayersWarning)  # every run says it, not only a process's first
         shown = warnings.showwarning
@@ -302,6 +303,8 @@ def small_layers_line(dtype: str, said: list[SmallLayersWarning]) -> Iterator[No
         def show(message, category, *args, **kw):
             if isinstance(message, SmallLayersWarning):
                 said.append(message)
+                if not show_it:
+                    return
                 message = _small_text(message, dtype)
             shown(message, category, *args, **kw)
 
@@ -358,7 +361,7 @@ def train_cmd(recipe: str, out: str, resume: bool, save_every: int, keep: int, *
             click.echo(repeats, err=True)
         skipped: list[bool] = []  # of the steps this command ran (a resumed run's earlier ones are in the history)
         small: list[SmallLayersWarning] = []
-        with small_layers_line(cfg.dtype, small):
+        with small_layers_line(cfg.dtype, small, show_it=main):
             result = train(model, data, cfg, out_dir=out, resume=resume,
                            on_step=lambda row: skipped.append(row["skipped"]))
     failure = _failure(result, skipped, cfg)

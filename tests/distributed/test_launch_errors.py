@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from lowprec.cli import app
 from tests.distributed.launch_helpers import explain, forked_cli, torchrun
+from tests.small_rule import native_small_rule  # noqa: F401 (a fixture)
 
 BAD = ("train", "--parallel", "ddp", "--device", "cpu", "--steps", "2", "--on-spike", "rollback")
 """Refused on every rank, after the process group is up: rollback without checkpoints to return to."""
@@ -31,3 +34,15 @@ def test_a_rank_that_fails_alone_says_its_error_with_its_rank_after_the_wait(tmp
     assert [r["exit_code"] for r in ranks] == [1, 1] and [r["error"] for r in ranks] == [None, None], ranks
     assert ranks[0]["stderr"] == f"Error: {MESSAGE}\n"
     assert ranks[1]["stderr"] == f"Error: rank 1: {MESSAGE}\n"
+
+
+@pytest.mark.usefixtures("native_small_rule")
+def test_the_small_layers_line_comes_from_rank_0_alone(tmp_path):
+    # every warning is one line from rank 0; the small layers' own line was shown by every rank
+    ranks = forked_cli("train", "--parallel", "ddp", "--device", "cpu", "--steps", "1", "--batch-size", "2",
+                       "--seq-len", "16", "--val-batches", "1", "--recipe", "fp8-current", "--no-tensorboard",
+                       "--quiet", "--out", str(tmp_path / "run"), out=tmp_path)
+    assert [r["exit_code"] for r in ranks] == [0, 0], ranks
+    said = [[line for line in r["stderr"].splitlines() if "linears stay in" in line] for r in ranks]
+    assert len(said[0]) == 1 and said[0][0].startswith("warning: "), ranks[0]["stderr"]
+    assert said[1] == [], ranks[1]["stderr"]
