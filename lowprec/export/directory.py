@@ -25,8 +25,8 @@ def check_out(out: Path, overwrite: bool, name: str = "out_dir") -> None:
     """Refuses ``out`` (the argument ``name``) naming a file, a directory holding files without
     ``overwrite``, or a path where no directory can be written."""
     check_writable(name, out, directory=True, beside=True)  # its files are made beside it, then renamed
-    cwd = Path.cwd().resolve()
-    if out.resolve() == cwd or out.resolve() in cwd.parents:
+    cwd, target = Path.cwd().resolve(), out.resolve()
+    if target == cwd or target in cwd.parents:
         fail(name, "a directory other than the current one or one above it (an export replaces its directory "
              "whole)", f"{str(out)!r}")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
