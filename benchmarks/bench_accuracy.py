@@ -1,20 +1,20 @@
 """Benchmark 6: the accuracy table: every preset recipe's final validation loss against BF16's seed band.
 
     python benchmarks/bench_accuracy.py --out results/acc [--model 125m] [--tokens 50e6] [--bf16-seeds 2]
-        [--recipes fp8-current,...] [--deadline 540] [--cuda-graphs]
+        [--recipes fp8-current,...] [--deadline 540] [--cuda-graphs | --eager]
     python benchmarks/bench_accuracy.py --report results/acc results/accuracy-125m.json --out results/all
         [--plot curves.png]   # the table of earlier runs (result directories, merged tables) into --out/accuracy.json
     python benchmarks/bench_accuracy.py --dry-run --out /tmp/acc              # tiny model, CPU, seconds
 
 Each run is ``lowprec.train.train`` as ``lowprec train`` runs it (AdamW, warmup + cosine, BF16
-parameters with FP32 masters on CUDA), compiled (``--compile``), with a policy that converts every
-linear but the LM head (``skip_small=False``: the table is about the recipe's numerics, so layers the
-default policy would keep in BF16 for speed are converted; NVFP4 keeps its last blocks as the recipe
-says). BF16 trains with ``--bf16-seeds`` seeds (0, 1, ..), each recipe with ``--recipe-seeds`` (seed 0
-by default); a recipe's seed s has the initialisation and data order of BF16's seed s. One process per
-visible GPU takes the runs in turn; a run that could not end by ``--deadline`` seconds (judged by the
-longest so far) is left for a later call (``--recipes``/``--bf16-seeds`` name what to run; ``--report``
-merges several calls' results).
+parameters with FP32 masters on CUDA), compiled (``--compile``; ``--eager`` leaves it out), with a
+policy that converts every linear but the LM head (``skip_small=False``: the table is about the recipe's
+numerics, so layers the default policy would keep in BF16 for speed are converted; NVFP4 keeps its last
+blocks as the recipe says). BF16 trains with ``--bf16-seeds`` seeds (0, 1, ..), each recipe with
+``--recipe-seeds`` (seed 0 by default); a recipe's seed s has the initialisation and data order of
+BF16's seed s. One process per visible GPU takes the runs in turn; a run that could not end by
+``--deadline`` seconds (judged by the longest so far) is left for a later call
+(``--recipes``/``--bf16-seeds`` name what to run; ``--report`` merges several calls' results).
 
 The data: every UTF-8 ``.py`` file of this Python installation (standard library and installed
 packages, sorted by path, at most ``--corpus-mb``), as bytes. It needs no download and is the same
@@ -89,7 +89,8 @@ def run_one(args, recipe: str, seed: int) -> dict:
                       warmup_steps=max(1, steps // 20), eval_every=max(1, steps // 8), val_batches=args.val_batches,
                       seed=seed, device="cuda" if torch.cuda.is_available() else "cpu",
                       dtype="bfloat16" if torch.cuda.is_available() else "float32", policy=CONVERT_ALL,
-                      compile=None if args.dry_run else "inductor", cuda_graphs=args.cuda_graphs and not args.dry_run,
+                      compile=None if args.dry_run or args.eager else "inductor",
+                      cuda_graphs=args.cuda_graphs and not (args.dry_run or args.eager),
                       tensorboard=False, progress=False)
     model, spec = load_model(args.model, vocab_size=data.vocab_size, seed=seed)
     out = Path(args.out) / f"{recipe}-seed{seed}"
@@ -100,7 +101,7 @@ def run_one(args, recipe: str, seed: int) -> dict:
             "final_train_loss": result.final_train_loss, "tokens_per_s": result.tokens_per_s,
             "peak_memory_gib": (result.peak_memory_bytes or 0) / 2**30, "skipped": result.skipped_steps,
             "diverged": result.diverged, "first_step_s": result.history[0]["elapsed_s"],
-            "cuda_graphs": cfg.cuda_graphs,
+            "compiled": cfg.compile is not None, "cuda_graphs": cfg.cuda_graphs,
             "wall_s": time.perf_counter() - start, "data": _source(data.source, args.data),
             "conversion": result.conversion.split("\n")[0],
             "val_curve": [(r["step"], r["val_loss"]) for r in result.history if r.get("val_loss") is not None]}
@@ -288,8 +289,13 @@ def parse_args(argv):
                     help="Replay the compiled steps as CUDA graphs (lowprec train --cuda-graphs): the same kernels, "
                          "so the same numbers, without the host's launches; FP8 experts of moe-1b train at about "
                          "0.9x BF16's speed so, 0.4-0.6x without.")
+    ap.add_argument("--eager", action="store_true",
+                    help="Train without torch.compile: the same numbers up to the compiler's fusions, without its "
+                         "minutes of compilation (moe-1b's FP8 experts compile for 5-8 minutes).")
     ap.add_argument("--only", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.eager and args.cuda_graphs:
+        ap.error("--cuda-graphs: replays compiled steps; expected it without --eager, got both")
     args.recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     for r in args.recipes:
         recipes.get(r)

@@ -45,15 +45,30 @@ from lowprec.plan.gpus import GPUS, get_gpu
 from lowprec.train.model import build_model
 from lowprec.train.recompute import Recompute
 
+# lowprec's own Triton kernels, by the name the profiler gives them (the function's): its GEMMs (the
+# experts' grouped GEMMs, the block-scaled ones) and its casts (amaxes, scales, codes, padded and
+# transposed copies, folds); the optimizer's are "optimizer"
+LOWPREC_GEMMS = ("rows_kernel", "features_kernel", "rows_blocked_kernel", "features_blocked_kernel",
+                 "dequant_gemm_kernel", "mx_chunk_kernel")
+LOWPREC_CASTS = ("cast_kernel", "amax_kernel", "dequant_kernel", "group_amax_kernel", "scales_kernel",
+                 "padded_kernel", "transpose_kernel", "fold_kernel", "e4m3_codes_kernel")
+LOWPREC_OPTIMIZER = ("adamw_kernel", "requantize_kernel")
+
+
+def _named(names: tuple[str, ...]) -> str:
+    return "^(" + "|".join(names) + ")$"
+
+
 KINDS = (  # (kind, pattern on the kernel's name), the first match wins
     ("attention", r"flash|fmha|sdpa|attention|attn"),
-    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|sm90_|^aten::(mm|addmm|bmm|_scaled_mm|matmul|linear)$"),
-    ("lowprec casts", r"^(cast_kernel|amax_kernel|dequant_kernel)"),
+    ("gemm", _named(LOWPREC_GEMMS) + r"|gemm|nvjet|xmma|cutlass|cublas|sm90_|"
+             r"^aten::(mm|addmm|bmm|_scaled_mm|_scaled_grouped_mm|_grouped_mm|matmul|linear)$"),
+    ("lowprec casts", _named(LOWPREC_CASTS)),
     # torch's own gathers, scatters and sorts: a mixture of experts' routing, the embedding's lookup
     # (inductor's fused kernels stay "inductor fused" whatever they index)
     ("gather/scatter/sort", r"^(?!triton_)(?!.*nccl).*(sort|topk|bincount|histc|cumsum|scan|scatter|gather|"
                             r"index_?(add|put|select|elementwise)|nonzero)"),
-    ("optimizer", r"multi_tensor|adam|foreach"),
+    ("optimizer", _named(LOWPREC_OPTIMIZER) + r"|multi_tensor|adam|foreach"),
     ("inductor fused", r"^triton_"),
     ("copies", r"memcpy|memset|copy_|direct_copy"),
 )
@@ -69,29 +84,44 @@ def kind_of(name: str) -> str:
 
 def ceiling(size, bf16_step_ms: float, bf16_gemm_ms: float, speedup: float) -> dict:
     """``bf16_step_ms`` less what the converted linears save of ``bf16_gemm_ms`` (BF16's GEMM kernel time)
-    at ``speedup`` times the speed, and the speed-up that gives."""
+    at ``speedup`` times the speed, and the speed-up that gives. The converted share is of the FLOPs a token
+    meets: a mixture of experts counts the routed experts it reaches (its ``top_k``), not all of them."""
     head = size.config.vocab_size * size.config.dim
-    share = (size.linear_params() - head) / size.linear_params()  # of the GEMM FLOPs (6 per linear weight)
+    active = size.active_linear_params()  # 6 GEMM FLOPs per weight a token meets
+    share = (active - head) / active
     saved = bf16_gemm_ms * share * (1 - 1 / speedup)
     return {"converted_gemm_share": share, "step_ms": bf16_step_ms - saved,
             "speedup": bf16_step_ms / (bf16_step_ms - saved)}
 
 
+def _cast_shapes(c) -> list[tuple[int, int, int, int]]:
+    """``(rows per token, K, N, copies of the weight)`` of each group of linears that share one input: q/k/v,
+    the attention output, gate/up and down; a mixture of experts' FFN as its routed experts (``top_k`` rows
+    per token, every expert's weight) and its shared experts (one SwiGLU ``n_shared`` experts wide)."""
+    attn = [(1, c.dim, c.dim + 2 * c.n_kv_heads * c.head_dim, 1), (1, c.dim, c.dim, 1)]
+    if c.moe is None:
+        return attn + [(1, c.dim, 2 * c.ffn_dim, 1), (1, c.ffn_dim, c.dim, 1)]
+    m, shared = c.moe, c.moe.n_shared * c.ffn_dim
+    ffn = [(m.top_k, c.dim, 2 * c.ffn_dim, m.n_experts), (m.top_k, c.ffn_dim, c.dim, m.n_experts)]
+    if shared:
+        ffn += [(1, c.dim, 2 * shared, 1), (1, shared, c.dim, 1)]
+    return attn + ffn
+
+
 def cast_traffic(size, weight_bytes: int = 4) -> dict:
     """Bytes per step that per-tensor FP8 casts made as separate kernels must move at least, for every
-    converted linear of ``size`` (every linear but the LM head; a policy that keeps more in BF16 moves
-    less): an amax pass over each BF16 activation and gradient, then one pass reading it again and
-    writing its E4M3/E5M2 copy in both orientations (the forward's and the weight gradient's); each
+    converted linear of ``size`` (every linear but the LM head and the routers; a policy that keeps more in
+    BF16 moves less): an amax pass over each BF16 activation and gradient, then one pass reading it again
+    and writing its E4M3/E5M2 copy in both orientations (the forward's and the weight gradient's); each
     weight read (``weight_bytes`` per element) and written in FP8 once for the forward's cast and once
     for backward's transposed one, its amax pass not counted. Inputs that several linears share
-    (q/k/v, gate/up) are cast once."""
+    (q/k/v, gate/up) are cast once; a routed expert's rows are its tokens' copies (``top_k`` per token)."""
     c = size.config
-    # (K, N) of the linears that share one input: q/k/v, the attention output, gate/up, down
-    shapes = ((c.dim, c.dim + 2 * c.n_kv_heads * c.head_dim), (c.dim, c.dim), (c.dim, 2 * c.ffn_dim),
-              (c.ffn_dim, c.dim))
-    amax = sum(2 * size.tokens * (k + n) for k, n in shapes)  # x and dy (BF16) read once for their amaxes
+    shapes = _cast_shapes(c)
+    # x and dy (BF16) read once for their amaxes
+    amax = sum(2 * size.tokens * rows * (k + n) for rows, k, n, _ in shapes)
     cast = 2 * amax  # read once more, each element written as two FP8 bytes
-    weights = sum(2 * (weight_bytes * k * n + k * n) for k, n in shapes)
+    weights = sum(2 * copies * (weight_bytes * k * n + k * n) for _, k, n, copies in shapes)
     return {"bytes": c.n_layers * (amax + cast + weights), "amax_bytes": c.n_layers * amax,
             "weight_bytes": c.n_layers * weights}
 

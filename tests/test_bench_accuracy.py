@@ -72,3 +72,28 @@ def test_jobs_pair_recipe_seeds_with_bf16_seeds():
                                             "--seed-start", "3"]))
     assert default == [("bf16", 0), ("bf16", 1), ("mxfp4", 0), ("nvfp4", 0)]
     assert more == [("bf16", 3), ("mxfp4", 3), ("mxfp4", 4)]
+
+
+def test_eager_trains_without_the_compiler(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("lowprec trains in low precision. " * 400)
+    seen = []
+
+    def train(model, data, cfg, **kw):
+        seen.append(cfg)
+        raise KeyboardInterrupt  # the configuration is all this test needs
+
+    with pytest.MonkeyPatch.context() as mp:
+        bench = load_benchmark("bench_accuracy", mp)
+        mp.setattr(bench, "train", train)
+        common = ["--model", "tiny", "--tokens", "512", "--batch-size", "2", "--seq-len", "16", "--data", str(text),
+                  "--out", str(tmp_path / "out")]
+        for flags in (["--eager"], []):
+            with pytest.raises(KeyboardInterrupt):
+                bench.run_one(bench.parse_args(common + flags), "fp8-current", 0)
+        with pytest.raises(SystemExit):
+            bench.parse_args(common + ["--eager", "--cuda-graphs"])
+    eager, compiled = seen
+    assert eager.compile is None and not eager.cuda_graphs
+    assert compiled.compile == "inductor"
+    assert "--cuda-graphs: replays compiled steps; expected it without --eager, got both" in capsys.readouterr().err

@@ -1,13 +1,17 @@
 """benchmarks/bench_profile.py: the kinds it sorts kernels into, its FP8 ceiling, and its dry run."""
 from __future__ import annotations
 
+import ast
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+import lowprec
 from lowprec.train.model import ModelConfig, Transformer
+from lowprec.train.moe_model import MoEConfig
 from lowprec.train.recompute import Recompute, recompute_mode
 from tests.helpers import load_benchmark
 
@@ -43,6 +47,36 @@ def test_kernels_sorted_by_kind(prof, name, kind):
     assert prof.kind_of(name) == kind
 
 
+def _launched_kernels() -> set[str]:
+    """The Triton kernels lowprec launches: its top-level ``@triton.jit`` functions named ``*_kernel``
+    (the profiler names a Triton kernel after its function)."""
+    root = Path(lowprec.__file__).parent
+    names = set()
+    for path in root.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if (isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+                    and any("triton" in ast.unparse(d) for d in node.decorator_list)):
+                names.add(node.name)
+    return names
+
+
+def test_every_lowprec_kernel_has_its_kind(prof):
+    # run 93's profile counted the experts' grouped GEMMs and casts as "other torch kernels", so the
+    # GEMMs' and casts' rows said half of what they were: no kernel of lowprec's may fall to that kind
+    launched = _launched_kernels()
+    assert {"rows_kernel", "cast_kernel", "group_amax_kernel", "adamw_kernel"} <= launched  # the scan finds them
+    listed = set(prof.LOWPREC_GEMMS) | set(prof.LOWPREC_CASTS) | set(prof.LOWPREC_OPTIMIZER)
+    assert launched == listed
+    for name in prof.LOWPREC_GEMMS:
+        assert prof.kind_of(name) == "gemm", name
+    for name in prof.LOWPREC_CASTS:
+        assert prof.kind_of(name) == "lowprec casts", name
+    for name in prof.LOWPREC_OPTIMIZER:
+        assert prof.kind_of(name) == "optimizer", name
+    # a name that merely contains one of them is not one of them
+    assert prof.kind_of("triton_poi_fused_rows_kernel_0") == "inductor fused"
+
+
 def test_ceiling_counts_the_converted_linears_only(prof):
     size = prof.SIZES["1b"]
     with torch.device("meta"):
@@ -74,6 +108,29 @@ def test_cast_traffic_counts_each_operand_once_per_pass(prof):
     assert got["weight_bytes"] == sum(10 * k * n for k, n in shapes)  # FP32 read + FP8 write, twice
     assert got["bytes"] == 3 * 2 * 8 * acts + got["weight_bytes"]
     assert prof.cast_traffic(size, weight_bytes=2)["weight_bytes"] == sum(6 * k * n for k, n in shapes)
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_meets(prof):
+    # one layer of dim 128, 2 query heads sharing 1 key/value head (q/k/v 128 -> 256), 4 routed experts of
+    # width 64 (top 2) and one shared expert of width 64, vocabulary 64, 8 tokens: the sums by hand
+    cfg = ModelConfig(dim=128, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64,
+                      moe=MoEConfig(n_experts=4, top_k=2, n_shared=1))
+    size = type(prof.SIZES["1b"])(config=cfg, batch=1, seq_len=8)
+    # weights a token meets: q/k/v 128 x 256, wo 128 x 128, 2 routed and 1 shared expert of 3 x 128 x 64 each,
+    # the router 128 x 4 and the LM head 128 x 64
+    active = 128 * 256 + 128 * 128 + 3 * (3 * 128 * 64) + 128 * 4 + 128 * 64
+    assert size.active_linear_params() == active
+    c = prof.ceiling(size, 100.0, 60.0, 2.0)
+    assert c["converted_gemm_share"] == pytest.approx((active - 128 * 64) / active)
+    # casts: (rows per token, K, N, weights): qkv, wo, routed gate/up and down (2 rows a token, 4 experts'
+    # weights), shared gate/up and down; the router is not cast
+    shapes = [(1, 128, 256, 1), (1, 128, 128, 1), (2, 128, 128, 4), (2, 64, 128, 4), (1, 128, 128, 1),
+              (1, 64, 128, 1)]
+    amax = sum(2 * 8 * r * (k + n) for r, k, n, _ in shapes)
+    got = prof.cast_traffic(size, weight_bytes=2)
+    assert got["amax_bytes"] == amax == 2 * 8 * (384 + 256 + 512 + 384 + 256 + 192)
+    assert got["weight_bytes"] == sum(2 * w * 3 * k * n for _, k, n, w in shapes)
+    assert got["bytes"] == 3 * amax + got["weight_bytes"]
 
 
 def test_dry_run_profiles_each_variant(prof, tmp_path):

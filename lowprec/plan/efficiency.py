@@ -19,10 +19,10 @@ whole-step speeds the model is then held against (``tests/plan/test_plan_step_ti
   4096 x 14336; 55.2 ms), runs 85-86, ``bench_moe.py``. Between the two the fraction follows the logarithm
   of the FLOPs; beyond them it stays at the nearer one.
 * ``grouped_recipes``: lowprec's experts in a recipe, as a speed relative to BF16's at the same shapes,
-  casts and amaxes included (runs 75-87): fp8-current 0.83x at ``moe-1b``'s shapes and 1.22x at Mixtral's,
+  casts and amaxes included (runs 75-92): fp8-current 0.83x at ``moe-1b``'s shapes and 1.22x at Mixtral's,
   fp8-delayed 0.72x, fp8-rowwise 0.64x, fp8-blockwise 0.63x and 0.82x, mxfp8 0.46x and 0.89x, mxfp4 0.45x;
-  nvfp4 0.029x, measured eager only (115.5 ms against ``torch._grouped_mm``'s 3.34, run 87, before its experts'
-  casts ran in one Triton pass: the best evidence there is, and a pessimistic one). A recipe measured at one
+  nvfp4 0.149x, measured eager only (21.7 ms against ``torch._grouped_mm``'s 3.23, run 92, its casts in one
+  Triton pass, its GEMMs emulated: the best evidence there is, and a pessimistic one). A recipe measured at one
   shape is taken as that ratio at every shape. A recipe not listed (fp16, a user's) is modelled as its dense
   linears are (its GEMM path at the grouped fraction, plus its casts' traffic), and the part says so.
 * ``hbm``: memory-bound passes at 70% of the HBM bandwidth: the fused AdamW step at 68% (7.6 ms for the 1B
@@ -120,7 +120,7 @@ H200 = Efficiency(
         ("fp8-blockwise", Curve(((_MOE_1B, 0.63), (_MIXTRAL, 0.82)))),
         ("mxfp8", Curve(((_MOE_1B, 0.46), (_MIXTRAL, 0.89)))),
         ("mxfp4", Curve(((_MOE_1B, 0.45),))),
-        ("nvfp4", Curve(((_MOE_1B, 0.029),))),
+        ("nvfp4", Curve(((_MOE_1B, 0.149),))),
     ),
     hbm=0.70,
     elementwise=9.6,
