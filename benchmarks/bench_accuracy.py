@@ -161,10 +161,17 @@ def _summary(out: Path, label: str) -> str:
             f"first step {r['first_step_s']:.0f} s, {r['wall_s']:.0f} s")
 
 
+def mode(run: dict) -> str:
+    """How a run was trained: "eager" (``--eager``) or "compiled" (with or without CUDA graphs, which replay
+    the same kernels; a run written before ``--eager`` existed was compiled)."""
+    return "eager" if run.get("compiled") is False else "compiled"
+
+
 def load_results(paths: list[str]) -> list[dict]:
     """The runs of result directories (one JSON per run) and of merged tables (``accuracy.json``); a run
-    (recipe, seed, model, tokens) found twice is taken once, from the later path, so that merging a table
-    with the directory it came from does not count its BF16 seeds twice and narrow the band."""
+    (recipe, seed, model, tokens, mode) found twice is taken once, from the later path, so that merging a
+    table with the directory it came from does not count its BF16 seeds twice and narrow the band. Runs of
+    one seed in two modes are two runs: neither replaces the other."""
     runs: dict[tuple, dict] = {}
     for d in paths:
         if Path(d).is_file():
@@ -172,37 +179,51 @@ def load_results(paths: list[str]) -> list[dict]:
         else:
             found = [json.loads(p.read_text()) for p in sorted(Path(d).glob("*-seed*.json"))]
         for r in found:
-            runs[(r["recipe"], r["seed"], r["model"], r["tokens"])] = r
+            runs[(r["recipe"], r["seed"], r["model"], r["tokens"], mode(r))] = r
     return list(runs.values())
 
 
+def _band_mode(bf16: list[dict]) -> str:
+    """The mode of BF16's seed band: the one most of BF16's runs took (compiled on a tie), so that the band
+    holds one run per seed."""
+    n = {m: sum(mode(r) == m for r in bf16) for m in ("compiled", "eager")}
+    return "eager" if n["eager"] > n["compiled"] else "compiled"
+
+
 def table(rows: list[dict]) -> dict:
-    base = [r for r in rows if r["recipe"] == "bf16" and math.isfinite(r["final_val_loss"])]
-    if not base:
+    finished = [r for r in rows if r["recipe"] == "bf16" and math.isfinite(r["final_val_loss"])]
+    if not finished:
         print("no finished BF16 run: no table")
         return {}
+    band_mode = _band_mode(finished)
+    base = [r for r in finished if mode(r) == band_mode]
+    if len(base) < len(finished):
+        print(f"BF16's band: its {band_mode} runs; its {len(finished) - len(base)} other run(s) are rows, "
+              f"and the baseline of the same seed for runs of their mode")
     vals = [r["final_val_loss"] for r in base]
     mean = statistics.fmean(vals)
     spread = statistics.stdev(vals) if len(vals) > 1 else math.nan
     # two standard errors of a one-seed recipe's difference to the mean of K BF16 seeds
     noise = 2 * spread * math.sqrt(1 + 1 / len(vals)) / mean if len(vals) > 1 else math.nan
-    tps = statistics.fmean(r["tokens_per_s"] for r in base)
-    mem = statistics.fmean(r["peak_memory_gib"] for r in base)
+    # speed and memory against BF16's runs of the same mode (compiled and eager steps differ), else the band's
+    of_mode = {m: [r for r in finished if mode(r) == m] or base for m in ("compiled", "eager")}
+    tps = {m: statistics.fmean(r["tokens_per_s"] for r in runs) for m, runs in of_mode.items()}
+    mem = {m: statistics.fmean(r["peak_memory_gib"] for r in runs) for m, runs in of_mode.items()}
     print(f"BF16 over {len(vals)} seeds: val loss {mean:.4f} (seeds: {', '.join(f'{v:.4f}' for v in vals)}; "
           f"spread {spread:.4f}, two standard errors of a one-seed gap {100 * noise:.2f}%)")
-    paired = {r["seed"]: r["final_val_loss"] for r in base}  # BF16's run of the same seed: same init, same data
+    paired = same_seed_baselines(finished, band_mode)  # BF16's run of the same seed: same init, same data
     out = []
-    for r in sorted(rows, key=lambda r: (r["recipe"] != "bf16", r["recipe"], r["seed"])):
+    for r in sorted(rows, key=lambda r: (r["recipe"] != "bf16", r["recipe"], r["seed"], mode(r))):
         gap = (r["final_val_loss"] - mean) / mean
-        same = paired.get(r["seed"])
-        out.append([r["recipe"], str(r["seed"]), f"{r['final_val_loss']:.4f}", f"{100 * gap:+.2f}%",
+        same = paired[mode(r)].get(r["seed"])
+        out.append([r["recipe"], str(r["seed"]), mode(r), f"{r['final_val_loss']:.4f}", f"{100 * gap:+.2f}%",
                     "yes" if abs(gap) <= noise else "no",
                     "-" if same is None else f"{100 * (r['final_val_loss'] - same) / same:+.2f}%",
                     f"{r['tokens_per_s']:,.0f}",
-                    f"{r['tokens_per_s'] / tps:.2f}x", f"{r['peak_memory_gib']:.1f}",
-                    f"{r['peak_memory_gib'] / mem:.2f}x", f"{r['tokens'] / 1e6:.1f}M", str(r["skipped"])])
+                    f"{r['tokens_per_s'] / tps[mode(r)]:.2f}x", f"{r['peak_memory_gib']:.1f}",
+                    f"{r['peak_memory_gib'] / mem[mode(r)]:.2f}x", f"{r['tokens'] / 1e6:.1f}M", str(r["skipped"])])
     print_table(f"{base[0]['model']}: final validation loss against BF16's seeds",
-                ["recipe", "seed", "val loss", "gap", "in noise", "gap to the same seed", "tokens/s", "vs bf16",
+                ["recipe", "seed", "mode", "val loss", "gap", "in noise", "gap to the same seed", "tokens/s", "vs bf16",
                  "peak GiB", "vs bf16", "tokens", "skipped"], out)
     recipes_ = summary(rows, mean, spread, len(vals), paired)
     if recipes_:
@@ -211,25 +232,36 @@ def table(rows: list[dict]) -> dict:
                     [[name, str(v["seeds"]) + (f" ({v['diverged']} diverged)" if v["diverged"] else ""),
                       _pct(v["gap"], "+"), "-" if v["noise"] is None else "±" + _pct(v["noise"], ""),
                       _pct(v["paired_gap"], "+")] for name, v in recipes_.items()])
-    return {"bf16_mean": mean, "bf16_spread": spread, "noise_rel": noise, "recipes": recipes_, "rows": rows}
+    return {"bf16_mean": mean, "bf16_spread": spread, "noise_rel": noise, "bf16_band_mode": band_mode,
+            "recipes": recipes_, "rows": rows}
+
+
+def same_seed_baselines(bf16: list[dict], band_mode: str) -> dict[str, dict[int, float]]:
+    """Per mode, BF16's final loss by seed for the runs of that mode to pair with: its run of that mode where
+    there is one, else the band's run of that seed."""
+    band = {r["seed"]: r["final_val_loss"] for r in bf16 if mode(r) == band_mode}
+    return {m: band | {r["seed"]: r["final_val_loss"] for r in bf16 if mode(r) == m} for m in ("compiled", "eager")}
 
 
 def _pct(x: float | None, sign: str) -> str:
     return "-" if x is None else f"{100 * x:{sign}.2f}%"
 
 
-def summary(rows: list[dict], mean: float, spread: float, n_bf16: int, paired: dict[int, float]) -> dict:
+def summary(rows: list[dict], mean: float, spread: float, n_bf16: int, paired: dict[str, dict[int, float]]) -> dict:
     """Per recipe (BF16 aside): its seeds, the gap of their mean loss to BF16's mean, two standard
     errors of that gap (BF16's spread standing for both: ``2 s sqrt(1/k + 1/n) / mean``), and the mean
     of its gaps to BF16's run of the same seed (same initialisation and data order: the difference the
     seed does not move). A figure that cannot be had is None: every gap where a run of the recipe did
     not finish with a finite loss (``diverged`` counts them), the noise with one BF16 seed, the paired
-    gap where BF16 has no run of one of the seeds."""
-    out, base = {}, SeedBand(tuple(paired), tuple(paired.values()))
+    gap where BF16 has no run of one of the seeds. ``paired``: BF16's loss by mode and seed
+    (:func:`same_seed_baselines`); a run pairs with BF16's of its own mode."""
+    out = {}
     for name in sorted({r["recipe"] for r in rows} - {"bf16"}):
         runs = [r for r in rows if r["recipe"] == name]
         k, bad = len(runs), sum(not math.isfinite(r["final_val_loss"]) for r in runs)
-        pg = paired_gap(SeedBand(tuple(r["seed"] for r in runs), tuple(r["final_val_loss"] for r in runs)), base)
+        gaps = [paired_gap(SeedBand((r["seed"],), (r["final_val_loss"],)),
+                           SeedBand(tuple(paired[mode(r)]), tuple(paired[mode(r)].values()))) for r in runs]
+        pg = statistics.fmean(gaps) if gaps else math.nan
         out[name] = {"seeds": k, "diverged": bad,
                      "gap": None if bad else (statistics.fmean(r["final_val_loss"] for r in runs) - mean) / mean,
                      "noise": 2 * spread * math.sqrt(1 / k + 1 / n_bf16) / mean if n_bf16 > 1 else None,

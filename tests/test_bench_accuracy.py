@@ -97,3 +97,28 @@ def test_eager_trains_without_the_compiler(tmp_path, capsys):
     assert eager.compile is None and not eager.cuda_graphs
     assert compiled.compile == "inductor"
     assert "--cuda-graphs: replays compiled steps; expected it without --eager, got both" in capsys.readouterr().err
+
+
+def test_runs_of_one_seed_in_two_modes_are_both_kept_and_pair_by_mode(tmp_path, capsys):
+    """BF16's compiled seeds in a table, then a directory with an eager BF16 run of seed 0 and an eager recipe
+    run: the eager BF16 run does not replace the compiled one (it did, silently, before runs had a mode); the
+    band is the compiled seeds', and the eager recipe pairs with the eager BF16 run of its seed."""
+    table = tmp_path / "table.json"
+    table.write_text(json.dumps({"rows": [_run("bf16", 0, 0.60), _run("bf16", 1, 0.62), _run("bf16", 2, 0.61)]}))
+    new = tmp_path / "eager"
+    new.mkdir()
+    (new / "bf16-seed0.json").write_text(json.dumps({**_run("bf16", 0, 0.64), "compiled": False}))
+    (new / "mxfp4-seed0.json").write_text(json.dumps({**_run("mxfp4", 0, 0.672), "compiled": False}))
+    (new / "nvfp4-seed1.json").write_text(json.dumps({**_run("nvfp4", 1, 0.651), "compiled": False}))
+    with pytest.MonkeyPatch.context() as mp:
+        bench = load_benchmark("bench_accuracy", mp)
+        result = bench.main(["--report", str(table), str(new), "--out", str(tmp_path / "all")])
+    assert sorted((r["recipe"], r["seed"], bench.mode(r)) for r in result["rows"]) == [
+        ("bf16", 0, "compiled"), ("bf16", 0, "eager"), ("bf16", 1, "compiled"), ("bf16", 2, "compiled"),
+        ("mxfp4", 0, "eager"), ("nvfp4", 1, "eager")]
+    assert result["bf16_band_mode"] == "compiled" and result["bf16_mean"] == pytest.approx(0.61)
+    assert result["recipes"]["mxfp4"]["paired_gap"] == pytest.approx(0.672 / 0.64 - 1)  # the eager seed 0
+    assert result["recipes"]["nvfp4"]["paired_gap"] == pytest.approx(0.651 / 0.62 - 1)  # no eager seed 1: the band's
+    # speed against BF16's eager run (100 tokens/s), not the compiled band's mean (200)
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| mxfp4"))
+    assert [c.strip() for c in row.split("|")][8:10] == ["100", "1.00x"], row
