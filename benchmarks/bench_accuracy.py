@@ -255,13 +255,13 @@ def summary(rows: list[dict], mean: float, spread: float, n_bf16: int, paired: d
     not finish with a finite loss (``diverged`` counts them), the noise with one BF16 seed, the paired
     gap where BF16 has no run of one of the seeds. ``paired``: BF16's loss by mode and seed
     (:func:`same_seed_baselines`); a run pairs with BF16's of its own mode."""
-    out = {}
+    out, bands = {}, {m: SeedBand(tuple(by_seed), tuple(by_seed.values())) for m, by_seed in paired.items()}
     for name in sorted({r["recipe"] for r in rows} - {"bf16"}):
         runs = [r for r in rows if r["recipe"] == name]
         k, bad = len(runs), sum(not math.isfinite(r["final_val_loss"]) for r in runs)
-        gaps = [paired_gap(SeedBand((r["seed"],), (r["final_val_loss"],)),
-                           SeedBand(tuple(paired[mode(r)]), tuple(paired[mode(r)].values()))) for r in runs]
-        pg = statistics.fmean(gaps) if gaps else math.nan
+        # each run against BF16's of its own mode; NaN (no paired gap) where one lacks its seed
+        pg = statistics.fmean(paired_gap(SeedBand((r["seed"],), (r["final_val_loss"],)), bands[mode(r)])
+                              for r in runs)
         out[name] = {"seeds": k, "diverged": bad,
                      "gap": None if bad else (statistics.fmean(r["final_val_loss"] for r in runs) - mean) / mean,
                      "noise": 2 * spread * math.sqrt(1 / k + 1 / n_bf16) / mean if n_bf16 > 1 else None,
