@@ -20,6 +20,18 @@ os.environ["TRITON_INTERPRET"] = "1"
 # quantization slow down several-fold while the threads wait on each other.
 torch.set_num_threads(1)
 
+# Inductor's CPU code generation inlines an element-wise chain into each of its readers until the chain holds 50
+# operations (30 on a GPU, and 12 reads instead of 8); the reference casts' rounding chains then make C++ kernels
+# of tens of kilobytes whose generation took most of an inductor-compiled test's time. Storing a buffer past 8
+# operations (and 8 reads) halves it (the tensor-parallel run with --compile: 129 s -> 70 s). It changes which
+# intermediates are stored, each in its own dtype as eager stores it, not what is computed. Ranks forked by the
+# tests inherit it; a torchrun subprocess compiles with inductor's defaults. (Imported here, after the switch above:
+# inductor's config imports triton.)
+import torch._inductor.config as inductor_config  # noqa: E402
+
+inductor_config.realize_opcount_threshold = 8
+inductor_config.realize_acc_reads_threshold = 8
+
 
 WARNING_MODULES = ("lowprec.convert", "lowprec.integrations.conversion", "lowprec.policy", "lowprec.telemetry.sample",
                    "lowprec.unseen")
