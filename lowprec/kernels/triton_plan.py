@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from lowprec import formats as F
 from lowprec._checks import fail
@@ -105,7 +106,7 @@ class Side:
 
 SIDE_INTS = 15
 """Length of :meth:`Side.to_ints`: a present flag, then the fields in order, tuples flattened."""
-_OFF = [0] * SIDE_INTS
+_OFF = (0,) * SIDE_INTS
 
 
 def off_args(suffix: str) -> dict:
@@ -237,11 +238,11 @@ _HEAD = 4
 """Ints before side A in :meth:`Plan.to_ints`: m, k, record, num_warps."""
 
 
-@dataclass(frozen=True, slots=True)
-class Launch:
+class Launch(NamedTuple):
     """What one kernel pass needs that follows from its casts and the shape alone, in plain values:
     worked out once per (casts, shape), and under ``torch.compile`` at trace time, where it is a
-    constant of the graph (tracing the planning itself cost most of a layer's compile time)."""
+    constant of the graph (tracing the planning itself cost most of a layer's compile time). A named
+    tuple: the tracer makes one in a step, where a dataclass's ``__init__`` costs it a hundred."""
 
     ints: tuple[int, ...]
     """:meth:`Plan.to_ints`: what the ops receive."""
@@ -309,20 +310,22 @@ class Template:
     """The shape-free fields of the launch (``ints`` and ``scale_shapes`` are placeholders)."""
 
     def launch(self, m: int, k: int, record: bool) -> Launch:
-        ints, shapes = [m, k, int(record), 0], []
-        for head, (br, bc), (rows, cols), folded in zip(self.heads, self.blocks, ((m, k), (k, m)), self.folded):
-            if head is None:
-                ints += _OFF
-                shapes.append((0, 0))
-                continue
-            br, bc = br or rows, bc or cols
-            r, c = -(-rows // br) * br, -(-cols // bc) * bc
-            scales = (r, 1) if folded else (r // br, c // bc)
-            ints += [*head, r, c, *scales]
-            shapes.append(scales)
+        ints_a, shape_a = self._side(0, m, k)
+        ints_b, shape_b = self._side(1, k, m)
         f = self.facts
-        return Launch((*ints, 0, 0), f.amax_kinds, f.hadamard, f.given, f.nvfp4, tuple(shapes), f.philox, f.share,
-                      f.fold_blocks)
+        return Launch((m, k, int(record), 0, *ints_a, *ints_b, 0, 0), f.amax_kinds, f.hadamard, f.given, f.nvfp4,
+                      (shape_a, shape_b), f.philox, f.share, f.fold_blocks)
+
+    def _side(self, i: int, rows: int, cols: int) -> tuple[tuple[int, ...], tuple[int, int]]:
+        """Side ``i``'s ints and scale shape for its view of ``rows x cols`` (straight-line code: it is traced)."""
+        head = self.heads[i]
+        if head is None:
+            return _OFF, (0, 0)
+        br, bc = self.blocks[i]
+        br, bc = br or rows, bc or cols
+        r, c = -(-rows // br) * br, -(-cols // bc) * bc
+        scales = (r, 1) if self.folded[i] else (r // br, c // bc)
+        return (*head, r, c, *scales), scales
 
 
 @functools.lru_cache(maxsize=1024)

@@ -98,14 +98,14 @@ def _amaxes(x2, launch: Launch, hmat, compiling: bool, opaque: bool):
     """Each side's amax bits, None for a side that takes none. In compiled code an absent side is None
     rather than a fresh empty tensor: the compiler never merges two calls that take distinct allocations,
     and layers reading one input (q/k/v) must make one cast of it (see :class:`lowprec.nn.casts.InputShare`)."""
-    kinds = launch.amax_kinds
-    if kinds == (T.AMAX_NONE, T.AMAX_NONE):
+    ka, kb = launch.amax_kinds
+    if ka == kb == T.AMAX_NONE:
         return None, None
-    if compiling:
-        sides = [None if kind == T.AMAX_NONE else _traceable_amax(x2, kind, h, t, b)
-                 for kind, h, t, b in zip(kinds, launch.hadamard, (False, True), launch.fold_blocks, strict=True)]
-        if all(s is not None or kind == T.AMAX_NONE for s, kind in zip(sides, kinds, strict=True)):
-            return tuple(sides)
+    if compiling:  # two sides spelled out: a loop over them costs the tracer several times the steps
+        a = None if ka == T.AMAX_NONE else _traceable_amax(x2, ka, launch.hadamard[0], False, launch.fold_blocks[0])
+        b = None if kb == T.AMAX_NONE else _traceable_amax(x2, kb, launch.hadamard[1], True, launch.fold_blocks[1])
+        if (a is not None or ka == T.AMAX_NONE) and (b is not None or kb == T.AMAX_NONE):
+            return a, b
     if opaque:
         return ops.tile_amax(x2, list(launch.ints), hmat)
     return ops.amax(x2, launch.ints, hmat)
@@ -154,7 +154,9 @@ def cast(
         plan = tmpl.launch(m, k, record_amax)
     else:
         plan = launch(a, b, m, k, saturate, scale is not None, rand is not None, rand_t is not None, record_amax)
-    seed = next((s.hadamard_seed for s in (a, b) if s is not None and s.hadamard_seed is not None), None)
+    seed = a.hadamard_seed if a is not None else None
+    if seed is None and b is not None:
+        seed = b.hadamard_seed
     out = _run(x2, plan, _hmat(seed, x2.device), scale, _rand2(rand), _rand2(rand_t), generator, after)
     q = None if a is None else _result(plan, 0, out[0], out[1], out[2], a, x2.shape, dtype, scale)
     q_t = None

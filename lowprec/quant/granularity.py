@@ -24,7 +24,7 @@ change a block's amax) and cropped again by ``dequantize``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lowprec import formats as F
 from lowprec._checks import check_positive_int, describe, fail
@@ -84,6 +84,9 @@ class Granularity:
     """Columns (along the reduction dimension) per block; None for all columns."""
     rule: ScaleRule = ScaleRule.AMAX
     """How the block's scale is computed, and so the scale's format."""
+    kind: GranularityKind = field(init=False, repr=False, compare=False)
+    """The shape of the blocks, worked out once from the fields above (compiled code reads it on every cast:
+    an attribute costs the tracer a step, the decision some hundred)."""
 
     def __post_init__(self) -> None:
         for name in ("block_rows", "block_cols"):
@@ -96,21 +99,12 @@ class Granularity:
             fail("block_cols", f"a block size for {self.rule.value} scales", "None")
         if self.rule in (ScaleRule.FLOOR, ScaleRule.CEIL) and self.block_rows != 1:
             fail("block_rows", "1 for MX scales (blocks run along the reduction dimension)", self.block_rows)
+        object.__setattr__(self, "kind", _kind(self.block_rows, self.block_cols, self.rule))
 
     @property
     def scale_format(self) -> F.Format:
         """The format of the block scales (FP32, E8M0 or E4M3), from the format table."""
         return self.rule.scale_format
-
-    @property
-    def kind(self) -> GranularityKind:
-        if self.rule in (ScaleRule.FLOOR, ScaleRule.CEIL):
-            return GranularityKind.MX
-        if self.rule is ScaleRule.NVFP4:
-            return GranularityKind.NVFP4
-        lines = {(None, None): GranularityKind.TENSOR, (1, None): GranularityKind.ROW,
-                 (None, 1): GranularityKind.COLUMN}
-        return lines.get((self.block_rows, self.block_cols), GranularityKind.BLOCK)
 
     @property
     def per_tensor(self) -> bool:
@@ -129,6 +123,15 @@ class Granularity:
         if kind is GranularityKind.NVFP4:
             return f"nvfp4-{r}x{c}" if r != 1 else f"nvfp4-{c}"
         return f"block{r}x{c}" if kind is GranularityKind.BLOCK else kind.value
+
+
+def _kind(block_rows: int | None, block_cols: int | None, rule: ScaleRule) -> GranularityKind:
+    if rule in (ScaleRule.FLOOR, ScaleRule.CEIL):
+        return GranularityKind.MX
+    if rule is ScaleRule.NVFP4:
+        return GranularityKind.NVFP4
+    lines = {(None, None): GranularityKind.TENSOR, (1, None): GranularityKind.ROW, (None, 1): GranularityKind.COLUMN}
+    return lines.get((block_rows, block_cols), GranularityKind.BLOCK)
 
 
 def tensorwise() -> Granularity:
