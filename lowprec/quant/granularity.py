@@ -135,16 +135,23 @@ def _kind(block_rows: int | None, block_cols: int | None, rule: ScaleRule) -> Gr
 
 
 def tensorwise() -> Granularity:
-    return Granularity(block_rows=None, block_cols=None)
+    return _TENSORWISE
 
 
 def rowwise() -> Granularity:
     """One scale per row of the 2-D view (per token for activations, per output channel for weights)."""
-    return Granularity(block_rows=1, block_cols=None)
+    return _ROWWISE
 
 
 def columnwise() -> Granularity:
-    return Granularity(block_rows=None, block_cols=1)
+    return _COLUMNWISE
+
+
+# One instance each, shared (a granularity is a frozen value): compiled casts that label their result row-wise
+# read a constant instead of tracing a construction and its checks.
+_TENSORWISE = Granularity(block_rows=None, block_cols=None)
+_ROWWISE = Granularity(block_rows=1, block_cols=None)
+_COLUMNWISE = Granularity(block_rows=None, block_cols=1)
 
 
 # The constructors check their own arguments so that an error names the argument the caller
